@@ -1,0 +1,178 @@
+//! The limit decision. The ledger writer and the caller's fast path both call
+//! [`decide`], so they can never disagree about what "at the limit" means.
+
+/// The limits in force for one request: the calling session's `quota.*` settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// `quota.max_active_per_role`; 0 means no limit.
+    pub max_active: i64,
+    /// `quota.max_retained_per_role`; 0 means no limit.
+    pub max_retained: i64,
+}
+
+/// What the ledger holds for one scope, read with the latest committed snapshot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Usage {
+    /// Tickets started and not finished (a finish that has not committed still counts).
+    pub active: i64,
+    /// Active tickets plus tickets that ended less than `quota.retention` ago.
+    pub retained: i64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RefusalKind {
+    Active,
+    Retained,
+}
+
+/// Why a start was refused, with the numbers the error report needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    pub kind: RefusalKind,
+    pub usage: Usage,
+    pub limits: Limits,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    Admit,
+    Refuse(Refusal),
+}
+
+fn at_limit(count: i64, limit: i64) -> bool {
+    limit > 0 && count >= limit
+}
+
+/// Decides one start. `exempt` is true for superusers (I7): they are never refused, but
+/// their tickets are still recorded and counted against their own scope.
+///
+/// The active limit is checked first because it is the one a caller can fix right away,
+/// by finishing a ticket.
+pub fn decide(limits: Limits, usage: Usage, exempt: bool) -> Decision {
+    if exempt {
+        return Decision::Admit;
+    }
+    let kind = if at_limit(usage.active, limits.max_active) {
+        RefusalKind::Active
+    } else if at_limit(usage.retained, limits.max_retained) {
+        RefusalKind::Retained
+    } else {
+        return Decision::Admit;
+    };
+    Decision::Refuse(Refusal {
+        kind,
+        usage,
+        limits,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const LIMITS: Limits = Limits {
+        max_active: 3,
+        max_retained: 5,
+    };
+
+    fn usage(active: i64, retained: i64) -> Usage {
+        Usage { active, retained }
+    }
+
+    #[test]
+    fn admits_below_both_limits() {
+        assert_eq!(decide(LIMITS, usage(2, 4), false), Decision::Admit);
+    }
+
+    #[test]
+    fn refuses_at_active_limit() {
+        match decide(LIMITS, usage(3, 3), false) {
+            Decision::Refuse(r) => assert_eq!(r.kind, RefusalKind::Active),
+            d => panic!("expected refusal, got {d:?}"),
+        }
+    }
+
+    #[test]
+    fn refuses_at_retained_limit() {
+        match decide(LIMITS, usage(1, 5), false) {
+            Decision::Refuse(r) => assert_eq!(r.kind, RefusalKind::Retained),
+            d => panic!("expected refusal, got {d:?}"),
+        }
+    }
+
+    #[test]
+    fn active_limit_reported_before_retained() {
+        match decide(LIMITS, usage(3, 5), false) {
+            Decision::Refuse(r) => assert_eq!(r.kind, RefusalKind::Active),
+            d => panic!("expected refusal, got {d:?}"),
+        }
+    }
+
+    #[test]
+    fn zero_means_no_limit() {
+        let none = Limits {
+            max_active: 0,
+            max_retained: 0,
+        };
+        assert_eq!(decide(none, usage(1_000_000, 100_000_000), false), Decision::Admit);
+    }
+
+    #[test]
+    fn superuser_is_exempt() {
+        assert_eq!(decide(LIMITS, usage(100, 100), true), Decision::Admit);
+    }
+
+    /// The model: a role may hold `n` active and `r` retained tickets where each limit
+    /// is 0 (none) or bounds the count after admission.
+    fn model_admits(limits: Limits, u: Usage) -> bool {
+        let fits = |count: i64, limit: i64| limit == 0 || count + 1 <= limit;
+        fits(u.active, limits.max_active) && fits(u.retained, limits.max_retained)
+    }
+
+    proptest! {
+        #[test]
+        fn decision_matches_model(
+            max_active in 0i64..6,
+            max_retained in 0i64..8,
+            active in 0i64..10,
+            extra in 0i64..10,
+        ) {
+            let limits = Limits { max_active, max_retained };
+            let u = usage(active, active + extra);
+            let admitted = decide(limits, u, false) == Decision::Admit;
+            prop_assert_eq!(admitted, model_admits(limits, u));
+        }
+
+        /// I1 as a sequence: starting from an empty scope, admitting only what
+        /// `decide` admits never lets either count pass its limit.
+        #[test]
+        fn admitted_sequence_never_exceeds_limits(
+            max_active in 1i64..5,
+            max_retained in 0i64..8,
+            ops in proptest::collection::vec(0u8..3, 0..60),
+        ) {
+            let limits = Limits { max_active, max_retained };
+            let mut u = Usage::default();
+            for op in ops {
+                match op {
+                    // start
+                    0 | 1 => {
+                        if decide(limits, u, false) == Decision::Admit {
+                            u.active += 1;
+                            u.retained += 1;
+                        }
+                    }
+                    // finish one active ticket: it stays retained
+                    _ => {
+                        if u.active > 0 {
+                            u.active -= 1;
+                        }
+                    }
+                }
+                prop_assert!(u.active <= max_active);
+                prop_assert!(max_retained == 0 || u.retained <= max_retained);
+            }
+        }
+    }
+}

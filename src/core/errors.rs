@@ -1,0 +1,253 @@
+//! Every error pg_quota raises, with its SQLSTATE, message, detail and hint, written in
+//! PostgreSQL's style: lowercase messages, numbers in DETAIL, the fix in HINT.
+
+use super::decision::{Refusal, RefusalKind};
+use super::ticket::MAX_LABEL_CHARS;
+
+/// The SQLSTATEs pg_quota uses, each from PostgreSQL's table of error codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sqlstate {
+    /// 53400: a start refused at a limit (I8).
+    ConfigurationLimitExceeded,
+    /// 22001: a label over 200 characters.
+    StringDataRightTruncation,
+    /// 22004: a NULL where a value is required.
+    NullValueNotAllowed,
+    /// 22023: an unknown ticket or outcome.
+    InvalidParameterValue,
+    /// 42501: someone else's ticket.
+    InsufficientPrivilege,
+    /// 55000: the library was not preloaded, or the extension is missing.
+    ObjectNotInPrerequisiteState,
+    /// 53000: no background worker slot for the ledger writer.
+    InsufficientResources,
+    /// 57000: the ledger writer went away before it answered.
+    OperatorIntervention,
+}
+
+impl Sqlstate {
+    pub fn code(self) -> &'static str {
+        match self {
+            Sqlstate::ConfigurationLimitExceeded => "53400",
+            Sqlstate::StringDataRightTruncation => "22001",
+            Sqlstate::NullValueNotAllowed => "22004",
+            Sqlstate::InvalidParameterValue => "22023",
+            Sqlstate::InsufficientPrivilege => "42501",
+            Sqlstate::ObjectNotInPrerequisiteState => "55000",
+            Sqlstate::InsufficientResources => "53000",
+            Sqlstate::OperatorIntervention => "57000",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum QuotaError {
+    /// I8: a start refused at a limit.
+    #[error("{}", refusal_message(.role, .refusal))]
+    Refused {
+        role: String,
+        refusal: Refusal,
+        /// When the oldest retained, ended ticket ages out, already formatted, if any.
+        next_ageout: Option<String>,
+    },
+    #[error("label is too long")]
+    LabelTooLong { chars: usize },
+    #[error("{0} must not be null")]
+    NullArgument(&'static str),
+    #[error("invalid outcome \"{0}\"")]
+    InvalidOutcome(String),
+    #[error("ticket {0} does not exist")]
+    UnknownTicket(String),
+    #[error("permission denied to finish ticket {ticket}")]
+    ForeignTicket { ticket: String, owner: String },
+    #[error("pg_quota must be loaded via shared_preload_libraries")]
+    NotPreloaded,
+    #[error("could not start the pg_quota ledger writer")]
+    NoWorkerSlot,
+    #[error("the pg_quota ledger writer exited before it answered")]
+    WriterGone,
+}
+
+fn refusal_message(role: &str, r: &Refusal) -> String {
+    match r.kind {
+        RefusalKind::Active => format!(
+            "role \"{role}\" has {} active tickets, the limit set by quota.max_active_per_role",
+            r.usage.active
+        ),
+        RefusalKind::Retained => format!(
+            "role \"{role}\" has {} retained tickets, the limit set by quota.max_retained_per_role",
+            r.usage.retained
+        ),
+    }
+}
+
+fn limit_text(limit: i64) -> String {
+    if limit == 0 {
+        "unlimited".to_string()
+    } else {
+        limit.to_string()
+    }
+}
+
+impl QuotaError {
+    pub fn sqlstate(&self) -> Sqlstate {
+        match self {
+            QuotaError::Refused { .. } => Sqlstate::ConfigurationLimitExceeded,
+            QuotaError::LabelTooLong { .. } => Sqlstate::StringDataRightTruncation,
+            QuotaError::NullArgument(_) => Sqlstate::NullValueNotAllowed,
+            QuotaError::InvalidOutcome(_) | QuotaError::UnknownTicket(_) => {
+                Sqlstate::InvalidParameterValue
+            }
+            QuotaError::ForeignTicket { .. } => Sqlstate::InsufficientPrivilege,
+            QuotaError::NotPreloaded => Sqlstate::ObjectNotInPrerequisiteState,
+            QuotaError::NoWorkerSlot => Sqlstate::InsufficientResources,
+            QuotaError::WriterGone => Sqlstate::OperatorIntervention,
+        }
+    }
+
+    pub fn detail(&self) -> Option<String> {
+        match self {
+            QuotaError::Refused { refusal: r, .. } => Some(format!(
+                "Active tickets: {} of {}. Retained tickets: {} of {}.",
+                r.usage.active,
+                limit_text(r.limits.max_active),
+                r.usage.retained,
+                limit_text(r.limits.max_retained),
+            )),
+            QuotaError::LabelTooLong { chars } => Some(format!(
+                "The label has {chars} characters; at most {MAX_LABEL_CHARS} are allowed."
+            )),
+            QuotaError::ForeignTicket { owner, .. } => {
+                Some(format!("The ticket belongs to role \"{owner}\"."))
+            }
+            QuotaError::UnknownTicket(_) => Some(
+                "It was never issued in this database, or it ended longer ago than quota.retention and was purged."
+                    .to_string(),
+            ),
+            _ => None,
+        }
+    }
+
+    pub fn hint(&self) -> Option<String> {
+        match self {
+            QuotaError::Refused {
+                refusal,
+                next_ageout,
+                ..
+            } => Some(match (refusal.kind, next_ageout) {
+                (RefusalKind::Active, _) => "Finish a ticket with quota.finish(), or ask a superuser to raise quota.max_active_per_role.".to_string(),
+                (RefusalKind::Retained, Some(at)) => format!(
+                    "Capacity returns at {at}, when the oldest retained ticket ages out; a superuser can raise quota.max_retained_per_role or shorten quota.retention."
+                ),
+                (RefusalKind::Retained, None) => "Every retained ticket is still active: tickets age out quota.retention after they finish. A superuser can raise quota.max_retained_per_role.".to_string(),
+            }),
+            QuotaError::InvalidOutcome(_) => {
+                Some("Valid outcomes are succeeded, failed and cancelled.".to_string())
+            }
+            QuotaError::ForeignTicket { .. } => Some(
+                "Only the role that started a ticket, a member of that role, or a superuser can finish it."
+                    .to_string(),
+            ),
+            QuotaError::NotPreloaded => Some(
+                "Add pg_quota to shared_preload_libraries in postgresql.conf and restart the server."
+                    .to_string(),
+            ),
+            QuotaError::NoWorkerSlot => Some(
+                "Raise max_worker_processes, or wait for other background workers to exit.".to_string(),
+            ),
+            QuotaError::WriterGone => Some(
+                "Try again: the next call starts a new writer. A charge the writer committed stays counted until it is finished.".to_string(),
+            ),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::decision::{Limits, Usage};
+
+    fn refusal(kind: RefusalKind) -> Refusal {
+        Refusal {
+            kind,
+            usage: Usage {
+                active: 3,
+                retained: 7,
+            },
+            limits: Limits {
+                max_active: 3,
+                max_retained: 0,
+            },
+        }
+    }
+
+    #[test]
+    fn refusal_names_role_count_and_guc() {
+        let e = QuotaError::Refused {
+            role: "alice".into(),
+            refusal: refusal(RefusalKind::Active),
+            next_ageout: None,
+        };
+        assert_eq!(e.sqlstate().code(), "53400");
+        let msg = e.to_string();
+        assert!(msg.contains("\"alice\""), "{msg}");
+        assert!(msg.contains("3 active"), "{msg}");
+        assert!(msg.contains("quota.max_active_per_role"), "{msg}");
+        assert_eq!(
+            e.detail().unwrap(),
+            "Active tickets: 3 of 3. Retained tickets: 7 of unlimited."
+        );
+        assert!(e.hint().unwrap().contains("quota.finish()"));
+    }
+
+    #[test]
+    fn retained_refusal_hint_says_when_capacity_returns() {
+        let e = QuotaError::Refused {
+            role: "bob".into(),
+            refusal: refusal(RefusalKind::Retained),
+            next_ageout: Some("2026-12-01 10:00:00+00".into()),
+        };
+        assert!(e.to_string().contains("quota.max_retained_per_role"));
+        assert!(e.hint().unwrap().contains("2026-12-01 10:00:00+00"));
+    }
+
+    #[test]
+    fn messages_are_lowercase_postgres_style() {
+        let all = [
+            QuotaError::LabelTooLong { chars: 201 },
+            QuotaError::NullArgument("ticket"),
+            QuotaError::InvalidOutcome("done".into()),
+            QuotaError::UnknownTicket("x".into()),
+            QuotaError::ForeignTicket {
+                ticket: "x".into(),
+                owner: "y".into(),
+            },
+            QuotaError::NotPreloaded,
+            QuotaError::NoWorkerSlot,
+            QuotaError::WriterGone,
+        ];
+        for e in all {
+            let m = e.to_string();
+            let first = m.chars().next().unwrap();
+            assert!(!first.is_uppercase(), "{m}");
+            assert!(!m.ends_with('.'), "{m}");
+            if let Some(h) = e.hint() {
+                assert!(h.ends_with('.'), "{h}");
+            }
+        }
+    }
+
+    #[test]
+    fn sqlstates_match_the_contract() {
+        assert_eq!(QuotaError::LabelTooLong { chars: 300 }.sqlstate().code(), "22001");
+        assert_eq!(QuotaError::NullArgument("ticket").sqlstate().code(), "22004");
+        assert_eq!(QuotaError::UnknownTicket("x".into()).sqlstate().code(), "22023");
+        assert_eq!(QuotaError::InvalidOutcome("x".into()).sqlstate().code(), "22023");
+        let foreign = QuotaError::ForeignTicket {
+            ticket: "x".into(),
+            owner: "y".into(),
+        };
+        assert_eq!(foreign.sqlstate().code(), "42501");
+    }
+}

@@ -1,0 +1,11 @@
+//! The pure core of pg_quota: admission decisions, outcomes, labels, ticket ids and
+//! every user-facing text. Nothing in here touches PostgreSQL, so all of it is tested
+//! with plain `cargo test`; the pgrx layer only moves values in and out.
+
+pub mod decision;
+pub mod errors;
+pub mod ticket;
+
+pub use decision::{decide, Decision, Limits, Refusal, RefusalKind, Usage};
+pub use errors::{QuotaError, Sqlstate};
+pub use ticket::{check_label, parse_outcome, uuid_v7, Outcome, MAX_LABEL_CHARS};

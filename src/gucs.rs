@@ -1,0 +1,65 @@
+//! Every `quota.*` setting. All are PGC_SUSET: only superusers (or roles granted
+//! `SET ON PARAMETER`) change them, so a tenant cannot raise its own limits, and
+//! `ALTER ROLE … SET` / `ALTER DATABASE … SET` give per-role and per-database limits.
+
+use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
+
+use crate::core::Limits;
+
+static MAX_ACTIVE_PER_ROLE: GucSetting<i32> = GucSetting::<i32>::new(100);
+static MAX_RETAINED_PER_ROLE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
+static RETENTION: GucSetting<i32> = GucSetting::<i32>::new(7 * 24 * 3600);
+
+pub fn init() {
+    // 0 turns the limit off; a million concurrent tickets for one role is far beyond
+    // what one PostgreSQL server can run, so larger values are typos.
+    GucRegistry::define_int_guc(
+        c"quota.max_active_per_role",
+        c"Maximum number of active tickets per role and database (0 = no limit).",
+        c"quota.start() refuses with SQLSTATE 53400 once the calling role holds this many unfinished tickets.",
+        &MAX_ACTIVE_PER_ROLE,
+        0,
+        1_000_000,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
+    // 0 turns the limit off; 10^8 rows per role is about the most a ledger index can
+    // serve without admission slowing down.
+    GucRegistry::define_int_guc(
+        c"quota.max_retained_per_role",
+        c"Maximum number of retained tickets per role and database (0 = no limit).",
+        c"Retained tickets are the active ones plus those that ended less than quota.retention ago: a sliding-window rate limit.",
+        &MAX_RETAINED_PER_ROLE,
+        0,
+        100_000_000,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
+    // Seconds, with units, so '7d' and '1h' work. 0 keeps no history: an ended ticket
+    // stops counting at once. The top is i32::MAX seconds (about 68 years).
+    GucRegistry::define_int_guc(
+        c"quota.retention",
+        c"How long an ended ticket keeps counting towards quota.max_retained_per_role.",
+        c"Tickets that ended longer ago than this are purged from the ledger.",
+        &RETENTION,
+        0,
+        i32::MAX,
+        GucContext::Suset,
+        GucFlags::UNIT_S,
+    );
+    // SAFETY: called from _PG_init in the postmaster, after the settings above are
+    // defined; it only marks the prefix so that misspelled quota.* names are refused.
+    unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"quota".as_ptr()) };
+}
+
+/// The limits of the calling session, handed to the ledger writer with each request.
+pub fn limits() -> Limits {
+    Limits {
+        max_active: i64::from(MAX_ACTIVE_PER_ROLE.get()),
+        max_retained: i64::from(MAX_RETAINED_PER_ROLE.get()),
+    }
+}
+
+pub fn retention_secs() -> i64 {
+    i64::from(RETENTION.get())
+}

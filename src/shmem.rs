@@ -1,0 +1,261 @@
+//! Shared memory: one request slot per backend and one entry per ledger writer.
+//!
+//! A caller owns the slot whose index is its PGPROC number, so no two callers ever
+//! share a slot and the slot array needs no lock of its own: ownership hand-offs go
+//! through the slot's atomic `state` (FREE → PENDING by the caller, PENDING → CLAIMED
+//! and CLAIMED → DONE by the writer, DONE → FREE by the caller). The writer table is
+//! small and changes only when a writer starts or leaves; one LWLock guards it.
+
+use std::cell::UnsafeCell;
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+use pgrx::pg_sys;
+
+use crate::core::ticket::MAX_LABEL_BYTES;
+
+pub const SLOT_FREE: u32 = 0;
+pub const SLOT_PENDING: u32 = 1;
+pub const SLOT_CLAIMED: u32 = 2;
+pub const SLOT_DONE: u32 = 3;
+
+/// What a caller asks of the writer. Written by the caller while the slot is FREE.
+#[repr(C)]
+pub struct Request {
+    pub dboid: pg_sys::Oid,
+    pub role: pg_sys::Oid,
+    pub exempt: bool,
+    pub max_active: i64,
+    pub max_retained: i64,
+    pub retention_secs: i64,
+    pub has_label: bool,
+    pub label_len: usize,
+    pub label: [u8; MAX_LABEL_BYTES],
+}
+
+pub const REPLY_ADMITTED: u32 = 1;
+pub const REPLY_REFUSED: u32 = 2;
+pub const REPLY_ERROR: u32 = 3;
+
+pub const ERROR_TEXT_BYTES: usize = 512;
+
+/// The writer's answer. Written by the writer while the slot is CLAIMED.
+#[repr(C)]
+pub struct Reply {
+    pub kind: u32,
+    pub ticket: [u8; 16],
+    /// For refusals: 1 = active limit, 2 = retained limit.
+    pub refusal_kind: u32,
+    pub active: i64,
+    pub retained: i64,
+    /// For refusals at the retained limit: when the oldest ended ticket ages out.
+    pub next_ageout: Option<pg_sys::TimestampTz>,
+    /// For errors: the writer's SQLSTATE (as PostgreSQL encodes it) and message.
+    pub sqlerrcode: i32,
+    pub error_len: usize,
+    pub error: [u8; ERROR_TEXT_BYTES],
+}
+
+#[repr(C)]
+pub struct Slot {
+    pub state: AtomicU32,
+    pub request: UnsafeCell<Request>,
+    pub reply: UnsafeCell<Reply>,
+}
+
+/// A copy of PostgreSQL's private `BackgroundWorkerHandle` (bgworker.c: an `int slot`
+/// and a `uint64 generation`, unchanged since 9.4), so that every backend, not only
+/// the one that registered the writer, can ask the postmaster whether it is alive.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct WorkerHandle {
+    pub slot: i32,
+    pub generation: u64,
+}
+
+/// One ledger writer. All fields but `exit_requested` are guarded by `Shared::lock`.
+#[repr(C)]
+pub struct WriterEntry {
+    /// The database this writer serves; InvalidOid marks a free entry.
+    pub dboid: pg_sys::Oid,
+    /// The writer's PGPROC number once it runs, or -1 while it starts.
+    pub procno: i32,
+    pub handle: WorkerHandle,
+    /// Set by DROP DATABASE / DROP EXTENSION (see hooks.rs) to make the writer leave.
+    pub exit_requested: AtomicBool,
+}
+
+#[repr(C)]
+struct Header {
+    lock: *mut pg_sys::LWLock,
+    n_writers: usize,
+    n_slots: usize,
+}
+
+const SHMEM_NAME: &CStr = c"pg_quota";
+const TRANCHE: &CStr = c"pg_quota";
+
+static mut HEADER: *mut Header = std::ptr::null_mut();
+static mut PREV_SHMEM_REQUEST_HOOK: pg_sys::shmem_request_hook_type = None;
+static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
+
+fn layout() -> (usize, usize, usize) {
+    // SAFETY: both are plain ints fixed before shmem_request_hook runs.
+    let (n_writers, n_slots) = unsafe {
+        (
+            pg_sys::max_worker_processes.max(1) as usize,
+            pg_sys::MaxBackends as usize,
+        )
+    };
+    let size = std::mem::size_of::<Header>()
+        + n_writers * std::mem::size_of::<WriterEntry>()
+        + n_slots * std::mem::size_of::<Slot>();
+    (n_writers, n_slots, size)
+}
+
+pub fn init() {
+    // SAFETY: _PG_init runs once in the postmaster, before any hook can fire, so the
+    // hook chain is not read concurrently.
+    unsafe {
+        PREV_SHMEM_REQUEST_HOOK = pg_sys::shmem_request_hook;
+        pg_sys::shmem_request_hook = Some(shmem_request);
+        PREV_SHMEM_STARTUP_HOOK = pg_sys::shmem_startup_hook;
+        pg_sys::shmem_startup_hook = Some(shmem_startup);
+    }
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn shmem_request() {
+    // SAFETY: called by the postmaster in shmem_request_hook, the one place where
+    // PostgreSQL 15+ accepts these requests.
+    unsafe {
+        if let Some(prev) = PREV_SHMEM_REQUEST_HOOK {
+            prev();
+        }
+        pg_sys::RequestAddinShmemSpace(layout().2);
+        pg_sys::RequestNamedLWLockTranche(TRANCHE.as_ptr(), 1);
+    }
+}
+
+/// AddinShmemInitLock is a C macro for slot 21 of the main LWLock array (see
+/// lwlocknames.txt; the same in PostgreSQL 15, 16 and 17).
+unsafe fn addin_shmem_init_lock() -> *mut pg_sys::LWLock {
+    // SAFETY: MainLWLockArray is set up before any shmem_startup_hook runs.
+    unsafe { &mut (*pg_sys::MainLWLockArray.add(21)).lock }
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn shmem_startup() {
+    // SAFETY: AddinShmemInitLock serializes ShmemInitStruct against other processes;
+    // the struct is zeroed and filled only by whoever created it (`found == false`).
+    unsafe {
+        if let Some(prev) = PREV_SHMEM_STARTUP_HOOK {
+            prev();
+        }
+        let (n_writers, n_slots, size) = layout();
+        pg_sys::LWLockAcquire(addin_shmem_init_lock(), pg_sys::LWLockMode::LW_EXCLUSIVE);
+        let mut found = false;
+        let header = pg_sys::ShmemInitStruct(SHMEM_NAME.as_ptr(), size, &mut found) as *mut Header;
+        if !found {
+            std::ptr::write_bytes(header as *mut u8, 0, size);
+            (*header).lock = &mut (*pg_sys::GetNamedLWLockTranche(TRANCHE.as_ptr())).lock;
+            (*header).n_writers = n_writers;
+            (*header).n_slots = n_slots;
+            for i in 0..n_writers {
+                (*writer_ptr(header, i)).procno = -1;
+            }
+        }
+        HEADER = header;
+        pg_sys::LWLockRelease(addin_shmem_init_lock());
+    }
+}
+
+/// True when the library was preloaded and its shared memory exists.
+pub fn available() -> bool {
+    // SAFETY: a pointer read; HEADER is set once at startup and inherited by fork.
+    unsafe { !HEADER.is_null() }
+}
+
+unsafe fn writer_ptr(header: *mut Header, i: usize) -> *mut WriterEntry {
+    // SAFETY: the caller passes i < n_writers; the entries follow the header.
+    unsafe { (header.add(1) as *mut WriterEntry).add(i) }
+}
+
+fn header() -> *mut Header {
+    assert!(available(), "pg_quota shared memory is not initialized");
+    // SAFETY: checked non-null above.
+    unsafe { HEADER }
+}
+
+pub fn n_writers() -> usize {
+    // SAFETY: immutable after startup.
+    unsafe { (*header()).n_writers }
+}
+
+pub fn n_slots() -> usize {
+    // SAFETY: immutable after startup.
+    unsafe { (*header()).n_slots }
+}
+
+/// The writer entry `i`. Callers hold the lock for every field but `exit_requested`.
+pub fn writer(i: usize) -> &'static mut WriterEntry {
+    assert!(i < n_writers());
+    // SAFETY: in bounds; the memory lives as long as the server.
+    unsafe { &mut *writer_ptr(header(), i) }
+}
+
+pub fn slot(i: usize) -> &'static Slot {
+    assert!(i < n_slots());
+    // SAFETY: in bounds; the slots follow the writer entries.
+    unsafe {
+        let first = writer_ptr(header(), n_writers()) as *mut Slot;
+        &*first.add(i)
+    }
+}
+
+/// Holds the writer-table LWLock; released on drop, including during an unwind.
+pub struct TableLock(());
+
+impl TableLock {
+    pub fn acquire() -> TableLock {
+        // SAFETY: the lock pointer was set at startup; an ERROR while held is cleaned
+        // up by LWLockReleaseAll at abort, and Drop covers the Rust unwind.
+        unsafe { pg_sys::LWLockAcquire((*header()).lock, pg_sys::LWLockMode::LW_EXCLUSIVE) };
+        TableLock(())
+    }
+}
+
+impl Drop for TableLock {
+    fn drop(&mut self) {
+        // SAFETY: we hold the lock unless abort already released it, which
+        // LWLockHeldByMe tells.
+        unsafe {
+            let lock = (*header()).lock;
+            if pg_sys::LWLockHeldByMe(lock) {
+                pg_sys::LWLockRelease(lock);
+            }
+        }
+    }
+}
+
+/// This backend's PGPROC number, which is also its slot index.
+pub fn my_procno() -> usize {
+    // SAFETY: MyProc points into ProcGlobal->allProcs in every backend.
+    unsafe { (pg_sys::MyProc).offset_from((*pg_sys::ProcGlobal).allProcs) as usize }
+}
+
+/// Wakes the process with PGPROC number `procno`.
+pub fn wake(procno: usize) {
+    // SAFETY: procLatch of a PGPROC is a shared latch in shared memory; setting it is
+    // safe from any process, even if the owner has exited.
+    unsafe {
+        let proc_ = (*pg_sys::ProcGlobal).allProcs.add(procno);
+        pg_sys::SetLatch(&mut (*proc_).procLatch);
+    }
+}
+
+/// Ordering helper: the payload written before a Release store is seen after the
+/// matching Acquire load.
+pub fn load_state(s: &Slot) -> u32 {
+    s.state.load(Ordering::Acquire)
+}

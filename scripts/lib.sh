@@ -1,0 +1,88 @@
+# Shared helpers for scripts/test, scripts/demo, scripts/bench and tests/scripts/*.
+# Source it; it sets strict mode for the caller.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PG_MAJOR="${PG_MAJOR:-15}"
+PG_BIN="/usr/lib/postgresql/$PG_MAJOR/bin"
+PG_CONFIG="$PG_BIN/pg_config"
+PGXS_TEST="/usr/lib/postgresql/$PG_MAJOR/lib/pgxs/src/test"
+PGRX_VERSION="0.18.0"
+APT_PACKAGES=(postgresql-$PG_MAJOR postgresql-server-dev-$PG_MAJOR libclang-dev clang sudo)
+
+export PATH="$HOME/.cargo/bin:$PATH"
+
+log() { printf '==> %s\n' "$*" >&2; }
+
+# PostgreSQL refuses to run as root, so servers and pg_regress run as this user.
+PG_USER="${PG_USER:-postgres}"
+
+as_pg() {
+  if [ "$(id -un)" = "$PG_USER" ]; then "$@"; else runuser -u "$PG_USER" -- "$@"; fi
+}
+
+# Installs what a fresh Debian 12 machine lacks; skips each step already done.
+ensure_deps() {
+  local missing=()
+  for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ "${#missing[@]}" -gt 0 ]; then
+    log "installing apt packages: ${missing[*]}"
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
+  fi
+  if ! cargo pgrx --version 2>/dev/null | grep -q "$PGRX_VERSION"; then
+    log "installing cargo-pgrx $PGRX_VERSION (takes several minutes)"
+    cargo install cargo-pgrx --version "$PGRX_VERSION" --locked
+  fi
+  if ! grep -qs "^pg$PG_MAJOR = " "$HOME/.pgrx/config.toml"; then
+    log "cargo pgrx init --pg$PG_MAJOR $PG_CONFIG"
+    cargo pgrx init --pg"$PG_MAJOR" "$PG_CONFIG"
+  fi
+}
+
+# Builds pg_quota and installs it into the system PostgreSQL.
+install_extension() {
+  local profile=()
+  [ "${1:-}" = "--release" ] && profile=(--release)
+  log "building and installing pg_quota ${profile[*]}"
+  (cd "$ROOT" && cargo pgrx install "${profile[@]}" --pg-config "$PG_CONFIG" \
+      --no-default-features --features "pg$PG_MAJOR" >&2)
+}
+
+# A scratch directory the postgres user can write to. Removed at exit unless KEEP_TMP=1.
+make_scratch() {
+  local d
+  d="$(mktemp -d "${TMPDIR:-/tmp}/pg_quota.XXXXXX")"
+  chmod 755 "$d"
+  chown "$PG_USER" "$d" 2>/dev/null || true
+  echo "$d"
+}
+
+# start_cluster DIR PORT [extra postgresql.conf lines...]: initdb + start, preloaded.
+start_cluster() {
+  local dir="$1" port="$2"; shift 2
+  as_pg "$PG_BIN/initdb" -D "$dir/data" -A trust -U postgres --no-sync >/dev/null
+  {
+    echo "shared_preload_libraries = 'pg_quota'"
+    echo "port = $port"
+    echo "listen_addresses = ''"
+    echo "unix_socket_directories = '$dir'"
+    echo "max_connections = 120"
+    echo "max_worker_processes = 16"
+    for line in "$@"; do echo "$line"; done
+  } >> "$dir/data/postgresql.conf"
+  as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 start >/dev/null
+}
+
+stop_cluster() {
+  local dir="$1" mode="${2:-fast}"
+  as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -m "$mode" -w -t 60 stop >/dev/null 2>&1 || true
+}
+
+# psql against a scratch cluster: pgq DIR PORT [psql args...]
+pgq() {
+  local dir="$1" port="$2"; shift 2
+  "$PG_BIN/psql" -X -q -v ON_ERROR_STOP=1 -h "$dir" -p "$port" -U postgres "$@"
+}

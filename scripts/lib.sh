@@ -11,6 +11,9 @@ PGRX_VERSION="0.18.0"
 APT_PACKAGES=(postgresql-$PG_MAJOR postgresql-server-dev-$PG_MAJOR libclang-dev clang sudo)
 
 export PATH="$HOME/.cargo/bin:$PATH"
+# pgrx appends a Rust backtrace to the DETAIL of errors that pass through Rust when
+# these are set; servers started from here must print PostgreSQL's errors unchanged.
+unset RUST_BACKTRACE RUST_LIB_BACKTRACE
 
 log() { printf '==> %s\n' "$*" >&2; }
 

@@ -34,7 +34,7 @@ fn i1_try_start_returns_null_at_the_limit() {
     assert_eq!(third, None);
 }
 
-#[pg_test(error = "role \"pgt_refused\" has 1 active tickets, the limit set by quota.max_active_per_role")]
+#[pg_test(error = "role \"pgt_refused\" has 1 active ticket, the limit set by quota.max_active_per_role")]
 fn i8_start_refuses_at_the_limit() {
     as_tenant("pgt_refused", 1);
     start();

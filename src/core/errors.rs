@@ -68,17 +68,20 @@ pub enum QuotaError {
     WriterGone,
 }
 
-fn refusal_message(role: &str, r: &Refusal) -> String {
-    match r.kind {
-        RefusalKind::Active => format!(
-            "role \"{role}\" has {} active tickets, the limit set by quota.max_active_per_role",
-            r.usage.active
-        ),
-        RefusalKind::Retained => format!(
-            "role \"{role}\" has {} retained tickets, the limit set by quota.max_retained_per_role",
-            r.usage.retained
-        ),
+fn tickets(n: i64) -> &'static str {
+    if n == 1 {
+        "ticket"
+    } else {
+        "tickets"
     }
+}
+
+fn refusal_message(role: &str, r: &Refusal) -> String {
+    let (n, what, guc) = match r.kind {
+        RefusalKind::Active => (r.usage.active, "active", "quota.max_active_per_role"),
+        RefusalKind::Retained => (r.usage.retained, "retained", "quota.max_retained_per_role"),
+    };
+    format!("role \"{role}\" has {n} {what} {}, the limit set by {guc}", tickets(n))
 }
 
 fn limit_text(limit: i64) -> String {
@@ -199,6 +202,18 @@ mod tests {
             "Active tickets: 3 of 3. Retained tickets: 7 of unlimited."
         );
         assert!(e.hint().unwrap().contains("quota.finish()"));
+    }
+
+    #[test]
+    fn refusal_of_one_ticket_is_singular() {
+        let mut r = refusal(RefusalKind::Active);
+        r.usage.active = 1;
+        let e = QuotaError::Refused {
+            role: "carol".into(),
+            refusal: r,
+            next_ageout: None,
+        };
+        assert!(e.to_string().contains("has 1 active ticket,"), "{e}");
     }
 
     #[test]

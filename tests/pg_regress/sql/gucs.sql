@@ -1,0 +1,29 @@
+-- The limits are superuser settings, range-checked by PostgreSQL.
+SELECT name, setting, unit, context, min_val, max_val, boot_val
+  FROM pg_settings WHERE name LIKE 'quota.%' ORDER BY name;
+
+SHOW quota.retention;
+SET quota.retention = '1h';
+SHOW quota.retention;
+SET quota.retention = '90min';
+SHOW quota.retention;
+RESET quota.retention;
+
+-- Out of range.
+SET quota.max_active_per_role = -1;
+\echo :LAST_ERROR_SQLSTATE
+SET quota.max_active_per_role = 1000001;
+\echo :LAST_ERROR_SQLSTATE
+SET quota.max_retained_per_role = 100000001;
+\echo :LAST_ERROR_SQLSTATE
+SET quota.retention = '-1s';
+\echo :LAST_ERROR_SQLSTATE
+
+-- The quota prefix is reserved: a misspelt setting is refused, not made up.
+SET quota.max_actve_per_role = 3;
+\echo :LAST_ERROR_SQLSTATE
+
+-- Per-role limits.
+ALTER ROLE quota_carol SET quota.max_active_per_role = 7;
+SELECT setconfig FROM pg_db_role_setting WHERE setrole = 'quota_carol'::regrole;
+ALTER ROLE quota_carol RESET quota.max_active_per_role;

@@ -1,0 +1,33 @@
+-- pg_quota installs into its own schema, "quota", with a ledger nobody but the
+-- extension owner can touch, and functions everyone can call.
+CREATE EXTENSION pg_quota;
+
+SELECT extname, extversion, nspname
+  FROM pg_extension e JOIN pg_namespace n ON n.oid = e.extnamespace
+ WHERE extname = 'pg_quota';
+
+-- The SQL surface.
+SELECT p.oid::regprocedure AS function, p.prorettype::regtype AS returns,
+       p.provolatile, p.prosecdef AS security_definer
+  FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+ WHERE n.nspname = 'quota'
+ ORDER BY 1::text;
+
+-- No privileges on the tables for PUBLIC; SELECT on the view only.
+SELECT c.relname, c.relkind, c.relacl
+  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+ WHERE n.nspname = 'quota' AND c.relkind IN ('r', 'v')
+ ORDER BY 1;
+
+-- pg_dump carries the ledger and the summary (pg_extension_config_dump).
+SELECT unnest(extconfig)::regclass FROM pg_extension WHERE extname = 'pg_quota' ORDER BY 1;
+
+-- Roles used by the other tests.
+CREATE ROLE quota_alice;
+CREATE ROLE quota_bob;
+CREATE ROLE quota_carol;
+CREATE ROLE quota_dave;
+CREATE ROLE quota_erin;
+CREATE ROLE quota_frank;
+CREATE ROLE quota_team NOLOGIN;
+GRANT quota_team TO quota_carol;

@@ -340,19 +340,25 @@ pub extern "C-unwind" fn pg_quota_writer_main(arg: pg_sys::Datum) {
     main_loop(idx, db);
 }
 
-/// A session-level lock on a tag only pg_quota uses: a second writer for the same
-/// database cannot get it and leaves.
-fn take_twin_guard(db: pg_sys::Oid) -> bool {
-    let tag = pg_sys::LOCKTAG {
+/// The tag of the twin guard of database `db`. It lives in the user lock method, as
+/// advisory locks do, because that is the method whose session locks PostgreSQL
+/// releases when a process exits (ShutdownPostgres); its field4 is still private.
+fn twin_guard_tag(db: pg_sys::Oid) -> pg_sys::LOCKTAG {
+    pg_sys::LOCKTAG {
         locktag_field1: u32::from(db),
         locktag_field2: 0,
         locktag_field3: 0,
         locktag_field4: WRITER_LOCK_FIELD4,
         locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
-        locktag_lockmethodid: pg_sys::DEFAULT_LOCKMETHOD as u8,
-    };
-    // SAFETY: a conditional session lock; released by LockReleaseAll at exit.
-    let r = unsafe { pg_sys::LockAcquire(&tag, pg_sys::ExclusiveLock as i32, true, true) };
+        locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
+    }
+}
+
+/// A session-level lock on a tag only pg_quota uses: a second writer for the same
+/// database cannot get it and leaves.
+fn take_twin_guard(db: pg_sys::Oid) -> bool {
+    // SAFETY: a conditional session lock, released in `leave` or at process exit.
+    let r = unsafe { pg_sys::LockAcquire(&twin_guard_tag(db), pg_sys::ExclusiveLock as i32, true, true) };
     r != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
 }
 
@@ -592,6 +598,8 @@ fn leave(idx: usize, db: pg_sys::Oid, force: bool) -> bool {
         }
     }
     fail_pending(db);
+    // SAFETY: the guard taken in take_twin_guard; a new writer may take it at once.
+    unsafe { pg_sys::LockRelease(&twin_guard_tag(db), pg_sys::ExclusiveLock as i32, true) };
     let w = shmem::writer(idx);
     w.dboid = pg_sys::InvalidOid;
     w.procno = -1;

@@ -89,3 +89,38 @@ pgq() {
   local dir="$1" port="$2"; shift 2
   "$PG_BIN/psql" -X -q -v ON_ERROR_STOP=1 -h "$dir" -p "$port" -U postgres "$@"
 }
+
+# --- TAP-style checks for tests/scripts/*.sh ----------------------------------------
+CHECKS_FAILED=0
+CHECK_NO=0
+# check NAME COMMAND...: runs COMMAND; prints "ok N - NAME" or "not ok N - NAME".
+check() {
+  local name="$1"; shift
+  CHECK_NO=$((CHECK_NO + 1))
+  if "$@"; then echo "ok $CHECK_NO - $name"; else echo "not ok $CHECK_NO - $name"; CHECKS_FAILED=$((CHECKS_FAILED + 1)); fi
+}
+# expect_eq NAME EXPECTED ACTUAL
+expect_eq() {
+  local name="$1" want="$2" got="$3"
+  CHECK_NO=$((CHECK_NO + 1))
+  if [ "$want" = "$got" ]; then echo "ok $CHECK_NO - $name"
+  else echo "not ok $CHECK_NO - $name: expected [$want], got [$got]"; CHECKS_FAILED=$((CHECKS_FAILED + 1)); fi
+}
+finish_checks() {
+  echo "1..$CHECK_NO"
+  [ "$CHECKS_FAILED" -eq 0 ]
+}
+
+# A scratch cluster for one test script, stopped and removed at exit.
+# with_cluster NAME [postgresql.conf lines...]: sets CL (its directory) and PORT.
+with_cluster() {
+  local name="$1"; shift
+  CL="${SCRATCH:-$(make_scratch)}/$name"
+  mkdir -p "$CL"; chown "$PG_USER" "$CL"
+  PORT="${PORT:-5480}"
+  start_cluster "$CL" "$PORT" "$@"
+  trap 'stop_cluster "$CL" immediate' EXIT
+}
+
+# sql [psql args...] -c ...: runs against the script's cluster, unaligned, no headers.
+sql() { pgq "$CL" "$PORT" -At "$@"; }

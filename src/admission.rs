@@ -161,8 +161,8 @@ pub fn start(label: Option<&str>) -> Result<pgrx::Uuid, QuotaError> {
     // the charge is a write, even though it is not the caller's own.
     // SAFETY: both raise ERROR or return.
     unsafe {
-        pg_sys::PreventCommandIfReadOnly(c"quota.start()".as_ptr());
         pg_sys::PreventCommandDuringRecovery(c"quota.start()".as_ptr());
+        pg_sys::PreventCommandIfReadOnly(c"quota.start()".as_ptr());
     }
     if let Some(l) = label {
         check_label(l)?;

@@ -20,8 +20,11 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&str>) -> Result<bool,
     require_preloaded();
     let ticket = ticket.ok_or(QuotaError::NullArgument("ticket"))?;
     let outcome = parse_outcome(outcome.ok_or(QuotaError::NullArgument("outcome"))?)?;
-    // SAFETY: raises 25006 in a read-only transaction or on a standby.
-    unsafe { pg_sys::PreventCommandIfReadOnly(c"quota.finish()".as_ptr()) };
+    // SAFETY: both raise 25006 (on a standby, in a read-only transaction) or return.
+    unsafe {
+        pg_sys::PreventCommandDuringRecovery(c"quota.finish()".as_ptr());
+        pg_sys::PreventCommandIfReadOnly(c"quota.finish()".as_ptr());
+    }
     // SAFETY: plain read of backend state.
     let me = unsafe { pg_sys::GetUserId() };
     let owner = ledger::owner();

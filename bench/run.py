@@ -1,0 +1,299 @@
+#!/usr/bin/env python3
+"""Runs the pg_quota benchmarks with pgbench and writes target/bench/results.md and
+target/bench/throughput.svg. Called by scripts/bench, which builds, installs and starts
+the server. Standard library only.
+
+Every figure is measured side by side in one run: each round runs every system once
+for each configuration, interleaved (A B A B ...), so ratios survive a noisy machine.
+Workloads are data (THROUGHPUT, the refusal pair, HISTORY); a new feature adds a
+pgbench script under bench/scripts and an entry here, not a new harness.
+"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(HERE, "scripts")
+
+SYSTEMS = {
+    "pg_quota": "pgq.sql",
+    "B0": "b0.sql",
+    "B1": "b1.sql",
+    "B2": "b2.sql",
+}
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", required=True)
+    p.add_argument("--pgbin", required=True)
+    p.add_argument("--db", default="bench")
+    p.add_argument("--out", required=True)
+    p.add_argument("--machine", default="")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+QUICK = ARGS.quick
+SECONDS = 3 if QUICK else 10
+ROUNDS = 1 if QUICK else 3
+CLIENTS = [1, 16] if QUICK else [1, 4, 16, 64]
+HISTORY = [0, 1000, 10000]
+
+
+def psql(sql, user="postgres"):
+    out = subprocess.run(
+        [os.path.join(ARGS.pgbin, "psql"), "-X", "-At", "-v", "ON_ERROR_STOP=1",
+         "-h", ARGS.host, "-p", ARGS.port, "-U", user, "-d", ARGS.db, "-c", sql],
+        check=True, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def pgbench(script, user, clients, seconds, logdir, tag, per_statement=False):
+    """One pgbench process. Returns (transactions, failed, latencies_us, stmt_lat_ms)."""
+    prefix = os.path.join(logdir, tag)
+    cmd = [os.path.join(ARGS.pgbin, "pgbench"), "-n", "-h", ARGS.host, "-p", ARGS.port,
+           "-U", user, "-c", str(clients), "-j", str(min(clients, 4)), "-T", str(seconds),
+           "-f", os.path.join(SCRIPTS, script), "-l", "--log-prefix", prefix]
+    if per_statement:
+        cmd.append("-r")
+    cmd.append(ARGS.db)
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        sys.stderr.write(res.stdout + res.stderr)
+        raise SystemExit(f"pgbench failed: {' '.join(cmd)}")
+    lat = []
+    for name in os.listdir(logdir):
+        if name.startswith(tag + "."):
+            with open(os.path.join(logdir, name)) as f:
+                for line in f:
+                    cols = line.split()
+                    if len(cols) >= 3 and cols[2].isdigit():
+                        lat.append(int(cols[2]))
+            os.remove(os.path.join(logdir, name))
+    m = re.search(r"number of transactions actually processed: (\d+)", res.stdout)
+    failed = re.search(r"number of failed transactions: (\d+)", res.stdout)
+    stmt = {}
+    if per_statement:
+        for line in res.stdout.splitlines():
+            mm = re.match(r"^\s+([\d.]+)\s+\d+\s+(\S.*)$", line)
+            if mm:
+                stmt[mm.group(2).strip()] = float(mm.group(1))
+    return int(m.group(1)) if m else 0, int(failed.group(1)) if failed else 0, lat, stmt
+
+
+def run(system_script, clients, mode, logdir, tag, role="bench_r1", per_statement=False):
+    """mode 'roles': one pgbench process per role, one client each; 'one': all on `role`."""
+    t0 = time.time()
+    if mode == "roles":
+        with ThreadPoolExecutor(max_workers=clients) as ex:
+            futs = [ex.submit(pgbench, system_script, f"bench_r{i + 1}", 1, SECONDS, logdir,
+                              f"{tag}-{i + 1}") for i in range(clients)]
+            results = [f.result() for f in futs]
+    else:
+        results = [pgbench(system_script, role, clients, SECONDS, logdir, tag, per_statement)]
+    elapsed = max(SECONDS, time.time() - t0 - 0.5)
+    tx = sum(r[0] for r in results)
+    lat = sorted(x for r in results for x in r[2])
+    stmt = results[0][3] if results else {}
+    return {"tps": tx / SECONDS if tx else 0.0, "lat": lat, "stmt": stmt,
+            "failed": sum(r[1] for r in results), "elapsed": elapsed}
+
+
+def pct(lat, p):
+    if not lat:
+        return float("nan")
+    return lat[min(len(lat) - 1, int(len(lat) * p))] / 1000.0
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def prefill_history(n):
+    psql(f"""
+      DELETE FROM quota.ledger WHERE role = 'bench_history'::regrole;
+      DELETE FROM quota.summary WHERE role = 'bench_history'::regrole;
+      INSERT INTO quota.ledger (id, role, label, started_at, ended_at, outcome)
+        SELECT gen_random_uuid(), 'bench_history'::regrole, 'history',
+               now() - interval '2 hours', now() - interval '1 hour', 'succeeded'
+          FROM generate_series(1, {n});
+      INSERT INTO quota.summary VALUES ('bench_history'::regrole, {n});""")
+    psql("VACUUM ANALYZE quota.ledger")
+
+
+def wal_lsn():
+    return psql("SELECT pg_current_wal_insert_lsn()")
+
+
+def wal_bytes(a, b):
+    return int(psql(f"SELECT pg_wal_lsn_diff('{b}', '{a}')::bigint"))
+
+
+def main():
+    os.makedirs(ARGS.out, exist_ok=True)
+    logdir = tempfile.mkdtemp(prefix="pgbench-logs-", dir=ARGS.out)
+    through = {}   # (system, mode, clients) -> list of runs
+    refusal = {"refuse": [], "select1": [], "wal": [], "count": []}
+    history = {n: [] for n in HISTORY}
+
+    for rnd in range(ROUNDS):
+        print(f"round {rnd + 1} of {ROUNDS}", flush=True)
+        for clients in CLIENTS:
+            for mode in ("roles", "one"):
+                for system, script in SYSTEMS.items():
+                    r = run(script, clients, mode, logdir, f"{system}-{mode}-{clients}")
+                    through.setdefault((system, mode, clients), []).append(r)
+                    print(f"  {system:8} {clients:3} clients, {'one role' if mode == 'one' else 'a role each'}:"
+                          f" {r['tps']:9.1f} tx/s", flush=True)
+        # The refusal path against SELECT 1 under the same load.
+        for name, script in (("refuse", "refuse.sql"), ("select1", "select1.sql")):
+            a = wal_lsn()
+            r = run(script, 16, "one", logdir, name, role="bench_refused")
+            b = wal_lsn()
+            refusal[name].append(r)
+            if name == "refuse":
+                refusal["wal"].append(wal_bytes(a, b))
+                refusal["count"].append(r["tps"] * SECONDS)
+            print(f"  {name:8} 16 clients: {r['tps']:9.1f} calls/s", flush=True)
+        # start() latency against the role's history.
+        for n in HISTORY:
+            prefill_history(n)
+            r = run("pgq.sql", 1, "one", logdir, f"history-{n}", role="bench_history", per_statement=True)
+            start_ms = next((v for k, v in r["stmt"].items() if "quota.start" in k), float("nan"))
+            history[n].append(start_ms)
+            print(f"  start() with {n:5} retained: {start_ms:.3f} ms", flush=True)
+
+    write_report(through, refusal, history)
+
+
+def tps(through, system, mode, clients):
+    return median([r["tps"] for r in through.get((system, mode, clients), [])])
+
+
+def lat_pcts(through, system, mode, clients):
+    lat = sorted(x for r in through.get((system, mode, clients), []) for x in r["lat"])
+    return pct(lat, 0.5), pct(lat, 0.99)
+
+
+def write_report(through, refusal, history):
+    lines = []
+    add = lines.append
+    add(f"# pg_quota benchmark results ({'quick' if QUICK else 'full'} run)")
+    add("")
+    add(f"{ROUNDS} round(s) of {SECONDS} s per figure, interleaved; medians of the rounds. "
+        "fsync and synchronous_commit on (PostgreSQL's defaults).")
+    if ARGS.machine:
+        add("")
+        add(f"Machine: {ARGS.machine}")
+    add("")
+    add("## start + finish throughput")
+    add("")
+    add("One pg_quota transaction is `start()` then `finish()`, each in its own transaction; "
+        "B1 and B2 do the same with their functions; B0 is one INSERT.")
+    add("")
+    add("| clients | roles | system | tx/s | p50 ms | p99 ms | vs B0 | vs B1 | vs B2 |")
+    add("|---:|---|---|---:|---:|---:|---:|---:|---:|")
+    for clients in CLIENTS:
+        for mode in ("roles", "one"):
+            base = {s: tps(through, s, mode, clients) for s in SYSTEMS}
+            for system in SYSTEMS:
+                p50, p99 = lat_pcts(through, system, mode, clients)
+                t = base[system]
+                ratios = [f"{t / base[b]:.2f}x" if base[b] else "-" for b in ("B0", "B1", "B2")]
+                add(f"| {clients} | {'one each' if mode == 'roles' else 'all on one'} | {system} | {t:.0f} | "
+                    f"{p50:.2f} | {p99:.2f} | " + " | ".join(ratios) + " |")
+    add("")
+
+    ref = median([r["tps"] for r in refusal["refuse"]])
+    sel = median([r["tps"] for r in refusal["select1"]])
+    wal_per = sum(refusal["wal"]) / max(1.0, sum(refusal["count"]))
+    add("## Refusals")
+    add("")
+    add("| workload (16 clients, one role at its limit) | calls/s | p50 ms | p99 ms |")
+    add("|---|---:|---:|---:|")
+    for name, label in (("refuse", "`quota.try_start()` refused"), ("select1", "`SELECT 1`")):
+        lat = sorted(x for r in refusal[name] for x in r["lat"])
+        add(f"| {label} | {median([r['tps'] for r in refusal[name]]):.0f} | {pct(lat, .5):.2f} | {pct(lat, .99):.2f} |")
+    add("")
+    add(f"WAL written during the refusal runs: {sum(refusal['wal'])} bytes for "
+        f"{sum(refusal['count']):.0f} refusals ({wal_per:.4f} bytes per refusal).")
+    add("")
+
+    add("## start() latency against the role's history")
+    add("")
+    add("| retained tickets | start() ms (mean per round) |")
+    add("|---:|---:|")
+    for n in HISTORY:
+        add(f"| {n} | " + ", ".join(f"{x:.3f}" for x in history[n]) + " |")
+    add("")
+
+    def ratio(a, b):
+        return a / b if b else float("nan")
+    c16 = 16 if 16 in CLIENTS else CLIENTS[-1]
+    pq = tps(through, "pg_quota", "roles", c16)
+    targets = [
+        (f"start+finish tx/s, {c16} clients on {c16} roles, vs B1", ratio(pq, tps(through, "B1", "roles", c16)), ">=", 1.0),
+        ("same, vs B2", ratio(pq, tps(through, "B2", "roles", c16)), ">=", 2.0),
+        ("same, vs B0", ratio(pq, tps(through, "B0", "roles", c16)), ">=", 0.6),
+        (f"{c16} clients on one role vs {c16} on {c16} roles", ratio(tps(through, "pg_quota", "one", c16), pq), ">=", 0.5),
+        ("refusals/s vs SELECT 1/s (16 clients)", ratio(ref, sel), ">=", 0.5),
+        ("WAL bytes per refusal", wal_per, "<", 1.0),
+        ("start() latency, 10,000 retained vs 0", ratio(median(history[10000]), median(history[0])), "<=", 1.25),
+    ]
+    add("## Targets")
+    add("")
+    add("| figure | measured | target | |")
+    add("|---|---:|---|---|")
+    for name, val, op, goal in targets:
+        met = {">=": val >= goal, "<=": val <= goal, "<": val < goal}[op]
+        add(f"| {name} | {val:.2f} | {op} {goal} | {'met' if met else 'MISSED'} |")
+        print(f"target: {name}: {val:.2f} ({op} {goal}) {'met' if met else 'MISSED'}")
+    report = "\n".join(lines) + "\n"
+    with open(os.path.join(ARGS.out, "results.md"), "w") as f:
+        f.write(report)
+    write_svg(through)
+    print(report)
+
+
+def write_svg(through):
+    """Throughput against clients, one line per system, a role per client."""
+    w, h, m = 640, 400, 60
+    colors = {"pg_quota": "#1f77b4", "B0": "#7f7f7f", "B1": "#d62728", "B2": "#2ca02c"}
+    ymax = max([tps(through, s, "roles", c) for s in SYSTEMS for c in CLIENTS] + [1]) * 1.1
+    xs = {c: m + i * (w - 2 * m) / max(1, len(CLIENTS) - 1) for i, c in enumerate(CLIENTS)}
+
+    def y(v):
+        return h - m - v / ymax * (h - 2 * m)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{w}" height="{h}" fill="white"/>',
+           f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">start+finish throughput, one role per client</text>',
+           f'<line x1="{m}" y1="{h - m}" x2="{w - m}" y2="{h - m}" stroke="black"/>',
+           f'<line x1="{m}" y1="{m}" x2="{m}" y2="{h - m}" stroke="black"/>',
+           f'<text x="{w / 2}" y="{h - 15}" text-anchor="middle">clients</text>',
+           f'<text x="15" y="{h / 2}" text-anchor="middle" transform="rotate(-90 15 {h / 2})">tx/s</text>']
+    for c, x in xs.items():
+        out.append(f'<text x="{x}" y="{h - m + 18}" text-anchor="middle">{c}</text>')
+    for i in range(5):
+        v = ymax * i / 4
+        out.append(f'<text x="{m - 6}" y="{y(v) + 4}" text-anchor="end">{v:.0f}</text>')
+        out.append(f'<line x1="{m}" y1="{y(v)}" x2="{w - m}" y2="{y(v)}" stroke="#eee"/>')
+    for k, s in enumerate(SYSTEMS):
+        pts = " ".join(f"{xs[c]:.1f},{y(tps(through, s, 'roles', c)):.1f}" for c in CLIENTS)
+        out.append(f'<polyline points="{pts}" fill="none" stroke="{colors[s]}" stroke-width="2"/>')
+        out.append(f'<text x="{w - m + 5}" y="{m + 16 * k}" fill="{colors[s]}">{s}</text>')
+    out.append("</svg>")
+    with open(os.path.join(ARGS.out, "throughput.svg"), "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,2 @@
+-- The ceiling of any call.
+SELECT 1;

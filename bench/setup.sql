@@ -1,0 +1,86 @@
+-- Fixture for scripts/bench: pg_quota plus the three baselines it is compared with.
+-- Run as a superuser in the bench database. :connstr is a libpq string for B2's
+-- loopback connection; :roles is how many bench_rN roles to create.
+CREATE EXTENSION pg_quota;
+CREATE EXTENSION dblink;
+CREATE SCHEMA bench;
+
+-- Every bench role may run one unit of work per client at a time; the retained limit
+-- is off so that long runs measure the active path, not the window.
+SELECT format('CREATE ROLE bench_r%s LOGIN', i) FROM generate_series(1, :roles) i \gexec
+SELECT format('ALTER ROLE bench_r%s SET quota.max_active_per_role = 1000', i) FROM generate_series(1, :roles) i \gexec
+SELECT format('ALTER ROLE bench_r%s SET quota.max_retained_per_role = 0', i) FROM generate_series(1, :roles) i \gexec
+CREATE ROLE bench_refused LOGIN;
+ALTER ROLE bench_refused SET quota.max_active_per_role = 1;
+CREATE ROLE bench_history LOGIN;
+ALTER ROLE bench_history SET quota.max_active_per_role = 10;
+ALTER ROLE bench_history SET quota.max_retained_per_role = 20000;
+
+GRANT USAGE ON SCHEMA bench TO PUBLIC;
+
+-- B0, the floor: a bare one-row INSERT and commit.
+CREATE TABLE bench.b0_log (id bigserial PRIMARY KEY, role name NOT NULL DEFAULT current_user,
+                           at timestamptz NOT NULL DEFAULT now());
+GRANT INSERT ON bench.b0_log TO PUBLIC;
+GRANT USAGE ON SEQUENCE bench.b0_log_id_seq TO PUBLIC;
+
+-- B1, the usual guard: an advisory lock keyed on the role, count(*), INSERT; finish is
+-- an UPDATE. Not rollback-proof: a rollback erases the charge.
+CREATE TABLE bench.b1_ledger (id bigserial PRIMARY KEY, role name NOT NULL,
+                              started_at timestamptz NOT NULL DEFAULT now(), ended_at timestamptz);
+CREATE INDEX ON bench.b1_ledger (role) WHERE ended_at IS NULL;
+
+CREATE FUNCTION bench.b1_start(lim int DEFAULT 1000) RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $$
+DECLARE n bigint; t bigint;
+BEGIN
+  PERFORM pg_advisory_xact_lock(hashtext(session_user));
+  SELECT count(*) INTO n FROM bench.b1_ledger WHERE role = session_user AND ended_at IS NULL;
+  IF n >= lim THEN
+    RAISE EXCEPTION 'quota exceeded for %', session_user USING ERRCODE = '53400';
+  END IF;
+  INSERT INTO bench.b1_ledger (role) VALUES (session_user) RETURNING id INTO t;
+  RETURN t;
+END $$;
+
+CREATE FUNCTION bench.b1_finish(t bigint) RETURNS boolean
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog AS $$
+  UPDATE bench.b1_ledger SET ended_at = now() WHERE id = t AND ended_at IS NULL RETURNING true
+$$;
+
+-- B2, the classic rollback-proof guard: B1 with the INSERT sent through a persistent
+-- dblink loopback connection (one per session), so that it commits on its own.
+CREATE TABLE bench.b2_ledger (LIKE bench.b1_ledger INCLUDING ALL);
+CREATE TABLE bench.config (connstr text NOT NULL);
+INSERT INTO bench.config VALUES (:'connstr');
+
+CREATE FUNCTION bench.b2_start(lim int DEFAULT 1000) RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
+DECLARE n bigint; t bigint;
+BEGIN
+  IF NOT coalesce('b2' = ANY (dblink_get_connections()), false) THEN
+    PERFORM dblink_connect_u('b2', (SELECT connstr FROM bench.config));
+  END IF;
+  PERFORM pg_advisory_xact_lock(hashtext(session_user));
+  SELECT count(*) INTO n FROM bench.b2_ledger WHERE role = session_user AND ended_at IS NULL;
+  IF n >= lim THEN
+    RAISE EXCEPTION 'quota exceeded for %', session_user USING ERRCODE = '53400';
+  END IF;
+  SELECT id INTO t FROM dblink('b2',
+    format('INSERT INTO bench.b2_ledger (role) VALUES (%L) RETURNING id', session_user)) AS r(id bigint);
+  RETURN t;
+END $$;
+
+CREATE FUNCTION bench.b2_finish(t bigint) RETURNS boolean
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog AS $$
+  UPDATE bench.b2_ledger SET ended_at = now() WHERE id = t AND ended_at IS NULL RETURNING true
+$$;
+
+GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA bench TO PUBLIC;
+
+-- The refusal path: bench_refused holds its one ticket for the whole run.
+SET quota.max_active_per_role = 1;
+SET ROLE bench_refused;
+SELECT quota.start('held for the refusal workload') IS NOT NULL AS holding;
+RESET ROLE;
+RESET quota.max_active_per_role;

@@ -3,9 +3,9 @@
 
 use pgrx::pg_sys;
 
-use crate::core::{check_label, decide, Decision, QuotaError, Refusal, RefusalKind, Usage};
+use crate::core::{check_label, decide, Decision, Limits, QuotaError, Refusal, RefusalKind, Usage};
+use crate::counts::{self, Latest, Rels};
 use crate::error::raise;
-use crate::ledger::{self, Stmt};
 use crate::writer::{self, Answer};
 use crate::{gucs, shmem};
 
@@ -13,49 +13,41 @@ use crate::{gucs, shmem};
 /// `pg_advisory_*` call can produce this tag, block admission or bypass it (I4).
 pub const SCOPE_LOCK_FIELD4: u16 = 0x5153; // "QS"
 
-static USAGE_STMT: Stmt = Stmt::new(ledger::USAGE, &[pg_sys::OIDOID, pg_sys::TIMESTAMPTZOID]);
-static OLDEST_STMT: Stmt = Stmt::new(ledger::OLDEST_ENDED, &[pg_sys::OIDOID, pg_sys::TIMESTAMPTZOID]);
+/// How long a caller sleeps while requests of its scope that could tip it over the
+/// limit are in the writer's hands. They resolve within one writer commit.
+const INFLIGHT_POLL_MS: i64 = 1;
 
 /// The instant before which ended tickets no longer count.
 pub fn cutoff(now: pg_sys::TimestampTz, retention_secs: i64) -> pg_sys::TimestampTz {
     now.saturating_sub(retention_secs.saturating_mul(1_000_000))
 }
 
-/// Reads the scope's usage. `latest` reads with the latest committed snapshot (the
-/// caller, I3); otherwise with the transaction's own (the READ COMMITTED writer, which
-/// must also see its own uncommitted inserts). Returns the usage and how many rows
-/// are past the cutoff but not purged yet. Must run inside SPI.
-pub fn measure(role: pg_sys::Oid, cutoff: pg_sys::TimestampTz, latest: bool) -> (Usage, i64) {
-    let mut args = [role.into(), cutoff.into()];
-    if latest {
-        USAGE_STMT.run_latest(&mut args, &[false, false], true);
-    } else {
-        USAGE_STMT.run(&mut args, &[false, false]);
-    }
-    let (active, rows, expired) = (ledger::int8(0, 1), ledger::int8(0, 2), ledger::int8(0, 3));
-    (
-        Usage {
-            active,
-            retained: rows - expired,
-        },
-        expired,
-    )
+/// What admission needs to count for `limits`: the active count up to the limit (one
+/// more would not change the decision), the retained count only if it is limited.
+pub fn usage_for(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::TimestampTz, limits: Limits) -> Usage {
+    let max_active = (limits.max_active > 0).then_some(limits.max_active);
+    counts::usage(r, snap, role, cutoff, max_active, limits.max_retained > 0)
 }
 
-/// When the oldest ended, retained ticket ages out, if there is one. Inside SPI.
-pub fn next_ageout(
+/// The full numbers for a refusal's message, and when capacity returns if the
+/// retained limit is the one reached.
+pub fn refusal_numbers(
+    r: &Rels,
+    snap: &Latest,
     role: pg_sys::Oid,
     cutoff: pg_sys::TimestampTz,
     retention_secs: i64,
-    latest: bool,
-) -> Option<pg_sys::TimestampTz> {
-    let mut args = [role.into(), cutoff.into()];
-    if latest {
-        OLDEST_STMT.run_latest(&mut args, &[false, false], true);
-    } else {
-        OLDEST_STMT.run(&mut args, &[false, false]);
-    }
-    ledger::value(0, 1).map(|d| (d.value() as i64).saturating_add(retention_secs * 1_000_000))
+    kind: RefusalKind,
+) -> (Usage, Option<pg_sys::TimestampTz>) {
+    let usage = Usage {
+        active: counts::active(r, snap, role, None),
+        retained: counts::retained(r, snap, role, cutoff),
+    };
+    let next = (kind == RefusalKind::Retained)
+        .then(|| counts::oldest_ended(r, snap, role, cutoff))
+        .flatten()
+        .map(|t| t.saturating_add(retention_secs.saturating_mul(1_000_000)));
+    (usage, next)
 }
 
 /// Checks that the library was preloaded (its shared memory exists).
@@ -67,11 +59,13 @@ pub fn require_preloaded() {
 
 /// Holds the scope lock for (database, role) until dropped.
 ///
-/// Taken under TopTransactionResourceOwner, as sequence.c's open_share_lock() does,
-/// so that no subtransaction abort can release it behind our back; and released
-/// explicitly as soon as start() has its answer. Holding it to the end of the
-/// caller's transaction would gain nothing, since the charge is already committed
-/// by then, and would serialize all of the role's long transactions.
+/// It makes "count, then hand over" atomic per scope, so that two callers cannot both
+/// take the last slot. Taken under TopTransactionResourceOwner, as sequence.c's
+/// open_share_lock() does, so that no subtransaction abort can release it behind our
+/// back; and released explicitly as soon as our request is handed to the writer.
+/// Holding it while the writer commits would serialize the role's starts behind one
+/// WAL flush each; holding it to the end of the caller's transaction would serialize
+/// the role's long transactions, for nothing, since the charge is committed by then.
 struct ScopeLock(pg_sys::LOCKTAG);
 
 impl ScopeLock {
@@ -157,7 +151,7 @@ fn refusal(role: pg_sys::Oid, kind: RefusalKind, usage: Usage, next: Option<pg_s
 /// value so that try_start can turn it into NULL. Every other error raises.
 pub fn start(label: Option<&str>) -> Result<pgrx::Uuid, QuotaError> {
     require_preloaded();
-    // A read-only transaction or a standby refuses with 25006, as nextval() does:
+    // A standby or a read-only transaction refuses with 25006, as nextval() does:
     // the charge is a write, even though it is not the caller's own.
     // SAFETY: both raise ERROR or return.
     unsafe {
@@ -174,35 +168,7 @@ pub fn start(label: Option<&str>) -> Result<pgrx::Uuid, QuotaError> {
     };
     let limits = gucs::limits();
     let retention = gucs::retention_secs();
-    let owner = ledger::owner();
-
-    // I7: superusers skip the fast path and the scope lock; the writer still records
-    // their ticket.
-    let _lock = (!exempt).then(|| ScopeLock::acquire(role));
-    if !exempt {
-        // SAFETY: plain clock read.
-        let now = unsafe { pg_sys::GetCurrentTimestamp() };
-        let cutoff = cutoff(now, retention);
-        let refused = ledger::as_owner(owner, || {
-            ledger::connect(|| {
-                let (usage, _) = measure(role, cutoff, true);
-                match decide(limits, usage, false) {
-                    Decision::Admit => None,
-                    Decision::Refuse(r) => {
-                        let next = (r.kind == RefusalKind::Retained)
-                            .then(|| next_ageout(role, cutoff, retention, true))
-                            .flatten();
-                        Some((r.kind, usage, next))
-                    }
-                }
-            })
-        });
-        if let Some((kind, usage, next)) = refused {
-            return Err(refusal(role, kind, usage, next));
-        }
-    }
-
-    let answer = writer::submit(|r| {
+    let fill = |r: &mut shmem::Request| {
         r.role = role;
         r.exempt = exempt;
         r.max_active = limits.max_active;
@@ -212,7 +178,60 @@ pub fn start(label: Option<&str>) -> Result<pgrx::Uuid, QuotaError> {
         let bytes = label.unwrap_or("").as_bytes();
         r.label[..bytes.len()].copy_from_slice(bytes);
         r.label_len = bytes.len();
-    });
+    };
+
+    let answer = if exempt {
+        // I7: superusers are never refused; the writer still records their ticket.
+        writer::enqueue(fill);
+        writer::wait()
+    } else {
+        let rels = counts::rels();
+        // SAFETY: plain clock read.
+        let cutoff = cutoff(unsafe { pg_sys::GetCurrentTimestamp() }, retention);
+        let refuse = |snap: &Latest, kind| {
+            let (usage, next) = refusal_numbers(&rels, snap, role, cutoff, retention, kind);
+            Err(refusal(role, kind, usage, next))
+        };
+
+        // Refusals need no lock: a committed count at the limit is a correct answer
+        // at the moment of the snapshot. This keeps a role hammering at its limit
+        // from queueing on its own scope lock.
+        {
+            let snap = Latest::take();
+            if let Decision::Refuse(r) = decide(limits, usage_for(&rels, &snap, role, cutoff, limits), false) {
+                return refuse(&snap, r.kind);
+            }
+        }
+
+        // Admission: under the scope lock, count the committed tickets plus this
+        // scope's requests still in the writer's hands, and hand ours over only if
+        // all of them fit. The lock makes count-and-enqueue atomic per scope, so the
+        // decision here is exact; it is released before we wait for the writer, so
+        // one role's starts share the writer's commits.
+        let lock = ScopeLock::acquire(role);
+        loop {
+            let snap = Latest::take();
+            let usage = usage_for(&rels, &snap, role, cutoff, limits);
+            if let Decision::Refuse(r) = decide(limits, usage, false) {
+                return refuse(&snap, r.kind);
+            }
+            let inflight = writer::inflight(role);
+            let with_inflight = Usage {
+                active: usage.active + inflight,
+                retained: usage.retained + inflight,
+            };
+            if decide(limits, with_inflight, false) == Decision::Admit {
+                break;
+            }
+            // Requests in flight would take the last slots; wait for them to be
+            // committed (then counted) or refused, and count again.
+            drop(snap);
+            writer::nap(INFLIGHT_POLL_MS);
+        }
+        writer::enqueue(fill);
+        drop(lock);
+        writer::wait()
+    };
     match answer {
         Answer::Admitted(id) => Ok(pgrx::Uuid::from_bytes(id)),
         Answer::Refused(kind, usage, next) => Err(refusal(role, kind, usage, next)),

@@ -11,7 +11,7 @@ use crate::ledger::{self, Stmt};
 static TICKET_STMT: Stmt = Stmt::new(ledger::TICKET, &[pg_sys::UUIDOID]);
 static FINISH_STMT: Stmt = Stmt::new(
     ledger::FINISH,
-    &[pg_sys::UUIDOID, pg_sys::TIMESTAMPTZOID, pg_sys::TEXTOID],
+    &[pg_sys::UUIDOID, pg_sys::TIMESTAMPTZOID, pg_sys::TEXTOID, pg_sys::OIDOID],
 );
 
 /// Ends `ticket` with `outcome`. Returns true if this call ended it, false if it had
@@ -25,14 +25,30 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&str>) -> Result<bool,
         pg_sys::PreventCommandDuringRecovery(c"quota.finish()".as_ptr());
         pg_sys::PreventCommandIfReadOnly(c"quota.finish()".as_ptr());
     }
-    // SAFETY: plain read of backend state.
-    let me = unsafe { pg_sys::GetUserId() };
+    // SAFETY: plain reads of backend state and the clock.
+    let (me, now) = unsafe { (pg_sys::GetUserId(), pg_sys::GetCurrentTimestamp()) };
     let owner = ledger::owner();
 
+    // Statements run with the latest snapshot, not the transaction's: under
+    // REPEATABLE READ a ticket committed by the writer after our snapshot must still
+    // be found (I3). In READ COMMITTED a concurrent finish makes the update match no
+    // row (false); under REPEATABLE READ PostgreSQL raises 40001 instead, as for any
+    // update of a row changed after the snapshot.
+    let end_as = |holder: pg_sys::Oid| {
+        let mut args = [
+            ticket.into_datum().unwrap(),
+            now.into(),
+            outcome.as_str().into_datum().unwrap(),
+            holder.into(),
+        ];
+        FINISH_STMT.run_latest(&mut args, &[false; 4], false) == 1
+    };
     ledger::as_owner(owner, || {
         ledger::connect(|| {
-            // The latest snapshot, not the transaction's: under REPEATABLE READ a ticket
-            // committed by the writer after our snapshot must still be found (I3).
+            // The common case in one statement: our own ticket, still active.
+            if end_as(me) {
+                return Ok(true);
+            }
             let mut args = [ticket.into_datum().unwrap()];
             if TICKET_STMT.run_latest(&mut args, &[false], true) == 0 {
                 return Err(QuotaError::UnknownTicket(ticket.to_string()));
@@ -48,20 +64,7 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&str>) -> Result<bool,
                     owner: role_name(holder),
                 });
             }
-            if ended {
-                return Ok(false);
-            }
-            // SAFETY: plain clock read.
-            let now = unsafe { pg_sys::GetCurrentTimestamp() };
-            let mut args = [
-                ticket.into_datum().unwrap(),
-                now.into(),
-                outcome.as_str().into_datum().unwrap(),
-            ];
-            // In READ COMMITTED a concurrent finish makes this update 0 rows (false);
-            // under REPEATABLE READ PostgreSQL raises 40001 instead, as for any update
-            // of a row changed after the snapshot.
-            Ok(FINISH_STMT.run_latest(&mut args, &[false, false, false], false) == 1)
+            Ok(!ended && holder != me && end_as(holder))
         })
     })
 }

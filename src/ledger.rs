@@ -9,25 +9,17 @@ use std::ffi::CStr;
 
 use pgrx::pg_sys;
 
-/// Counts for one role: active tickets, rows in the summary, and rows already past the
-/// retention cutoff `$2` that the writer has not purged yet. Retained = rows - expired.
-pub const USAGE: &CStr = c"
-SELECT (SELECT pg_catalog.count(*) FROM quota.ledger l
-         WHERE l.role OPERATOR(pg_catalog.=) $1 AND l.ended_at IS NULL),
-       COALESCE((SELECT s.tickets FROM quota.summary s WHERE s.role OPERATOR(pg_catalog.=) $1), 0),
-       (SELECT pg_catalog.count(*) FROM quota.ledger l
-         WHERE l.role OPERATOR(pg_catalog.=) $1 AND l.ended_at OPERATOR(pg_catalog.<) $2)";
-
-/// When the oldest ended, still retained ticket of role `$1` ended (cutoff `$2`).
-pub const OLDEST_ENDED: &CStr = c"
-SELECT pg_catalog.min(l.ended_at) FROM quota.ledger l
- WHERE l.role OPERATOR(pg_catalog.=) $1 AND l.ended_at OPERATOR(pg_catalog.>=) $2";
-
-/// Writer only: records an admitted ticket and counts it in the role's summary row.
+/// Writer only: records a batch of admitted tickets (ids `$1`, roles `$2`, labels
+/// `$3`, all started at `$4`) and adds them to their roles' summary rows, in one
+/// statement.
 pub const INSERT: &CStr = c"
-WITH t AS (INSERT INTO quota.ledger (id, role, label, started_at) VALUES ($1, $2, $3, $4))
-INSERT INTO quota.summary AS s (role, tickets) VALUES ($2, 1)
-ON CONFLICT (role) DO UPDATE SET tickets = s.tickets OPERATOR(pg_catalog.+) 1";
+WITH t AS (
+  INSERT INTO quota.ledger (id, role, label, started_at)
+  SELECT u.id, u.role, u.label, $4
+    FROM ROWS FROM (pg_catalog.unnest($1), pg_catalog.unnest($2), pg_catalog.unnest($3)) AS u (id, role, label))
+INSERT INTO quota.summary AS s (role, tickets)
+SELECT u.role, pg_catalog.count(*) FROM pg_catalog.unnest($2) AS u (role) GROUP BY u.role
+ON CONFLICT (role) DO UPDATE SET tickets = s.tickets OPERATOR(pg_catalog.+) excluded.tickets";
 
 /// Writer only: drops the role's tickets that ended before the cutoff `$2`.
 pub const PURGE: &CStr = c"
@@ -41,10 +33,10 @@ UPDATE quota.summary s SET tickets = s.tickets OPERATOR(pg_catalog.-) (SELECT pg
 pub const TICKET: &CStr = c"
 SELECT l.role, l.ended_at IS NOT NULL FROM quota.ledger l WHERE l.id OPERATOR(pg_catalog.=) $1";
 
-/// Ends one ticket, unless a concurrent finish already did.
+/// Ends ticket `$1` of role `$4`, unless it has ended already.
 pub const FINISH: &CStr = c"
 UPDATE quota.ledger l SET ended_at = $2, outcome = $3
- WHERE l.id OPERATOR(pg_catalog.=) $1 AND l.ended_at IS NULL";
+ WHERE l.id OPERATOR(pg_catalog.=) $1 AND l.ended_at IS NULL AND l.role OPERATOR(pg_catalog.=) $4";
 
 /// A prepared statement, kept for the life of the backend. Plans are per process,
 /// and backends are single-threaded, so a plain static cell is enough. PostgreSQL's
@@ -145,10 +137,6 @@ pub fn value(row: usize, col: i32) -> Option<pg_sys::Datum> {
         let d = pg_sys::SPI_getbinval(*(*tt).vals.add(row), (*tt).tupdesc, col, &mut isnull);
         (!isnull).then_some(d)
     }
-}
-
-pub fn int8(row: usize, col: i32) -> i64 {
-    value(row, col).map_or(0, |d| d.value() as i64)
 }
 
 /// Runs `f` between SPI_connect and SPI_finish.

@@ -16,7 +16,10 @@ use std::time::{Duration, Instant};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
+use std::collections::HashMap;
+
 use crate::core::{decide, uuid_v7, Decision, Limits, QuotaError, RefusalKind, Usage};
+use crate::counts;
 use crate::error::raise;
 use crate::ledger::{self, Stmt};
 use crate::shmem::{self, *};
@@ -45,8 +48,13 @@ pub enum Answer {
     Refused(RefusalKind, Usage, Option<pg_sys::TimestampTz>),
 }
 
-/// Hands one start request to this database's writer and waits for the answer.
-pub fn submit(req: impl FnOnce(&mut Request)) -> Answer {
+thread_local! {
+    /// The writer entry our pending request went to (see `enqueue` and `wait`).
+    static MY_WRITER: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+}
+
+/// Hands one start request to this database's writer. The caller then calls `wait`.
+pub fn enqueue(fill: impl FnOnce(&mut Request)) {
     let me = shmem::my_procno();
     if me >= shmem::n_slots() {
         pgrx::error!("pg_quota: process number {me} has no request slot");
@@ -59,22 +67,64 @@ pub fn submit(req: impl FnOnce(&mut Request)) -> Answer {
     unsafe {
         let r = &mut *slot.request.get();
         r.dboid = pg_sys::MyDatabaseId;
-        req(r);
+        fill(r);
     }
-    let writer_idx = {
-        let _lock = shmem::TableLock::acquire();
-        let idx = find_or_start_writer();
-        slot.state.store(SLOT_PENDING, Ordering::Release);
-        if let Ok(p) = usize::try_from(shmem::writer(idx).procno) {
-            shmem::wake(p);
-        }
-        idx
-    };
+    let _lock = shmem::TableLock::acquire();
+    let idx = find_or_start_writer();
+    slot.state.store(SLOT_PENDING, Ordering::Release);
+    if let Ok(p) = usize::try_from(shmem::writer(idx).procno) {
+        shmem::wake(p);
+    }
+    MY_WRITER.set(idx);
+}
 
-    // From here until DONE, an ERROR (cancel, statement_timeout) withdraws the request
-    // if the writer has not claimed it yet. If it has, the writer finishes it and the
-    // next request from this backend reclaims the slot: the charge, if any, stays
-    // counted (over-count, never under-count).
+/// How many requests of `role` in this database are in the writer's hands: handed
+/// over and not yet answered. Callers hold the scope lock, so none can be added
+/// meanwhile; a read that races with a slot being reused only miscounts a request
+/// that is not of this scope, and the writer's own check is exact in any case.
+pub fn inflight(role: pg_sys::Oid) -> i64 {
+    // SAFETY: MyDatabaseId is set in every connected backend.
+    let db = unsafe { pg_sys::MyDatabaseId };
+    (0..shmem::n_slots())
+        .filter(|&i| {
+            let s = shmem::slot(i);
+            let st = load_state(s);
+            // SAFETY: the payload was published with the slot's Release store.
+            (st == SLOT_PENDING || st == SLOT_CLAIMED) && unsafe {
+                let r = &*s.request.get();
+                r.dboid == db && r.role == role
+            }
+        })
+        .count() as i64
+}
+
+/// Sleeps up to `ms` milliseconds on our latch, then checks for interrupts. Returns
+/// true if the time ran out, false if the latch was set.
+pub fn nap(ms: i64) -> bool {
+    // SAFETY: our own latch; WL_EXIT_ON_PM_DEATH ends us with the postmaster.
+    let rc = unsafe {
+        let rc = pg_sys::WaitLatch(
+            pg_sys::MyLatch,
+            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+            ms,
+            pg_sys::PG_WAIT_EXTENSION,
+        );
+        pg_sys::ResetLatch(pg_sys::MyLatch);
+        rc
+    };
+    pgrx::check_for_interrupts!();
+    rc & pg_sys::WL_TIMEOUT as i32 != 0
+}
+
+/// Waits for the writer's answer to the request `enqueue` handed over.
+pub fn wait() -> Answer {
+    let slot = shmem::slot(shmem::my_procno());
+    let writer_idx = MY_WRITER.get();
+
+    // Until DONE, an ERROR (cancel, statement_timeout) withdraws the request if the
+    // writer has not claimed it yet. If it has, the writer finishes it and the next
+    // request from this backend reclaims the slot: the charge, if any, stays counted
+    // (over-count, never under-count).
     struct Withdraw(&'static Slot);
     impl Drop for Withdraw {
         fn drop(&mut self) {
@@ -92,19 +142,7 @@ pub fn submit(req: impl FnOnce(&mut Request)) -> Answer {
             std::mem::forget(guard);
             return take_reply(slot);
         }
-        // SAFETY: MyLatch is this backend's own latch.
-        let rc = unsafe {
-            let rc = pg_sys::WaitLatch(
-                pg_sys::MyLatch,
-                (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
-                POLL_MS,
-                pg_sys::PG_WAIT_EXTENSION,
-            );
-            pg_sys::ResetLatch(pg_sys::MyLatch);
-            rc
-        };
-        pgrx::check_for_interrupts!();
-        if rc & pg_sys::WL_TIMEOUT as i32 != 0 && load_state(slot) != SLOT_DONE && !writer_alive(writer_idx) {
+        if nap(POLL_MS) && load_state(slot) != SLOT_DONE && !writer_alive(writer_idx) {
             // The writer is gone and its exit callback did not answer us: it never
             // started, or it died before it claimed our request.
             if slot
@@ -130,17 +168,7 @@ fn reclaim(slot: &'static Slot) {
                 return;
             }
             _ => {
-                // SAFETY: our own latch; bounded by POLL_MS, interrupts checked below.
-                unsafe {
-                    pg_sys::WaitLatch(
-                        pg_sys::MyLatch,
-                        (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
-                        POLL_MS,
-                        pg_sys::PG_WAIT_EXTENSION,
-                    );
-                    pg_sys::ResetLatch(pg_sys::MyLatch);
-                }
-                pgrx::check_for_interrupts!();
+                nap(POLL_MS);
             }
         }
     }
@@ -457,11 +485,7 @@ fn process(batch: Vec<usize>) {
             pg_sys::StartTransactionCommand();
             pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
         }
-        ledger::connect(|| {
-            for &i in &batch {
-                handle_one(i);
-            }
-        });
+        ledger::connect(|| handle_batch(&batch));
         // SAFETY: closes the bracket opened above.
         unsafe {
             pg_sys::PopActiveSnapshot();
@@ -518,50 +542,92 @@ fn set_error(i: usize, code: i32, msg: &str) {
     r.error_len = n;
 }
 
-/// Decides and, if admitted, records one request. Runs inside the batch transaction,
-/// which sees its own earlier inserts, so requests of one batch count each other.
-fn handle_one(i: usize) {
-    let slot = shmem::slot(i);
-    // SAFETY: the slot is CLAIMED by us; the caller does not touch it until DONE.
-    let (req, reply) = unsafe { (&*slot.request.get(), &mut *slot.reply.get()) };
+/// One scope's state while a batch is decided: counted once, then kept up to date
+/// as the batch admits tickets, so requests of one batch count each other.
+struct ScopeCounts {
+    usage: Usage,
+    expired: i64,
+    cutoff: pg_sys::TimestampTz,
+    admitted: i64,
+}
+
+/// Decides every request of the batch and records the admitted ones with one
+/// statement. Runs inside the batch transaction; the writer is the only process that
+/// inserts, so counts taken here plus this batch's own admissions are exact (I1).
+fn handle_batch(batch: &[usize]) {
+    let rels = counts::rels();
     // SAFETY: plain clock read.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let cutoff = crate::admission::cutoff(now, req.retention_secs);
-    let limits = Limits {
-        max_active: req.max_active,
-        max_retained: req.max_retained,
-    };
-    let (usage, expired) = crate::admission::measure(req.role, cutoff, false);
-    match decide(limits, usage, req.exempt) {
-        Decision::Admit => {
-            if expired > 0 {
-                PURGE_STMT.run(&mut [req.role.into(), cutoff.into()], &[false, false]);
+    let snap = counts::Latest::take();
+    // Keyed by role and retention: two sessions of one role may run with different
+    // quota.retention settings, and each is judged by its own.
+    let mut scopes: HashMap<(pg_sys::Oid, i64), ScopeCounts> = HashMap::new();
+    let (mut ids, mut roles, mut labels) = (Vec::new(), Vec::new(), Vec::new());
+
+    for &i in batch {
+        let slot = shmem::slot(i);
+        // SAFETY: the slot is CLAIMED by us; its caller does not touch it until DONE.
+        let (req, reply) = unsafe { (&*slot.request.get(), &mut *slot.reply.get()) };
+        let limits = Limits {
+            max_active: req.max_active,
+            max_retained: req.max_retained,
+        };
+        let sc = scopes.entry((req.role, req.retention_secs)).or_insert_with(|| {
+            let cutoff = crate::admission::cutoff(now, req.retention_secs);
+            ScopeCounts {
+                usage: Usage {
+                    active: counts::active(&rels, &snap, req.role, None),
+                    retained: counts::retained(&rels, &snap, req.role, cutoff),
+                },
+                expired: counts::expired(&rels, &snap, req.role, cutoff),
+                cutoff,
+                admitted: 0,
             }
-            let id = new_ticket_id(now);
-            let label = req
-                .has_label
-                .then(|| std::str::from_utf8(&req.label[..req.label_len]).unwrap_or_default());
-            let mut args = [
-                pgrx::Uuid::from_bytes(id).into_datum().unwrap(),
-                req.role.into(),
-                label.into_datum().unwrap_or(pg_sys::Datum::from(0)),
-                now.into(),
-            ];
-            INSERT_STMT.run(&mut args, &[false, false, label.is_none(), false]);
-            reply.kind = REPLY_ADMITTED;
-            reply.ticket = id;
+        });
+        match decide(limits, sc.usage, req.exempt) {
+            Decision::Admit => {
+                let id = new_ticket_id(now);
+                ids.push(pgrx::Uuid::from_bytes(id));
+                roles.push(req.role);
+                labels.push(
+                    req.has_label
+                        .then(|| String::from_utf8_lossy(&req.label[..req.label_len]).into_owned()),
+                );
+                sc.usage.active += 1;
+                sc.usage.retained += 1;
+                sc.admitted += 1;
+                reply.kind = REPLY_ADMITTED;
+                reply.ticket = id;
+            }
+            Decision::Refuse(r) => {
+                reply.kind = REPLY_REFUSED;
+                reply.refusal_kind = if r.kind == RefusalKind::Active { 1 } else { 2 };
+                reply.active = sc.usage.active;
+                reply.retained = sc.usage.retained;
+                reply.next_ageout = (r.kind == RefusalKind::Retained)
+                    .then(|| counts::oldest_ended(&rels, &snap, req.role, sc.cutoff))
+                    .flatten()
+                    .map(|t| t.saturating_add(req.retention_secs.saturating_mul(1_000_000)));
+            }
         }
-        Decision::Refuse(r) => {
-            reply.kind = REPLY_REFUSED;
-            reply.refusal_kind = if r.kind == RefusalKind::Active { 1 } else { 2 };
-            reply.active = usage.active;
-            reply.retained = usage.retained;
-            reply.next_ageout = if r.kind == RefusalKind::Retained {
-                crate::admission::next_ageout(req.role, cutoff, req.retention_secs, false)
-            } else {
-                None
-            };
+    }
+    drop(snap);
+
+    // Purge what is past retention in the scopes that grow, so that the expired
+    // count each admission reads stays small.
+    for (&(role, _), sc) in &scopes {
+        if sc.admitted > 0 && sc.expired > 0 {
+            PURGE_STMT.run(&mut [role.into(), sc.cutoff.into()], &[false, false]);
         }
+    }
+    if !ids.is_empty() {
+        let mut args = [
+            ids.into_datum().unwrap(),
+            roles.into_datum().unwrap(),
+            labels.into_datum().unwrap(),
+            now.into(),
+        ];
+        INSERT_STMT.run(&mut args, &[false, false, false, false]);
     }
 }
 
@@ -580,7 +646,7 @@ fn new_ticket_id(now: pg_sys::TimestampTz) -> [u8; 16] {
 static PURGE_STMT: Stmt = Stmt::new(ledger::PURGE, &[pg_sys::OIDOID, pg_sys::TIMESTAMPTZOID]);
 static INSERT_STMT: Stmt = Stmt::new(
     ledger::INSERT,
-    &[pg_sys::UUIDOID, pg_sys::OIDOID, pg_sys::TEXTOID, pg_sys::TIMESTAMPTZOID],
+    &[pg_sys::UUIDARRAYOID, pg_sys::OIDARRAYOID, pg_sys::TEXTARRAYOID, pg_sys::TIMESTAMPTZOID],
 );
 
 /// Gives up this writer's entry. Unless `force`, only when no request of its database

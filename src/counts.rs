@@ -165,15 +165,20 @@ pub fn active(r: &Rels, snap: &Latest, role: pg_sys::Oid, stop_at: Option<i64>) 
     count(r.ledger, r.ledger_idx, snap, &[Key::OidEq(role), Key::IsNull], stop_at)
 }
 
-/// How many retained tickets `role` has: its rows, from the summary, less the ended
-/// ones that are past `cutoff` and not purged yet (few: the writer purges them).
-pub fn retained(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::TimestampTz) -> i64 {
+/// How many ledger rows `role` has, from its summary row.
+pub fn rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> i64 {
     let mut rows = 0i64;
     scan(r.summary, r.summary_idx, snap, &[Key::OidEq(role)], |slot| {
         rows = attr(slot, 2).map_or(0, |d| d.value() as i64);
         false
     });
-    rows - expired(r, snap, role, cutoff)
+    rows
+}
+
+/// How many retained tickets `role` has: its rows less the ended ones that are past
+/// `cutoff` and not purged yet (few: the writer purges them as the scope grows).
+pub fn retained(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::TimestampTz) -> i64 {
+    rows(r, snap, role) - expired(r, snap, role, cutoff)
 }
 
 /// How many of `role`'s ended tickets are past `cutoff`.

@@ -559,32 +559,53 @@ fn handle_batch(batch: &[usize]) {
     // SAFETY: plain clock read.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let snap = counts::Latest::take();
-    // Keyed by role and retention: two sessions of one role may run with different
-    // quota.retention settings, and each is judged by its own.
-    let mut scopes: HashMap<(pg_sys::Oid, i64), ScopeCounts> = HashMap::new();
-    let (mut ids, mut roles, mut labels) = (Vec::new(), Vec::new(), Vec::new());
+    // SAFETY: the slots are CLAIMED by us; their callers do not touch them until DONE.
+    let requests: Vec<&Request> = batch.iter().map(|&i| unsafe { &*shmem::slot(i).request.get() }).collect();
 
-    for &i in batch {
-        let slot = shmem::slot(i);
-        // SAFETY: the slot is CLAIMED by us; its caller does not touch it until DONE.
-        let (req, reply) = unsafe { (&*slot.request.get(), &mut *slot.reply.get()) };
-        let limits = Limits {
-            max_active: req.max_active,
-            max_retained: req.max_retained,
-        };
-        let sc = scopes.entry((req.role, req.retention_secs)).or_insert_with(|| {
+    // Count each scope once, and only what its requests are limited by: the active
+    // count up to the highest active limit among them, the retained count if any of
+    // them has a retained limit. Keyed by role and retention: two sessions of one
+    // role may run with different quota.retention settings.
+    let mut scopes: HashMap<(pg_sys::Oid, i64), ScopeCounts> = HashMap::new();
+    for req in &requests {
+        if req.exempt {
+            continue;
+        }
+        let key = (req.role, req.retention_secs);
+        let max_active = requests
+            .iter()
+            .filter(|r| !r.exempt && (r.role, r.retention_secs) == key)
+            .map(|r| r.max_active)
+            .fold(None, |acc: Option<i64>, m| if m > 0 { Some(acc.map_or(m, |a| a.max(m))) } else { acc });
+        let count_retained = requests
+            .iter()
+            .any(|r| !r.exempt && (r.role, r.retention_secs) == key && r.max_retained > 0);
+        scopes.entry(key).or_insert_with(|| {
             let cutoff = crate::admission::cutoff(now, req.retention_secs);
+            let expired = counts::expired(&rels, &snap, req.role, cutoff);
             ScopeCounts {
                 usage: Usage {
-                    active: counts::active(&rels, &snap, req.role, None),
-                    retained: counts::retained(&rels, &snap, req.role, cutoff),
+                    active: max_active.map_or(0, |m| counts::active(&rels, &snap, req.role, Some(m))),
+                    retained: if count_retained { counts::rows(&rels, &snap, req.role) - expired } else { 0 },
                 },
-                expired: counts::expired(&rels, &snap, req.role, cutoff),
+                expired,
                 cutoff,
                 admitted: 0,
             }
         });
-        match decide(limits, sc.usage, req.exempt) {
+    }
+
+    let (mut ids, mut roles, mut labels) = (Vec::new(), Vec::new(), Vec::new());
+    for (&i, req) in batch.iter().zip(&requests) {
+        // SAFETY: as above; the reply belongs to the writer while the slot is CLAIMED.
+        let reply = unsafe { &mut *shmem::slot(i).reply.get() };
+        let limits = Limits {
+            max_active: req.max_active,
+            max_retained: req.max_retained,
+        };
+        let sc = scopes.get_mut(&(req.role, req.retention_secs));
+        let usage = sc.as_ref().map_or(Usage::default(), |sc| sc.usage);
+        match decide(limits, usage, req.exempt) {
             Decision::Admit => {
                 let id = new_ticket_id(now);
                 ids.push(pgrx::Uuid::from_bytes(id));
@@ -593,21 +614,27 @@ fn handle_batch(batch: &[usize]) {
                     req.has_label
                         .then(|| String::from_utf8_lossy(&req.label[..req.label_len]).into_owned()),
                 );
-                sc.usage.active += 1;
-                sc.usage.retained += 1;
-                sc.admitted += 1;
+                if let Some(sc) = sc {
+                    sc.usage.active += 1;
+                    sc.usage.retained += 1;
+                    sc.admitted += 1;
+                }
                 reply.kind = REPLY_ADMITTED;
                 reply.ticket = id;
             }
             Decision::Refuse(r) => {
+                // Only a caller cancelled after handing over its request, or sessions
+                // with different limits, get here: callers count in-flight requests.
+                let cutoff = crate::admission::cutoff(now, req.retention_secs);
+                let (full, next) = crate::admission::refusal_numbers(
+                    &rels, &snap, req.role, cutoff, req.retention_secs, r.kind,
+                );
+                let pending = sc.map_or(0, |sc| sc.admitted);
                 reply.kind = REPLY_REFUSED;
                 reply.refusal_kind = if r.kind == RefusalKind::Active { 1 } else { 2 };
-                reply.active = sc.usage.active;
-                reply.retained = sc.usage.retained;
-                reply.next_ageout = (r.kind == RefusalKind::Retained)
-                    .then(|| counts::oldest_ended(&rels, &snap, req.role, sc.cutoff))
-                    .flatten()
-                    .map(|t| t.saturating_add(req.retention_secs.saturating_mul(1_000_000)));
+                reply.active = full.active + pending;
+                reply.retained = full.retained + pending;
+                reply.next_ageout = next;
             }
         }
     }

@@ -15,6 +15,8 @@ use crate::core::Usage;
 #[derive(Clone, Copy)]
 pub struct Rels {
     pub ledger: pg_sys::Oid,
+    /// `ledger_pkey` on (id).
+    pub ledger_pkey: pg_sys::Oid,
     /// `ledger_role_ended_idx` on (role, ended_at).
     pub ledger_idx: pg_sys::Oid,
     pub summary: pg_sys::Oid,
@@ -26,12 +28,13 @@ fn relid(ns: pg_sys::Oid, name: &std::ffi::CStr) -> pg_sys::Oid {
     // SAFETY: a syscache lookup; returns InvalidOid when missing.
     let oid = unsafe { pg_sys::get_relname_relid(name.as_ptr(), ns) };
     if oid == pg_sys::InvalidOid {
-        pgrx::ereport!(
-            ERROR,
+        pgrx::pg_sys::panic::ErrorReport::new(
             pgrx::PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
             format!("relation \"quota.{}\" does not exist", name.to_string_lossy()),
-            "Reinstall the extension with DROP EXTENSION pg_quota and CREATE EXTENSION pg_quota."
-        );
+            "pg_quota",
+        )
+        .set_hint("Reinstall the extension with DROP EXTENSION pg_quota and CREATE EXTENSION pg_quota.")
+        .report(pgrx::PgLogLevel::ERROR);
     }
     oid
 }
@@ -41,6 +44,7 @@ pub fn rels() -> Rels {
     let ns = unsafe { pg_sys::get_namespace_oid(c"quota".as_ptr(), false) };
     Rels {
         ledger: relid(ns, c"ledger"),
+        ledger_pkey: relid(ns, c"ledger_pkey"),
         ledger_idx: relid(ns, c"ledger_role_ended_idx"),
         summary: relid(ns, c"summary"),
         summary_idx: relid(ns, c"summary_pkey"),
@@ -48,7 +52,7 @@ pub fn rels() -> Rels {
 }
 
 /// A registered snapshot of the latest committed state, unregistered on drop.
-pub struct Latest(pg_sys::Snapshot);
+pub struct Latest(pub pg_sys::Snapshot);
 
 impl Latest {
     pub fn take() -> Latest {
@@ -66,8 +70,9 @@ impl Drop for Latest {
     }
 }
 
-enum Key {
+pub enum Key {
     OidEq(pg_sys::Oid),
+    UuidEq(pg_sys::Datum),
     IsNull,
     TsLess(pg_sys::TimestampTz),
     TsAtLeast(pg_sys::TimestampTz),
@@ -83,6 +88,7 @@ fn scankeys(keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
                 let mut sk: pg_sys::ScanKeyData = std::mem::zeroed();
                 let (strategy, proc_, arg) = match *k {
                     Key::OidEq(o) => (pg_sys::BTEqualStrategyNumber, pg_sys::F_OIDEQ, o.into()),
+                    Key::UuidEq(d) => (pg_sys::BTEqualStrategyNumber, pg_sys::F_UUID_EQ, d),
                     Key::TsLess(t) => (pg_sys::BTLessStrategyNumber, pg_sys::F_TIMESTAMPTZ_LT, t.into()),
                     Key::TsAtLeast(t) => {
                         (pg_sys::BTGreaterEqualStrategyNumber, pg_sys::F_TIMESTAMPTZ_GE, t.into())
@@ -110,7 +116,7 @@ fn scankeys(keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
 
 /// Scans `index` of `heap` for tuples visible to `snap` that match `keys` on the
 /// index's leading columns, and hands each to `visit` until it returns false.
-fn scan(
+pub fn scan(
     heap: pg_sys::Oid,
     index: pg_sys::Oid,
     snap: &Latest,

@@ -11,6 +11,15 @@ use pgrx::pg_sys;
 
 use crate::core::Usage;
 
+/// Ledger columns, 1-based, as created by sql/schema.sql.
+pub const COL_ID: usize = 1;
+pub const COL_ROLE: usize = 2;
+pub const COL_LABEL: usize = 3;
+pub const COL_STARTED_AT: usize = 4;
+pub const COL_ENDED_AT: usize = 5;
+pub const COL_OUTCOME: usize = 6;
+pub const NCOLS: usize = 6;
+
 /// The OIDs of pg_quota's relations in this database.
 #[derive(Clone, Copy)]
 pub struct Rels {
@@ -196,7 +205,7 @@ pub fn expired(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::Times
 pub fn oldest_ended(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::TimestampTz) -> Option<pg_sys::TimestampTz> {
     let mut oldest = None;
     scan(r.ledger, r.ledger_idx, snap, &[Key::OidEq(role), Key::TsAtLeast(cutoff)], |slot| {
-        oldest = attr(slot, 5).map(|d| d.value() as i64);
+        oldest = attr(slot, COL_ENDED_AT as i32).map(|d| d.value() as i64);
         false
     });
     oldest

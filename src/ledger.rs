@@ -1,5 +1,6 @@
-//! The SQL the ledger writer runs, and the little SPI layer under it. (Callers read
-//! and finish tickets without SQL: see counts.rs and finish.rs.)
+//! The one SQL statement pg_quota runs, the writer's purge of expired tickets, and the
+//! little SPI layer under it. Everything else reads and writes the tables directly:
+//! see counts.rs and heap.rs.
 //!
 //! Every query is schema-qualified down to its functions and operators (I5), so that
 //! objects on the search_path, `pg_temp` included, change nothing.
@@ -7,18 +8,6 @@
 use std::ffi::CStr;
 
 use pgrx::pg_sys;
-
-/// Writer only: records a batch of admitted tickets (ids `$1`, roles `$2`, labels
-/// `$3`, all started at `$4`) and adds them to their roles' summary rows, in one
-/// statement.
-pub const INSERT: &CStr = c"
-WITH t AS (
-  INSERT INTO quota.ledger (id, role, label, started_at)
-  SELECT u.id, u.role, u.label, $4
-    FROM ROWS FROM (pg_catalog.unnest($1), pg_catalog.unnest($2), pg_catalog.unnest($3)) AS u (id, role, label))
-INSERT INTO quota.summary AS s (role, tickets)
-SELECT u.role, pg_catalog.count(*) FROM pg_catalog.unnest($2) AS u (role) GROUP BY u.role
-ON CONFLICT (role) DO UPDATE SET tickets = s.tickets OPERATOR(pg_catalog.+) excluded.tickets";
 
 /// Writer only: drops the role's tickets that ended before the cutoff `$2`.
 pub const PURGE: &CStr = c"

@@ -13,6 +13,7 @@ mod counts;
 mod error;
 mod finish;
 mod gucs;
+mod heap;
 mod hooks;
 mod ledger;
 mod shmem;

@@ -20,6 +20,7 @@ use std::collections::HashMap;
 
 use crate::core::{decide, uuid_v7, Decision, Limits, QuotaError, RefusalKind, Usage};
 use crate::counts;
+use crate::heap::OpenRel;
 use crate::error::raise;
 use crate::ledger::{self, Stmt};
 use crate::shmem::{self, *};
@@ -648,33 +649,88 @@ fn handle_batch(batch: &[usize]) {
         }
     }
     if !ids.is_empty() {
-        let mut args = [
-            ids.into_datum().unwrap(),
-            roles.into_datum().unwrap(),
-            labels.into_datum().unwrap(),
-            now.into(),
-        ];
-        INSERT_STMT.run(&mut args, &[false, false, false, false]);
+        record(&rels, now, &ids, &roles, &labels);
+    }
+}
+
+/// Inserts the admitted tickets and adds them to their roles' summary rows.
+fn record(rels: &counts::Rels, now: pg_sys::TimestampTz, ids: &[pgrx::Uuid], roles: &[pg_sys::Oid], labels: &[Option<String>]) {
+    let ledger = OpenRel::open(rels.ledger);
+    let mut added: Vec<(pg_sys::Oid, i64)> = Vec::new();
+    for ((id, &role), label) in ids.iter().zip(roles).zip(labels) {
+        let mut values = [pg_sys::Datum::from(0); counts::NCOLS];
+        let mut nulls = [false; counts::NCOLS];
+        values[counts::COL_ID - 1] = id.into_datum().unwrap();
+        values[counts::COL_ROLE - 1] = role.into();
+        match label {
+            Some(l) => values[counts::COL_LABEL - 1] = l.as_str().into_datum().unwrap(),
+            None => nulls[counts::COL_LABEL - 1] = true,
+        }
+        values[counts::COL_STARTED_AT - 1] = now.into();
+        nulls[counts::COL_ENDED_AT - 1] = true;
+        nulls[counts::COL_OUTCOME - 1] = true;
+        ledger.insert(&mut values, &mut nulls);
+        match added.iter_mut().find(|(r, _)| *r == role) {
+            Some((_, n)) => *n += 1,
+            None => added.push((role, 1)),
+        }
+    }
+    drop(ledger);
+
+    let summary = OpenRel::open(rels.summary);
+    for (role, n) in added {
+        add_to_summary(rels, &summary, role, n);
+    }
+}
+
+/// Adds `n` to `role`'s summary row, creating it if needed. The writer is the only
+/// process that writes summary rows, so a concurrent change means someone edited the
+/// table by hand; we then count again from the latest version.
+fn add_to_summary(rels: &counts::Rels, summary: &OpenRel, role: pg_sys::Oid, n: i64) {
+    loop {
+        // SAFETY: makes our purges in this transaction visible to the snapshot below.
+        unsafe { pg_sys::CommandCounterIncrement() };
+        let snap = counts::Latest::take();
+        let mut current = None;
+        counts::scan(rels.summary, rels.summary_idx, &snap, &[counts::Key::OidEq(role)], |slot| {
+            // SAFETY: the slot holds a summary tuple (role, tickets), pinned meanwhile.
+            let tickets = unsafe { pg_sys::slot_getattr(slot, 2, &mut false).value() as i64 };
+            // SAFETY: as above.
+            current = Some((unsafe { (*slot).tts_tid }, tickets));
+            false
+        });
+        let Some((tid, tickets)) = current else {
+            summary.insert(&mut [role.into(), n.into()], &mut [false, false]);
+            return;
+        };
+        let tuple = summary.form(&mut [role.into(), (tickets + n).into()], &mut [false, false]);
+        match summary.update(tid, tuple, &[2]) {
+            pg_sys::TM_Result::TM_Ok => return,
+            pg_sys::TM_Result::TM_Updated | pg_sys::TM_Result::TM_Deleted => continue,
+            other => pgrx::error!("pg_quota: unexpected result {other} updating the summary of role {}", u32::from(role)),
+        }
     }
 }
 
 fn new_ticket_id(now: pg_sys::TimestampTz) -> [u8; 16] {
-    let mut random = [0u8; 10];
+    thread_local! {
+        /// The last id this writer issued; ids of one batch share `now`.
+        static LAST_ID: std::cell::Cell<Option<[u8; 16]>> = const { std::cell::Cell::new(None) };
+    }
+    let mut random = [0u8; 8];
     // SAFETY: fills the buffer we pass; returns false only if the OS source fails.
     if !unsafe { pg_sys::pg_strong_random(random.as_mut_ptr().cast(), random.len()) } {
         pgrx::error!("pg_quota: could not generate random bytes for a ticket id");
     }
-    // TimestampTz counts microseconds from 2000-01-01; UUIDv7 wants Unix milliseconds.
-    const PG_EPOCH_UNIX_MS: i64 = 946_684_800_000;
-    let unix_ms = (now / 1000 + PG_EPOCH_UNIX_MS).max(0) as u64;
-    uuid_v7(unix_ms, random)
+    // TimestampTz counts microseconds from 2000-01-01; UUIDv7 wants Unix time.
+    const PG_EPOCH_UNIX_US: i64 = 946_684_800_000_000;
+    let unix_us = (now + PG_EPOCH_UNIX_US).max(0) as u64;
+    let id = uuid_v7(unix_us, random, LAST_ID.get());
+    LAST_ID.set(Some(id));
+    id
 }
 
 static PURGE_STMT: Stmt = Stmt::new(ledger::PURGE, &[pg_sys::OIDOID, pg_sys::TIMESTAMPTZOID]);
-static INSERT_STMT: Stmt = Stmt::new(
-    ledger::INSERT,
-    &[pg_sys::UUIDARRAYOID, pg_sys::OIDARRAYOID, pg_sys::TEXTARRAYOID, pg_sys::TIMESTAMPTZOID],
-);
 
 /// Gives up this writer's entry. Unless `force`, only when no request of its database
 /// is waiting (checked under the table lock, which callers hold to enqueue).

@@ -46,16 +46,45 @@ pub fn parse_outcome(text: &str) -> Result<Outcome, QuotaError> {
     }
 }
 
-/// Builds a version 7 UUID (RFC 9562) from a Unix time in milliseconds and 10 random
-/// bytes. Ids that grow with time keep the ledger's primary key index append-mostly,
-/// which keeps inserts cheap, and they sort in start order.
-pub fn uuid_v7(unix_ms: u64, random: [u8; 10]) -> [u8; 16] {
+/// Builds a version 7 UUID (RFC 9562) from a Unix time in microseconds and 8 random
+/// bytes, ordered after `prev` (the last id this process issued, if any).
+///
+/// The 48-bit field holds milliseconds and the 12 bits after the version hold the
+/// sub-millisecond fraction (RFC 9562, method 3), so ids sort in start order. Ids
+/// issued in the same instant, as in one writer batch, would tie on time, so an id
+/// that would not sort after `prev` becomes `prev` plus one in its random bits
+/// (RFC 9562, monotonic random). Time-ordered ids also keep the ledger's primary key
+/// index append-mostly, which keeps inserts cheap.
+pub fn uuid_v7(unix_us: u64, random: [u8; 8], prev: Option<[u8; 16]>) -> [u8; 16] {
+    let ms = unix_us / 1000;
+    let frac = ((unix_us % 1000) * 4096 / 1000) as u16; // 12 bits
     let mut b = [0u8; 16];
-    b[..6].copy_from_slice(&unix_ms.to_be_bytes()[2..]);
-    b[6..].copy_from_slice(&random);
-    b[6] = (b[6] & 0x0f) | 0x70; // version 7
+    b[..6].copy_from_slice(&ms.to_be_bytes()[2..]);
+    b[6..8].copy_from_slice(&(0x7000 | frac).to_be_bytes()); // version 7
+    b[8..].copy_from_slice(&random);
     b[8] = (b[8] & 0x3f) | 0x80; // RFC 9562 variant
-    b
+    match prev {
+        Some(p) if b <= p => successor(p),
+        _ => b,
+    }
+}
+
+/// The smallest version 7 id greater than `p`: one more in the 62 random bits after
+/// the variant, carrying into the 12 bits after the version, then into the time.
+fn successor(p: [u8; 16]) -> [u8; 16] {
+    let v = u128::from_be_bytes(p);
+    let rand_b = v & ((1u128 << 62) - 1);
+    let rand_a = (v >> 64) & 0xfff;
+    let time = v >> 80;
+    let (time, rand_a, rand_b) = if rand_b < (1u128 << 62) - 1 {
+        (time, rand_a, rand_b + 1)
+    } else if rand_a < 0xfff {
+        (time, rand_a + 1, 0)
+    } else {
+        (time + 1, 0, 0)
+    };
+    let v = (time << 80) | (0x7u128 << 76) | (rand_a << 64) | (0b10u128 << 62) | rand_b;
+    v.to_be_bytes()
 }
 
 #[cfg(test)]
@@ -94,16 +123,61 @@ mod tests {
         }
     }
 
-    #[test]
-    fn uuid_v7_has_version_variant_and_time() {
-        let id = uuid_v7(0x0123_4567_89ab, [0xff; 10]);
-        assert_eq!(&id[..6], &[0x01, 0x23, 0x45, 0x67, 0x89, 0xab]);
-        assert_eq!(id[6] >> 4, 7);
-        assert_eq!(id[8] >> 6, 0b10);
+    fn is_v7(id: [u8; 16]) -> bool {
+        id[6] >> 4 == 7 && id[8] >> 6 == 0b10
     }
 
     #[test]
-    fn uuid_v7_sorts_by_time() {
-        assert!(uuid_v7(1000, [0xff; 10]) < uuid_v7(1001, [0; 10]));
+    fn uuid_v7_has_version_variant_and_time() {
+        let id = uuid_v7(0x0123_4567_89ab * 1000 + 999, [0xff; 8], None);
+        assert_eq!(&id[..6], &[0x01, 0x23, 0x45, 0x67, 0x89, 0xab]);
+        assert!(is_v7(id));
+        // 999 us is the top of the 12-bit sub-millisecond fraction
+        assert_eq!(u16::from_be_bytes([id[6], id[7]]) & 0x0fff, 4091);
+    }
+
+    #[test]
+    fn uuid_v7_sorts_by_time_to_the_microsecond() {
+        assert!(uuid_v7(1_000_000, [0xff; 8], None) < uuid_v7(1_001_000, [0; 8], None));
+        assert!(uuid_v7(1_000_001, [0xff; 8], None) < uuid_v7(1_000_002, [0; 8], None));
+    }
+
+    #[test]
+    fn uuid_v7_issued_in_the_same_instant_still_increase() {
+        let mut prev = None;
+        for i in 0..1000u32 {
+            let random = [(i % 7) as u8; 8];
+            let id = uuid_v7(5_000_000, random, prev);
+            assert!(is_v7(id));
+            if let Some(p) = prev {
+                assert!(id > p);
+            }
+            prev = Some(id);
+        }
+    }
+
+    #[test]
+    fn uuid_v7_successor_carries() {
+        let top = uuid_v7(7_000_000, [0xff; 8], None);
+        let next = uuid_v7(7_000_000, [0; 8], Some(top));
+        assert!(next > top && is_v7(next));
+        assert_eq!(&next[..6], &top[..6], "carried into the sub-millisecond bits, not the time");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn uuid_v7_is_monotonic(steps in proptest::collection::vec((0u64..3, proptest::array::uniform8(0u8..)), 1..200)) {
+            let mut prev: Option<[u8; 16]> = None;
+            let mut t = 1_700_000_000_000_000u64;
+            for (dt, random) in steps {
+                t += dt;
+                let id = uuid_v7(t, random, prev);
+                proptest::prop_assert!(is_v7(id));
+                if let Some(p) = prev {
+                    proptest::prop_assert!(id > p);
+                }
+                prev = Some(id);
+            }
+        }
     }
 }

@@ -1,0 +1,170 @@
+//! Writing pg_quota's tables directly through the heap and index access methods, the
+//! way PostgreSQL's catalog code writes catalog rows: an SQL statement would build and
+//! tear down an executor for each one-row change, which cost more than the change.
+//!
+//! Only pg_quota's own code reaches these writes, so no privilege check applies, and
+//! no SQL is involved, so the search_path cannot affect them (I5). CHECK constraints
+//! are not evaluated here: the pure core validates what goes into each column.
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+/// A table opened for writing, with its indexes; closed on drop, keeping the locks to
+/// the end of the transaction as the executor does.
+pub struct OpenRel {
+    pub heap: pg_sys::Relation,
+    indexes: Vec<(pg_sys::Relation, *mut pg_sys::IndexInfo)>,
+    ncols: usize,
+}
+
+impl OpenRel {
+    /// Opens `relid` and its indexes with RowExclusiveLock, what INSERT and UPDATE take.
+    pub fn open(relid: pg_sys::Oid) -> OpenRel {
+        // SAFETY: the relation exists (looked up by the caller); the index list comes
+        // from the relcache and we only read it here.
+        unsafe {
+            let heap = pg_sys::table_open(relid, pg_sys::RowExclusiveLock as i32);
+            let list = pg_sys::RelationGetIndexList(heap);
+            let n = if list.is_null() { 0 } else { (*list).length as usize };
+            let mut indexes = Vec::with_capacity(n);
+            for i in 0..n {
+                let oid = (*(*list).elements.add(i)).oid_value;
+                let idx = pg_sys::index_open(oid, pg_sys::RowExclusiveLock as i32);
+                indexes.push((idx, pg_sys::BuildIndexInfo(idx)));
+                // We form index entries from plain columns only. A DBA who adds an
+                // expression or partial index gets a clear error here rather than a
+                // silently incomplete index.
+                if !pg_sys::RelationGetIndexExpressions(idx).is_null()
+                    || !pg_sys::RelationGetIndexPredicate(idx).is_null()
+                {
+                    let name = std::ffi::CStr::from_ptr(pg_sys::get_rel_name(relid)).to_string_lossy();
+                    pg_sys::panic::ErrorReport::new(
+                        PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+                        format!("pg_quota cannot maintain an expression or partial index on quota.{name}"),
+                        "pg_quota",
+                    )
+                    .set_hint("Drop the index; pg_quota creates the indexes it needs.")
+                    .report(PgLogLevel::ERROR);
+                }
+            }
+            let ncols = (*(*heap).rd_att).natts as usize;
+            OpenRel { heap, indexes, ncols }
+        }
+    }
+
+    /// Forms a tuple of this table from `values` and `nulls` (one per column).
+    pub fn form(&self, values: &mut [pg_sys::Datum], nulls: &mut [bool]) -> pg_sys::HeapTuple {
+        assert_eq!(values.len(), self.ncols);
+        assert_eq!(nulls.len(), self.ncols);
+        // SAFETY: the arrays match the tuple descriptor's width; values are copied.
+        unsafe { pg_sys::heap_form_tuple((*self.heap).rd_att, values.as_mut_ptr(), nulls.as_mut_ptr()) }
+    }
+
+    /// Inserts a new row and its index entries.
+    pub fn insert(&self, values: &mut [pg_sys::Datum], nulls: &mut [bool]) {
+        let tuple = self.form(values, nulls);
+        // SAFETY: the relation is open with RowExclusiveLock; heap_insert WAL-logs the
+        // row and sets its t_self, which the index entries point to.
+        unsafe {
+            pg_sys::heap_insert(self.heap, tuple, pg_sys::GetCurrentCommandId(true), 0, std::ptr::null_mut());
+            self.insert_index_entries(tuple, &[]);
+            pg_sys::heap_freetuple(tuple);
+        }
+    }
+
+    /// Replaces the version at `tid` with `new_tuple`, waiting for a concurrent writer
+    /// of the same row to commit or abort first, and adds the new version's index
+    /// entries unless the update was HOT. `changed` lists the 1-based columns that may
+    /// differ, for the indexes' bottom-up deletion hint. Frees `new_tuple`.
+    pub fn update(
+        &self,
+        mut tid: pg_sys::ItemPointerData,
+        new_tuple: pg_sys::HeapTuple,
+        changed: &[usize],
+    ) -> pg_sys::TM_Result::Type {
+        // SAFETY: the relation is open with RowExclusiveLock; heap_update WAL-logs the
+        // change, takes the tuple lock, and checks SSI conflicts. No crosscheck
+        // snapshot: callers act on the latest committed version.
+        unsafe {
+            let mut tmfd: pg_sys::TM_FailureData = std::mem::zeroed();
+            let mut lockmode: pg_sys::LockTupleMode::Type = 0;
+            let cid = pg_sys::GetCurrentCommandId(true);
+            #[cfg(feature = "pg15")]
+            let (result, hot) = {
+                let r = pg_sys::heap_update(
+                    self.heap, &mut tid, new_tuple, cid, std::ptr::null_mut(), true, &mut tmfd, &mut lockmode,
+                );
+                let hot = (*(*new_tuple).t_data).t_infomask2 as u32 & pg_sys::HEAP_ONLY_TUPLE != 0;
+                (r, hot)
+            };
+            #[cfg(not(feature = "pg15"))]
+            let (result, hot) = {
+                let mut update_indexes = pg_sys::TU_UpdateIndexes::TU_None;
+                let r = pg_sys::heap_update(
+                    self.heap, &mut tid, new_tuple, cid, std::ptr::null_mut(), true, &mut tmfd, &mut lockmode,
+                    &mut update_indexes,
+                );
+                (r, update_indexes == pg_sys::TU_UpdateIndexes::TU_None)
+            };
+            if result == pg_sys::TM_Result::TM_Ok && !hot {
+                self.insert_index_entries(new_tuple, changed);
+            }
+            pg_sys::heap_freetuple(new_tuple);
+            result
+        }
+    }
+
+    /// Inserts the index entries of a tuple just stored in the heap into every index.
+    unsafe fn insert_index_entries(&self, tuple: pg_sys::HeapTuple, changed: &[usize]) {
+        if self.indexes.is_empty() {
+            return;
+        }
+        // SAFETY: the caller passes a tuple just stored in our heap, so t_self is set;
+        // every index was checked in `open` to be on plain columns.
+        unsafe {
+            let mut values = vec![pg_sys::Datum::from(0); self.ncols];
+            let mut nulls = vec![false; self.ncols];
+            pg_sys::heap_deform_tuple(tuple, (*self.heap).rd_att, values.as_mut_ptr(), nulls.as_mut_ptr());
+            for &(idx, info) in &self.indexes {
+                let natts = (*info).ii_NumIndexAttrs as usize;
+                let mut ivalues = [pg_sys::Datum::from(0); pg_sys::INDEX_MAX_KEYS as usize];
+                let mut inulls = [false; pg_sys::INDEX_MAX_KEYS as usize];
+                let mut unchanged = !changed.is_empty();
+                for k in 0..natts {
+                    let attno = (*info).ii_IndexAttrNumbers[k] as usize;
+                    ivalues[k] = values[attno - 1];
+                    inulls[k] = nulls[attno - 1];
+                    unchanged &= !changed.contains(&attno);
+                }
+                let unique = if (*(*idx).rd_index).indisunique {
+                    pg_sys::IndexUniqueCheck::UNIQUE_CHECK_YES
+                } else {
+                    pg_sys::IndexUniqueCheck::UNIQUE_CHECK_NO
+                };
+                pg_sys::index_insert(
+                    idx,
+                    ivalues.as_mut_ptr(),
+                    inulls.as_mut_ptr(),
+                    &mut (*tuple).t_self,
+                    self.heap,
+                    unique,
+                    unchanged,
+                    info,
+                );
+            }
+        }
+    }
+}
+
+impl Drop for OpenRel {
+    fn drop(&mut self) {
+        // SAFETY: opened in `open`; NoLock keeps the locks to the end of the
+        // transaction.
+        unsafe {
+            for &(idx, _) in &self.indexes {
+                pg_sys::index_close(idx, pg_sys::NoLock as i32);
+            }
+            pg_sys::table_close(self.heap, pg_sys::NoLock as i32);
+        }
+    }
+}

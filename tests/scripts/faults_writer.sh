@@ -1,0 +1,211 @@
+#!/usr/bin/env bash
+# Faults of the ledger writer: it is killed with SIGKILL during a burst of starts (I6:
+# no received ticket is lost), it is terminated while callers wait for it (they get an
+# error at once, not a hang), a caller holds a lock the writer needs (55P03 after the
+# writer's lock_timeout, not a deadlock), and no background worker slot is free (53000
+# with a hint, not a hang).
+source "$(dirname "$0")/../../scripts/lib.sh"
+PORT="${PORT:-5521}"
+with_cluster faults_writer
+
+BG=()       # process groups of the background jobs started here
+cleanup() {
+  local rc=$?
+  for p in "${BG[@]}"; do kill -- "-$p" 2>/dev/null || true; done
+  stop_cluster "$CL" immediate
+  [ -n "${CL2:-}" ] && stop_cluster "$CL2" immediate
+  if [ "$rc" -eq 0 ] && [ "${KEEP_TMP:-0}" != 1 ]; then rm -rf "$CL" ${CL2:+"$CL2"}; fi
+}
+trap cleanup EXIT
+# bg CMD...: runs CMD in the background in a process group of its own; sets LAST_BG.
+bg() { setsid "$@" & LAST_BG=$!; BG+=("$LAST_BG"); }
+
+psql_as() {  # psql_as USER [psql args...]: like sql, as USER, in database postgres
+  local user="$1"; shift
+  "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U "$user" -d postgres "$@"
+}
+writer_pids() {
+  sql -c "SELECT pid FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer'"
+}
+uuids() { grep -h '^[0-9a-f]\{8\}-[0-9a-f]\{4\}-[0-9a-f]\{4\}-[0-9a-f]\{4\}-[0-9a-f]\{12\}$' "$@" || true; }
+log_count() { grep -c -- "$1" "$CL/server.log" || true; }
+# wait_recovered SINCE_LINES: waits (bounded) until the postmaster has reinitialized
+# after a crash that happened after the first SINCE_LINES lines of the server log,
+# and accepts connections again.
+wait_recovered() {
+  local since="$1"
+  timeout 60 bash -c "until tail -n +$((since + 1)) '$CL/server.log' | grep -q 'all server processes terminated; reinitializing'; do sleep 0.1; done" || return 1
+  timeout 60 bash -c "until '$PG_BIN/pg_isready' -q -h '$CL' -p '$PORT'; do sleep 0.1; done"
+}
+summary_matches_ledger() {  # every role: summary row = ledger rows
+  [ "$(sql -c "SELECT count(*) FROM quota.summary s FULL JOIN
+                 (SELECT role, count(*) AS n FROM quota.ledger GROUP BY role) l USING (role)
+                WHERE s.tickets IS DISTINCT FROM l.n")" = 0 ]
+}
+now_s() { date +%s.%N; }
+elapsed_lt() { awk -v a="$1" -v b="$2" -v lim="$3" 'BEGIN { exit !((b - a) < lim) }'; }
+
+sql -c "CREATE EXTENSION pg_quota" -c "CREATE ROLE fw_tenant LOGIN" \
+    -c "ALTER ROLE fw_tenant SET quota.max_active_per_role = 0" \
+    -c "ALTER ROLE fw_tenant SET quota.max_retained_per_role = 0" \
+    -c "CREATE TABLE received (ticket uuid NOT NULL)"
+
+# ------------------------------------------------------------------------------------
+# 1. kill -9 of the writer while 8 sessions are starting tickets.
+# ------------------------------------------------------------------------------------
+for _ in $(seq 1 50); do echo "SELECT quota.start('burst');"; done > "$CL/burst.sql"
+chmod 644 "$CL/burst.sql"
+burst_client() {  # burst_client K: sessions of 50 starts each until $CL/stop exists
+  local k="$1" round
+  for round in $(seq 1 400); do
+    [ -e "$CL/stop" ] && break
+    timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -h "$CL" -p "$PORT" -U fw_tenant \
+      -d postgres -f "$CL/burst.sql" >> "$CL/got.$k" 2>> "$CL/err.$k" || sleep 0.1
+  done
+}
+rm -f "$CL/stop"
+for k in $(seq 1 8); do : > "$CL/got.$k"; bg bash -c "$(declare -f burst_client); CL='$CL' PORT='$PORT' PG_BIN='$PG_BIN' burst_client $k"; done
+burst_pids=("${BG[@]}")
+
+# Let the burst get going, then kill the writer in the middle of it.
+timeout 30 bash -c "until [ \"\$('$PG_BIN/psql' -X -At -h '$CL' -p '$PORT' -U postgres -c \"SELECT count(*) >= 300 FROM quota.ledger\")\" = t ]; do sleep 0.05; done" || true
+victim=$(writer_pids | head -n1)
+log_lines=$(wc -l < "$CL/server.log")
+check "a ledger writer was serving the burst" test -n "$victim"
+[ -n "$victim" ] && kill -9 "$victim"
+received_before_kill=$(uuids "$CL"/got.* | wc -l)
+check "the postmaster reinitialized after the writer's SIGKILL" wait_recovered "$log_lines"
+recovered_at=$(sql -c "SELECT now()")
+sleep 2   # the clients reconnect and go on starting
+touch "$CL/stop"
+for p in "${burst_pids[@]}"; do timeout 60 tail --pid="$p" -f /dev/null || true; done
+
+tail -n +"$((log_lines + 1))" "$CL/server.log" > "$CL/crash1.log"
+check "the writer died of signal 9" grep -q "pg_quota ledger writer.*was terminated by signal 9" "$CL/crash1.log"
+uuids "$CL"/got.* > "$CL/received.1"
+received=$(wc -l < "$CL/received.1")
+check "callers had received tickets before the kill ($received_before_kill)" test "$received_before_kill" -gt 0
+sql -c "\\copy received FROM '$CL/received.1'"
+expect_eq "every ticket a caller received survived the writer's crash ($received tickets)" 0 \
+  "$(sql -c "SELECT count(*) FROM received r WHERE NOT EXISTS (SELECT 1 FROM quota.ledger l WHERE l.id = r.ticket AND l.role = 'fw_tenant'::regrole AND l.ended_at IS NULL)")"
+expect_eq "no ticket was handed to two callers" "$received" "$(sql -c "SELECT count(DISTINCT ticket) FROM received")"
+check "starts went on after recovery with a new writer" \
+  test "$(sql -c "SELECT count(*) FROM quota.ledger WHERE label = 'burst' AND started_at > '$recovered_at'")" -gt 0
+check "the summary equals the ledger row count after the writer's crash" summary_matches_ledger
+expect_eq "the tenant's summary row counts its ledger rows" \
+  "$(sql -c "SELECT count(*) FROM quota.ledger WHERE role = 'fw_tenant'::regrole")" \
+  "$(sql -c "SELECT tickets FROM quota.summary WHERE role = 'fw_tenant'::regrole")"
+expect_eq "start() works after the writer's crash" t \
+  "$(timeout 20 psql_as fw_tenant -c "SELECT quota.start('after kill') IS NOT NULL" 2>&1)"
+
+# ------------------------------------------------------------------------------------
+# 2. pg_terminate_backend of the writer while callers wait for it. A superuser holds
+#    LOCK TABLE quota.ledger, so the writer waits to insert and cannot answer.
+# ------------------------------------------------------------------------------------
+mkfifo "$CL/lock_in"; chmod 666 "$CL/lock_in"
+bg bash -c "exec '$PG_BIN/psql' -X -q -At -h '$CL' -p '$PORT' -U postgres -d postgres < '$CL/lock_in' > '$CL/lock_out' 2>&1"
+exec 3> "$CL/lock_in"
+echo "BEGIN; LOCK TABLE quota.ledger IN EXCLUSIVE MODE; SELECT 'locked';" >&3
+timeout 10 bash -c "until grep -q locked '$CL/lock_out'; do sleep 0.05; done"
+
+waiter() {  # waiter K: one tenant start that will wait for the writer
+  local k="$1"
+  timeout 30 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -v VERBOSITY=verbose -h "$CL" -p "$PORT" \
+    -U fw_tenant -d postgres -c "SELECT quota.start('waiting $k')" -c '\echo SQLSTATE=:SQLSTATE' \
+    > "$CL/wait_out.$k" 2>&1
+  echo "$?" > "$CL/wait_rc.$k"
+  date +%s.%N > "$CL/wait_done.$k"
+}
+rm -f "$CL"/wait_done.*
+for k in 1 2 3; do bg bash -c "$(declare -f waiter); CL='$CL' PORT='$PORT' PG_BIN='$PG_BIN' waiter $k"; done
+# The writer waits on the table lock (its lock_timeout is 5 s: act well before it), and
+# the three callers wait on their latches.
+blocked=""
+for _ in $(seq 1 60); do
+  blocked=$(sql -c "SELECT pid FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer' AND wait_event_type = 'Lock'")
+  n_wait=$(sql -c "SELECT count(*) FROM pg_stat_activity WHERE usename = 'fw_tenant' AND query LIKE '%quota.start(''waiting%' AND state = 'active'")
+  [ -n "$blocked" ] && [ "$n_wait" = 3 ] && break
+  sleep 0.05
+done
+check "the writer is blocked by the table lock while 3 callers wait" test -n "$blocked" -a "$n_wait" = 3
+reinit_before=$(log_count "reinitializing")
+t0=$(now_s)
+[ -n "$blocked" ] && sql -c "SELECT pg_terminate_backend($blocked, 5000)" >/dev/null
+timeout 15 bash -c "until [ -e '$CL/wait_done.1' ] && [ -e '$CL/wait_done.2' ] && [ -e '$CL/wait_done.3' ]; do sleep 0.02; done" || true
+for k in 1 2 3; do
+  out=$(cat "$CL/wait_out.$k" 2>/dev/null || true)
+  check "waiting caller $k got no ticket from a terminated writer" grep -q "^ERROR:" <<<"$out"
+  check "waiting caller $k got 57000 (or the writer's error): $(grep -m1 ERROR <<<"$out")" \
+    grep -Eq "^SQLSTATE=(57000|55P03)$" <<<"$out"
+  check "waiting caller $k was answered within 3 s of the terminate, while the lock was still held" \
+    elapsed_lt "$t0" "$(cat "$CL/wait_done.$k" 2>/dev/null || echo 1e12)" 3
+done
+check "57000 says the writer exited before it answered" \
+  grep -q "57000: the pg_quota ledger writer exited before it answered" "$CL/wait_out.1"
+expect_eq "terminating the writer is not a crash (no reinitialization)" "$reinit_before" "$(log_count "reinitializing")"
+expect_eq "the lock holder's session is unharmed" 1 \
+  "$(sql -c "SELECT count(*) FROM pg_locks WHERE relation = 'quota.ledger'::regclass AND mode = 'ExclusiveLock' AND granted")"
+echo "COMMIT;" >&3
+exec 3>&-
+expect_eq "after the lock is released, start() brings a writer back and succeeds" t \
+  "$(timeout 20 psql_as fw_tenant -c "SELECT quota.start('after terminate') IS NOT NULL" 2>&1)"
+new_writer=$(writer_pids | head -n1)
+check "a new writer (pid $new_writer) replaced the terminated one ($blocked)" \
+  test -n "$new_writer" -a "$new_writer" != "$blocked"
+check "the summary equals the ledger after the terminate" summary_matches_ledger
+
+# ------------------------------------------------------------------------------------
+# 3. The caller itself holds a lock the writer needs, then calls start() as a tenant.
+#    The writer gives up after its lock_timeout (5 s) and the caller gets 55P03.
+# ------------------------------------------------------------------------------------
+self_lock() {  # self_lock TABLE MODE LABEL: prints the SQLSTATE and the elapsed seconds
+  local s e out
+  s=$(now_s)
+  out=$(timeout 60 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -v VERBOSITY=verbose -h "$CL" -p "$PORT" -U postgres \
+        -c "BEGIN" -c "LOCK TABLE $1 IN $2 MODE" \
+        -c "SET LOCAL quota.max_active_per_role = 0" -c "SET LOCAL quota.max_retained_per_role = 0" \
+        -c "SET LOCAL ROLE fw_tenant" -c "SELECT quota.start('$3')" -c '\echo SQLSTATE=:SQLSTATE' \
+        -c "ROLLBACK" 2>&1 || true)
+  e=$(now_s)
+  echo "$(grep -o 'SQLSTATE=.*' <<<"$out" | head -n1) $(awk -v a="$s" -v b="$e" 'BEGIN { printf "%.1f", b - a }')"
+}
+read -r st secs <<<"$(self_lock quota.ledger EXCLUSIVE 'self-locked ledger')"
+expect_eq "a caller holding LOCK TABLE quota.ledger gets 55P03 from start()" SQLSTATE=55P03 "$st"
+check "... within 30 s, no hang (took $secs s)" awk -v s="$secs" 'BEGIN { exit !(s < 30) }'
+read -r st secs <<<"$(self_lock quota.summary 'ACCESS EXCLUSIVE' 'self-locked summary')"
+expect_eq "a caller holding ACCESS EXCLUSIVE on quota.summary gets 55P03 from start()" SQLSTATE=55P03 "$st"
+check "... within 30 s, no hang (took $secs s)" awk -v s="$secs" 'BEGIN { exit !(s < 30) }'
+expect_eq "no charge was recorded for the self-locked calls" 0 \
+  "$(sql -c "SELECT count(*) FROM quota.ledger WHERE label LIKE 'self-locked%'")"
+expect_eq "start() works once the caller's lock is gone" t \
+  "$(timeout 20 psql_as fw_tenant -c "SELECT quota.start('after self-lock') IS NOT NULL" 2>&1)"
+check "the summary equals the ledger after the lock timeouts" summary_matches_ledger
+
+# ------------------------------------------------------------------------------------
+# 4. No background worker slot: max_worker_processes = 1 (and no logical replication
+#    launcher to take it). The first database's writer takes the only slot; the
+#    second database's start() fails with 53000 and a hint, at once.
+# ------------------------------------------------------------------------------------
+stop_cluster "$CL"
+CL2="$CL/../faults_writer_slots"; mkdir -p "$CL2"; chown "$PG_USER" "$CL2"
+start_cluster "$CL2" "$PORT" "max_worker_processes = 1" "max_logical_replication_workers = 0"
+CL="$CL2"
+sql -c "CREATE EXTENSION pg_quota" -c "CREATE DATABASE second" -c "CREATE ROLE fw_tenant2 LOGIN"
+sql -d second -c "CREATE EXTENSION pg_quota"
+expect_eq "the first database's start() takes the only worker slot" t \
+  "$(timeout 20 psql_as fw_tenant2 -c "SELECT quota.start('db one') IS NOT NULL" 2>&1)"
+s=$(now_s)
+out=$(timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -v VERBOSITY=verbose -h "$CL" -p "$PORT" -U fw_tenant2 -d second \
+      -c "SELECT quota.start('db two')" -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
+e=$(now_s)
+check "the second database's start() fails with 53000: $(grep -m1 ERROR <<<"$out")" grep -q "^SQLSTATE=53000$" <<<"$out"
+check "... with a hint to raise max_worker_processes" grep -q "^HINT:.*max_worker_processes" <<<"$out"
+check "... at once, not after a wait (under 5 s)" elapsed_lt "$s" "$e" 5
+expect_eq "the second database recorded nothing" 0 "$(sql -d second -c "SELECT count(*) FROM quota.ledger")"
+expect_eq "the first database keeps working" t \
+  "$(timeout 20 psql_as fw_tenant2 -c "SELECT quota.start('db one again') IS NOT NULL" 2>&1)"
+# Once the first writer leaves (idle for 10 s), the slot serves the second database.
+timeout 30 bash -c "until [ \"\$('$PG_BIN/psql' -X -At -h '$CL' -p '$PORT' -U postgres -c \"SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer'\")\" = 0 ]; do sleep 0.2; done" || true
+expect_eq "after the first writer left, the second database's start() succeeds" t \
+  "$(timeout 20 "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U fw_tenant2 -d second -c "SELECT quota.start('db two later') IS NOT NULL" 2>&1)"
+finish_checks

@@ -20,9 +20,9 @@ trap cleanup EXIT
 # bg CMD...: runs CMD in the background in a process group of its own; sets LAST_BG.
 bg() { setsid "$@" & LAST_BG=$!; BG+=("$LAST_BG"); }
 
-psql_as() {  # psql_as USER [psql args...]: like sql, as USER, in database postgres
+psql_as() {  # psql_as USER [psql args...]: like sql, as USER, in database postgres, 20 s at most
   local user="$1"; shift
-  "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U "$user" -d postgres "$@"
+  timeout 20 "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U "$user" -d postgres "$@"
 }
 writer_pids() {
   sql -c "SELECT pid FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer'"
@@ -96,7 +96,7 @@ expect_eq "the tenant's summary row counts its ledger rows" \
   "$(sql -c "SELECT count(*) FROM quota.ledger WHERE role = 'fw_tenant'::regrole")" \
   "$(sql -c "SELECT tickets FROM quota.summary WHERE role = 'fw_tenant'::regrole")"
 expect_eq "start() works after the writer's crash" t \
-  "$(timeout 20 psql_as fw_tenant -c "SELECT quota.start('after kill') IS NOT NULL" 2>&1)"
+  "$(psql_as fw_tenant -c "SELECT quota.start('after kill') IS NOT NULL" 2>&1)"
 
 # ------------------------------------------------------------------------------------
 # 2. pg_terminate_backend of the writer while callers wait for it. A superuser holds
@@ -148,7 +148,7 @@ expect_eq "the lock holder's session is unharmed" 1 \
 echo "COMMIT;" >&3
 exec 3>&-
 expect_eq "after the lock is released, start() brings a writer back and succeeds" t \
-  "$(timeout 20 psql_as fw_tenant -c "SELECT quota.start('after terminate') IS NOT NULL" 2>&1)"
+  "$(psql_as fw_tenant -c "SELECT quota.start('after terminate') IS NOT NULL" 2>&1)"
 new_writer=$(writer_pids | head -n1)
 check "a new writer (pid $new_writer) replaced the terminated one ($blocked)" \
   test -n "$new_writer" -a "$new_writer" != "$blocked"
@@ -178,7 +178,7 @@ check "... within 30 s, no hang (took $secs s)" awk -v s="$secs" 'BEGIN { exit !
 expect_eq "no charge was recorded for the self-locked calls" 0 \
   "$(sql -c "SELECT count(*) FROM quota.ledger WHERE label LIKE 'self-locked%'")"
 expect_eq "start() works once the caller's lock is gone" t \
-  "$(timeout 20 psql_as fw_tenant -c "SELECT quota.start('after self-lock') IS NOT NULL" 2>&1)"
+  "$(psql_as fw_tenant -c "SELECT quota.start('after self-lock') IS NOT NULL" 2>&1)"
 check "the summary equals the ledger after the lock timeouts" summary_matches_ledger
 
 # ------------------------------------------------------------------------------------
@@ -193,7 +193,7 @@ CL="$CL2"
 sql -c "CREATE EXTENSION pg_quota" -c "CREATE DATABASE second" -c "CREATE ROLE fw_tenant2 LOGIN"
 sql -d second -c "CREATE EXTENSION pg_quota"
 expect_eq "the first database's start() takes the only worker slot" t \
-  "$(timeout 20 psql_as fw_tenant2 -c "SELECT quota.start('db one') IS NOT NULL" 2>&1)"
+  "$(psql_as fw_tenant2 -c "SELECT quota.start('db one') IS NOT NULL" 2>&1)"
 s=$(now_s)
 out=$(timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -v VERBOSITY=verbose -h "$CL" -p "$PORT" -U fw_tenant2 -d second \
       -c "SELECT quota.start('db two')" -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
@@ -203,7 +203,7 @@ check "... with a hint to raise max_worker_processes" grep -q "^HINT:.*max_worke
 check "... at once, not after a wait (under 5 s)" elapsed_lt "$s" "$e" 5
 expect_eq "the second database recorded nothing" 0 "$(sql -d second -c "SELECT count(*) FROM quota.ledger")"
 expect_eq "the first database keeps working" t \
-  "$(timeout 20 psql_as fw_tenant2 -c "SELECT quota.start('db one again') IS NOT NULL" 2>&1)"
+  "$(psql_as fw_tenant2 -c "SELECT quota.start('db one again') IS NOT NULL" 2>&1)"
 # Once the first writer leaves (idle for 10 s), the slot serves the second database.
 timeout 30 bash -c "until [ \"\$('$PG_BIN/psql' -X -At -h '$CL' -p '$PORT' -U postgres -c \"SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer'\")\" = 0 ]; do sleep 0.2; done" || true
 expect_eq "after the first writer left, the second database's start() succeeds" t \

@@ -217,10 +217,21 @@ pub fn slot(i: usize) -> &'static Slot {
 pub struct TableLock(());
 
 impl TableLock {
+    /// Exclusive: for changing writer entries.
     pub fn acquire() -> TableLock {
+        Self::acquire_mode(pg_sys::LWLockMode::LW_EXCLUSIVE)
+    }
+
+    /// Shared: for reading writer entries. Callers enqueue under it, so that a writer
+    /// deciding to leave (exclusively) sees every request queued for it.
+    pub fn acquire_shared() -> TableLock {
+        Self::acquire_mode(pg_sys::LWLockMode::LW_SHARED)
+    }
+
+    fn acquire_mode(mode: pg_sys::LWLockMode::Type) -> TableLock {
         // SAFETY: the lock pointer was set at startup; an ERROR while held is cleaned
         // up by LWLockReleaseAll at abort, and Drop covers the Rust unwind.
-        unsafe { pg_sys::LWLockAcquire((*header()).lock, pg_sys::LWLockMode::LW_EXCLUSIVE) };
+        unsafe { pg_sys::LWLockAcquire((*header()).lock, mode) };
         TableLock(())
     }
 }

@@ -70,8 +70,16 @@ pub fn enqueue(fill: impl FnOnce(&mut Request)) {
         r.dboid = pg_sys::MyDatabaseId;
         fill(r);
     }
-    let _lock = shmem::TableLock::acquire();
-    let idx = find_or_start_writer();
+    // The common case, a running writer, needs only the shared lock.
+    let (_lock, idx) = match find_writer(shmem::TableLock::acquire_shared()) {
+        Ok(found) => found,
+        Err(shared) => {
+            drop(shared);
+            let lock = shmem::TableLock::acquire();
+            let idx = find_or_start_writer();
+            (lock, idx)
+        }
+    };
     slot.state.store(SLOT_PENDING, Ordering::Release);
     if let Ok(p) = usize::try_from(shmem::writer(idx).procno) {
         shmem::wake(p);
@@ -213,8 +221,18 @@ fn take_reply(slot: &'static Slot) -> Answer {
     unreachable!("ERROR does not return")
 }
 
+/// This database's writer entry, if there is one; hands the lock back either way.
+fn find_writer(lock: shmem::TableLock) -> Result<(shmem::TableLock, usize), shmem::TableLock> {
+    // SAFETY: MyDatabaseId is set in every connected backend.
+    let db = unsafe { pg_sys::MyDatabaseId };
+    match (0..shmem::n_writers()).find(|&i| shmem::writer(i).dboid == db) {
+        Some(i) => Ok((lock, i)),
+        None => Err(lock),
+    }
+}
+
 /// Finds this database's writer entry, or claims a free one and registers a writer
-/// for it. Called with the table lock held.
+/// for it. Called with the table lock held exclusively.
 fn find_or_start_writer() -> usize {
     // SAFETY: MyDatabaseId is set in every connected backend.
     let db = unsafe { pg_sys::MyDatabaseId };

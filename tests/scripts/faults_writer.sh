@@ -7,14 +7,15 @@
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-5521}"
 with_cluster faults_writer
+CL1="$CL"
 
 BG=()       # process groups of the background jobs started here
 cleanup() {
   local rc=$?
   for p in "${BG[@]}"; do kill -- "-$p" 2>/dev/null || true; done
-  stop_cluster "$CL" immediate
+  stop_cluster "$CL1" immediate
   [ -n "${CL2:-}" ] && stop_cluster "$CL2" immediate
-  if [ "$rc" -eq 0 ] && [ "${KEEP_TMP:-0}" != 1 ]; then rm -rf "$CL" ${CL2:+"$CL2"}; fi
+  if [ "$rc" -eq 0 ] && [ "${KEEP_TMP:-0}" != 1 ]; then rm -rf "$CL1" ${CL2:+"$CL2"}; fi
 }
 trap cleanup EXIT
 # bg CMD...: runs CMD in the background in a process group of its own; sets LAST_BG.
@@ -187,7 +188,7 @@ check "the summary equals the ledger after the lock timeouts" summary_matches_le
 #    second database's start() fails with 53000 and a hint, at once.
 # ------------------------------------------------------------------------------------
 stop_cluster "$CL"
-CL2="$CL/../faults_writer_slots"; mkdir -p "$CL2"; chown "$PG_USER" "$CL2"
+CL2="$(dirname "$CL1")/faults_writer_slots"; mkdir -p "$CL2"; chown "$PG_USER" "$CL2"
 start_cluster "$CL2" "$PORT" "max_worker_processes = 1" "max_logical_replication_workers = 0"
 CL="$CL2"
 sql -c "CREATE EXTENSION pg_quota" -c "CREATE DATABASE second" -c "CREATE ROLE fw_tenant2 LOGIN"

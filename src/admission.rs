@@ -24,7 +24,13 @@ pub fn cutoff(now: pg_sys::TimestampTz, retention_secs: i64) -> pg_sys::Timestam
 
 /// What admission needs to count for `limits`: the active count up to the limit (one
 /// more would not change the decision), the retained count only if it is limited.
-pub fn usage_for(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::TimestampTz, limits: Limits) -> Usage {
+pub fn usage_for(
+    r: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    cutoff: pg_sys::TimestampTz,
+    limits: Limits,
+) -> Usage {
     let max_active = (limits.max_active > 0).then_some(limits.max_active);
     counts::usage(r, snap, role, cutoff, max_active, limits.max_retained > 0)
 }
@@ -132,10 +138,19 @@ pub fn role_name(role: pg_sys::Oid) -> String {
 
 fn format_ts(ts: pg_sys::TimestampTz) -> String {
     // SAFETY: timestamptz_to_str formats into a static buffer that we copy at once.
-    unsafe { std::ffi::CStr::from_ptr(pg_sys::timestamptz_to_str(ts)).to_string_lossy().into_owned() }
+    unsafe {
+        std::ffi::CStr::from_ptr(pg_sys::timestamptz_to_str(ts))
+            .to_string_lossy()
+            .into_owned()
+    }
 }
 
-fn refusal(role: pg_sys::Oid, kind: RefusalKind, usage: Usage, next: Option<pg_sys::TimestampTz>) -> QuotaError {
+fn refusal(
+    role: pg_sys::Oid,
+    kind: RefusalKind,
+    usage: Usage,
+    next: Option<pg_sys::TimestampTz>,
+) -> QuotaError {
     QuotaError::Refused {
         role: role_name(role),
         refusal: Refusal {
@@ -200,7 +215,9 @@ pub fn start(label: Option<&str>) -> Result<pgrx::Uuid, QuotaError> {
         // from queueing on its own scope lock.
         {
             let snap = Latest::take();
-            if let Decision::Refuse(r) = decide(limits, usage_for(&rels, &snap, role, cutoff, limits), false) {
+            if let Decision::Refuse(r) =
+                decide(limits, usage_for(&rels, &snap, role, cutoff, limits), false)
+            {
                 return refuse(&snap, r.kind);
             }
         }

@@ -39,10 +39,15 @@ fn relid(ns: pg_sys::Oid, name: &std::ffi::CStr) -> pg_sys::Oid {
     if oid == pg_sys::InvalidOid {
         pgrx::pg_sys::panic::ErrorReport::new(
             pgrx::PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
-            format!("relation \"quota.{}\" does not exist", name.to_string_lossy()),
+            format!(
+                "relation \"quota.{}\" does not exist",
+                name.to_string_lossy()
+            ),
             "pg_quota",
         )
-        .set_hint("Reinstall the extension with DROP EXTENSION pg_quota and CREATE EXTENSION pg_quota.")
+        .set_hint(
+            "Reinstall the extension with DROP EXTENSION pg_quota and CREATE EXTENSION pg_quota.",
+        )
         .report(pgrx::PgLogLevel::ERROR);
     }
     oid
@@ -98,10 +103,16 @@ fn scankeys(keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
                 let (strategy, proc_, arg) = match *k {
                     Key::OidEq(o) => (pg_sys::BTEqualStrategyNumber, pg_sys::F_OIDEQ, o.into()),
                     Key::UuidEq(d) => (pg_sys::BTEqualStrategyNumber, pg_sys::F_UUID_EQ, d),
-                    Key::TsLess(t) => (pg_sys::BTLessStrategyNumber, pg_sys::F_TIMESTAMPTZ_LT, t.into()),
-                    Key::TsAtLeast(t) => {
-                        (pg_sys::BTGreaterEqualStrategyNumber, pg_sys::F_TIMESTAMPTZ_GE, t.into())
-                    }
+                    Key::TsLess(t) => (
+                        pg_sys::BTLessStrategyNumber,
+                        pg_sys::F_TIMESTAMPTZ_LT,
+                        t.into(),
+                    ),
+                    Key::TsAtLeast(t) => (
+                        pg_sys::BTGreaterEqualStrategyNumber,
+                        pg_sys::F_TIMESTAMPTZ_GE,
+                        t.into(),
+                    ),
                     Key::IsNull => {
                         pg_sys::ScanKeyEntryInitialize(
                             &mut sk,
@@ -116,7 +127,13 @@ fn scankeys(keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
                         return sk;
                     }
                 };
-                pg_sys::ScanKeyInit(&mut sk, attno, strategy as u16, pg_sys::Oid::from(proc_), arg);
+                pg_sys::ScanKeyInit(
+                    &mut sk,
+                    attno,
+                    strategy as u16,
+                    pg_sys::Oid::from(proc_),
+                    arg,
+                );
                 sk
             }
         })
@@ -142,7 +159,13 @@ pub fn scan(
         let index_rel = pg_sys::index_open(index, pg_sys::AccessShareLock as i32);
         let slot = pg_sys::table_slot_create(heap_rel, std::ptr::null_mut());
         let desc = pg_sys::index_beginscan(heap_rel, index_rel, snap.0, sk.len() as i32, 0);
-        pg_sys::index_rescan(desc, sk.as_mut_ptr(), sk.len() as i32, std::ptr::null_mut(), 0);
+        pg_sys::index_rescan(
+            desc,
+            sk.as_mut_ptr(),
+            sk.len() as i32,
+            std::ptr::null_mut(),
+            0,
+        );
         while pg_sys::index_getnext_slot(desc, pg_sys::ScanDirection::ForwardScanDirection, slot) {
             if !visit(slot) {
                 break;
@@ -155,7 +178,13 @@ pub fn scan(
     }
 }
 
-fn count(heap: pg_sys::Oid, index: pg_sys::Oid, snap: &Latest, keys: &[Key], stop_at: Option<i64>) -> i64 {
+fn count(
+    heap: pg_sys::Oid,
+    index: pg_sys::Oid,
+    snap: &Latest,
+    keys: &[Key],
+    stop_at: Option<i64>,
+) -> i64 {
     let mut n = 0i64;
     scan(heap, index, snap, keys, |_| {
         n += 1;
@@ -177,16 +206,28 @@ fn attr(slot: *mut pg_sys::TupleTableSlot, attno: i32) -> Option<pg_sys::Datum> 
 
 /// How many unfinished tickets `role` holds, counting at most `stop_at` of them.
 pub fn active(r: &Rels, snap: &Latest, role: pg_sys::Oid, stop_at: Option<i64>) -> i64 {
-    count(r.ledger, r.ledger_idx, snap, &[Key::OidEq(role), Key::IsNull], stop_at)
+    count(
+        r.ledger,
+        r.ledger_idx,
+        snap,
+        &[Key::OidEq(role), Key::IsNull],
+        stop_at,
+    )
 }
 
 /// How many ledger rows `role` has, from its summary row.
 pub fn rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> i64 {
     let mut rows = 0i64;
-    scan(r.summary, r.summary_idx, snap, &[Key::OidEq(role)], |slot| {
-        rows = attr(slot, 2).map_or(0, |d| d.value() as i64);
-        false
-    });
+    scan(
+        r.summary,
+        r.summary_idx,
+        snap,
+        &[Key::OidEq(role)],
+        |slot| {
+            rows = attr(slot, 2).map_or(0, |d| d.value() as i64);
+            false
+        },
+    );
     rows
 }
 
@@ -198,16 +239,33 @@ pub fn retained(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::Time
 
 /// How many of `role`'s ended tickets are past `cutoff`.
 pub fn expired(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::TimestampTz) -> i64 {
-    count(r.ledger, r.ledger_idx, snap, &[Key::OidEq(role), Key::TsLess(cutoff)], None)
+    count(
+        r.ledger,
+        r.ledger_idx,
+        snap,
+        &[Key::OidEq(role), Key::TsLess(cutoff)],
+        None,
+    )
 }
 
 /// When the oldest ended, still retained ticket of `role` ended.
-pub fn oldest_ended(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::TimestampTz) -> Option<pg_sys::TimestampTz> {
+pub fn oldest_ended(
+    r: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    cutoff: pg_sys::TimestampTz,
+) -> Option<pg_sys::TimestampTz> {
     let mut oldest = None;
-    scan(r.ledger, r.ledger_idx, snap, &[Key::OidEq(role), Key::TsAtLeast(cutoff)], |slot| {
-        oldest = attr(slot, COL_ENDED_AT as i32).map(|d| d.value() as i64);
-        false
-    });
+    scan(
+        r.ledger,
+        r.ledger_idx,
+        snap,
+        &[Key::OidEq(role), Key::TsAtLeast(cutoff)],
+        |slot| {
+            oldest = attr(slot, COL_ENDED_AT as i32).map(|d| d.value() as i64);
+            false
+        },
+    );
     oldest
 }
 
@@ -223,6 +281,10 @@ pub fn usage(
 ) -> Usage {
     Usage {
         active: max_active.map_or(0, |m| active(r, snap, role, Some(m))),
-        retained: if count_retained { retained(r, snap, role, cutoff) } else { 0 },
+        retained: if count_retained {
+            retained(r, snap, role, cutoff)
+        } else {
+            0
+        },
     }
 }

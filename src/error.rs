@@ -8,7 +8,9 @@ use crate::core::{QuotaError, Sqlstate};
 
 fn errcode(s: Sqlstate) -> PgSqlErrorCode {
     match s {
-        Sqlstate::ConfigurationLimitExceeded => PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+        Sqlstate::ConfigurationLimitExceeded => {
+            PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED
+        }
         Sqlstate::StringDataRightTruncation => PgSqlErrorCode::ERRCODE_STRING_DATA_RIGHT_TRUNCATION,
         Sqlstate::NullValueNotAllowed => PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
         Sqlstate::InvalidParameterValue => PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,

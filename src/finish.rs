@@ -82,27 +82,33 @@ fn find(
 ) -> Option<Found> {
     let key = ticket.into_datum().unwrap();
     let mut found = None;
-    counts::scan(rels.ledger, rels.ledger_pkey, snap, &[Key::UuidEq(key)], |slot| {
-        // SAFETY: the slot holds a ledger tuple, pinned while we read it; `form`
-        // copies every value into the new tuple.
-        unsafe {
-            pg_sys::slot_getallattrs(slot);
-            let mut values = std::slice::from_raw_parts((*slot).tts_values, NCOLS).to_vec();
-            let mut nulls = std::slice::from_raw_parts((*slot).tts_isnull, NCOLS).to_vec();
-            let holder = pg_sys::Oid::from(values[COL_ROLE - 1].value() as u32);
-            let ended = !nulls[COL_ENDED_AT - 1];
-            values[COL_ENDED_AT - 1] = now.into();
-            nulls[COL_ENDED_AT - 1] = false;
-            values[COL_OUTCOME - 1] = outcome.as_str().into_datum().unwrap();
-            nulls[COL_OUTCOME - 1] = false;
-            found = Some(Found {
-                tid: (*slot).tts_tid,
-                holder,
-                ended,
-                new_tuple: ledger.form(&mut values, &mut nulls),
-            });
-        }
-        false
-    });
+    counts::scan(
+        rels.ledger,
+        rels.ledger_pkey,
+        snap,
+        &[Key::UuidEq(key)],
+        |slot| {
+            // SAFETY: the slot holds a ledger tuple, pinned while we read it; `form`
+            // copies every value into the new tuple.
+            unsafe {
+                pg_sys::slot_getallattrs(slot);
+                let mut values = std::slice::from_raw_parts((*slot).tts_values, NCOLS).to_vec();
+                let mut nulls = std::slice::from_raw_parts((*slot).tts_isnull, NCOLS).to_vec();
+                let holder = pg_sys::Oid::from(values[COL_ROLE - 1].value() as u32);
+                let ended = !nulls[COL_ENDED_AT - 1];
+                values[COL_ENDED_AT - 1] = now.into();
+                nulls[COL_ENDED_AT - 1] = false;
+                values[COL_OUTCOME - 1] = outcome.as_str().into_datum().unwrap();
+                nulls[COL_OUTCOME - 1] = false;
+                found = Some(Found {
+                    tid: (*slot).tts_tid,
+                    holder,
+                    ended,
+                    new_tuple: ledger.form(&mut values, &mut nulls),
+                });
+            }
+            false
+        },
+    );
     found
 }

@@ -25,7 +25,11 @@ impl OpenRel {
         unsafe {
             let heap = pg_sys::table_open(relid, pg_sys::RowExclusiveLock as i32);
             let list = pg_sys::RelationGetIndexList(heap);
-            let n = if list.is_null() { 0 } else { (*list).length as usize };
+            let n = if list.is_null() {
+                0
+            } else {
+                (*list).length as usize
+            };
             let mut indexes = Vec::with_capacity(n);
             for i in 0..n {
                 let oid = (*(*list).elements.add(i)).oid_value;
@@ -37,7 +41,8 @@ impl OpenRel {
                 if !pg_sys::RelationGetIndexExpressions(idx).is_null()
                     || !pg_sys::RelationGetIndexPredicate(idx).is_null()
                 {
-                    let name = std::ffi::CStr::from_ptr(pg_sys::get_rel_name(relid)).to_string_lossy();
+                    let name =
+                        std::ffi::CStr::from_ptr(pg_sys::get_rel_name(relid)).to_string_lossy();
                     pg_sys::panic::ErrorReport::new(
                         PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
                         format!("pg_quota cannot maintain an expression or partial index on quota.{name}"),
@@ -48,7 +53,11 @@ impl OpenRel {
                 }
             }
             let ncols = (*(*heap).rd_att).natts as usize;
-            OpenRel { heap, indexes, ncols }
+            OpenRel {
+                heap,
+                indexes,
+                ncols,
+            }
         }
     }
 
@@ -57,7 +66,9 @@ impl OpenRel {
         assert_eq!(values.len(), self.ncols);
         assert_eq!(nulls.len(), self.ncols);
         // SAFETY: the arrays match the tuple descriptor's width; values are copied.
-        unsafe { pg_sys::heap_form_tuple((*self.heap).rd_att, values.as_mut_ptr(), nulls.as_mut_ptr()) }
+        unsafe {
+            pg_sys::heap_form_tuple((*self.heap).rd_att, values.as_mut_ptr(), nulls.as_mut_ptr())
+        }
     }
 
     /// Inserts a new row and its index entries.
@@ -66,7 +77,13 @@ impl OpenRel {
         // SAFETY: the relation is open with RowExclusiveLock; heap_insert WAL-logs the
         // row and sets its t_self, which the index entries point to.
         unsafe {
-            pg_sys::heap_insert(self.heap, tuple, pg_sys::GetCurrentCommandId(true), 0, std::ptr::null_mut());
+            pg_sys::heap_insert(
+                self.heap,
+                tuple,
+                pg_sys::GetCurrentCommandId(true),
+                0,
+                std::ptr::null_mut(),
+            );
             self.insert_index_entries(tuple, &[]);
             pg_sys::heap_freetuple(tuple);
         }
@@ -92,7 +109,14 @@ impl OpenRel {
             #[cfg(feature = "pg15")]
             let (result, hot) = {
                 let r = pg_sys::heap_update(
-                    self.heap, &mut tid, new_tuple, cid, std::ptr::null_mut(), true, &mut tmfd, &mut lockmode,
+                    self.heap,
+                    &mut tid,
+                    new_tuple,
+                    cid,
+                    std::ptr::null_mut(),
+                    true,
+                    &mut tmfd,
+                    &mut lockmode,
                 );
                 let hot = (*(*new_tuple).t_data).t_infomask2 as u32 & pg_sys::HEAP_ONLY_TUPLE != 0;
                 (r, hot)
@@ -101,7 +125,14 @@ impl OpenRel {
             let (result, hot) = {
                 let mut update_indexes = pg_sys::TU_UpdateIndexes::TU_None;
                 let r = pg_sys::heap_update(
-                    self.heap, &mut tid, new_tuple, cid, std::ptr::null_mut(), true, &mut tmfd, &mut lockmode,
+                    self.heap,
+                    &mut tid,
+                    new_tuple,
+                    cid,
+                    std::ptr::null_mut(),
+                    true,
+                    &mut tmfd,
+                    &mut lockmode,
                     &mut update_indexes,
                 );
                 (r, update_indexes == pg_sys::TU_UpdateIndexes::TU_None)
@@ -124,7 +155,12 @@ impl OpenRel {
         unsafe {
             let mut values = vec![pg_sys::Datum::from(0); self.ncols];
             let mut nulls = vec![false; self.ncols];
-            pg_sys::heap_deform_tuple(tuple, (*self.heap).rd_att, values.as_mut_ptr(), nulls.as_mut_ptr());
+            pg_sys::heap_deform_tuple(
+                tuple,
+                (*self.heap).rd_att,
+                values.as_mut_ptr(),
+                nulls.as_mut_ptr(),
+            );
             for &(idx, info) in &self.indexes {
                 let natts = (*info).ii_NumIndexAttrs as usize;
                 let mut ivalues = [pg_sys::Datum::from(0); pg_sys::INDEX_MAX_KEYS as usize];

@@ -64,7 +64,8 @@ impl Stmt {
         let plan = self.plan();
         let nulls = null_flags(nulls);
         // SAFETY: inside SPI_connect; arrays match the plan's argument count.
-        let rc = unsafe { pg_sys::SPI_execute_plan(plan, args.as_mut_ptr(), nulls.as_ptr(), false, 0) };
+        let rc =
+            unsafe { pg_sys::SPI_execute_plan(plan, args.as_mut_ptr(), nulls.as_ptr(), false, 0) };
         check(rc);
         // SAFETY: set by the execution above.
         unsafe { pg_sys::SPI_processed }
@@ -72,7 +73,10 @@ impl Stmt {
 }
 
 fn null_flags(nulls: &[bool]) -> Vec<std::ffi::c_char> {
-    nulls.iter().map(|&n| if n { b'n' as _ } else { b' ' as _ }).collect()
+    nulls
+        .iter()
+        .map(|&n| if n { b'n' as _ } else { b' ' as _ })
+        .collect()
 }
 
 fn check(rc: i32) {

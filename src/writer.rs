@@ -20,8 +20,8 @@ use std::collections::HashMap;
 
 use crate::core::{decide, uuid_v7, Decision, Limits, QuotaError, RefusalKind, Usage};
 use crate::counts;
-use crate::heap::OpenRel;
 use crate::error::raise;
+use crate::heap::OpenRel;
 use crate::ledger::{self, Stmt};
 use crate::shmem::{self, *};
 
@@ -99,10 +99,11 @@ pub fn inflight(role: pg_sys::Oid) -> i64 {
             let s = shmem::slot(i);
             let st = load_state(s);
             // SAFETY: the payload was published with the slot's Release store.
-            (st == SLOT_PENDING || st == SLOT_CLAIMED) && unsafe {
-                let r = &*s.request.get();
-                r.dboid == db && r.role == role
-            }
+            (st == SLOT_PENDING || st == SLOT_CLAIMED)
+                && unsafe {
+                    let r = &*s.request.get();
+                    r.dboid == db && r.role == role
+                }
         })
         .count() as i64
 }
@@ -191,7 +192,11 @@ fn take_reply(slot: &'static Slot) -> Answer {
         match r.kind {
             REPLY_ADMITTED => Ok(Answer::Admitted(r.ticket)),
             REPLY_REFUSED => {
-                let kind = if r.refusal_kind == 1 { RefusalKind::Active } else { RefusalKind::Retained };
+                let kind = if r.refusal_kind == 1 {
+                    RefusalKind::Active
+                } else {
+                    RefusalKind::Retained
+                };
                 Ok(Answer::Refused(
                     kind,
                     Usage {
@@ -201,7 +206,10 @@ fn take_reply(slot: &'static Slot) -> Answer {
                     r.next_ageout,
                 ))
             }
-            REPLY_ERROR => Err((r.sqlerrcode, String::from_utf8_lossy(&r.error[..r.error_len]).into_owned())),
+            REPLY_ERROR => Err((
+                r.sqlerrcode,
+                String::from_utf8_lossy(&r.error[..r.error_len]).into_owned(),
+            )),
             _ => Err((0, String::new())),
         }
     };
@@ -261,11 +269,15 @@ fn register_worker(idx: usize, db: pg_sys::Oid) -> Option<WorkerHandle> {
     // SAFETY: a zeroed BackgroundWorker is valid; the postmaster copies it.
     unsafe {
         let mut w: pg_sys::BackgroundWorker = std::mem::zeroed();
-        fill(&mut w.bgw_name, &format!("pg_quota ledger writer for database {}", u32::from(db)));
+        fill(
+            &mut w.bgw_name,
+            &format!("pg_quota ledger writer for database {}", u32::from(db)),
+        );
         fill(&mut w.bgw_type, "pg_quota ledger writer");
         fill(&mut w.bgw_library_name, "pg_quota");
         fill(&mut w.bgw_function_name, "pg_quota_writer_main");
-        w.bgw_flags = (pg_sys::BGWORKER_SHMEM_ACCESS | pg_sys::BGWORKER_BACKEND_DATABASE_CONNECTION) as i32;
+        w.bgw_flags =
+            (pg_sys::BGWORKER_SHMEM_ACCESS | pg_sys::BGWORKER_BACKEND_DATABASE_CONNECTION) as i32;
         w.bgw_start_time = pg_sys::BgWorkerStartTime::BgWorkerStart_RecoveryFinished;
         w.bgw_restart_time = pg_sys::BGW_NEVER_RESTART as i32;
         w.bgw_main_arg = pg_sys::Datum::from(((idx as u64) << 32) | u64::from(u32::from(db)));
@@ -290,7 +302,8 @@ fn writer_alive(idx: usize) -> bool {
     let mut pid = 0;
     let mut h = w.handle;
     // SAFETY: `h` has the layout of BackgroundWorkerHandle (see WorkerHandle).
-    let status = unsafe { pg_sys::GetBackgroundWorkerPid(&mut h as *mut WorkerHandle as *mut _, &mut pid) };
+    let status =
+        unsafe { pg_sys::GetBackgroundWorkerPid(&mut h as *mut WorkerHandle as *mut _, &mut pid) };
     if status == pg_sys::BgwHandleStatus::BGWH_STOPPED {
         // Never started, or died without its exit callback: free the entry.
         w.dboid = pg_sys::InvalidOid;
@@ -317,7 +330,12 @@ fn fail_pending(db: pg_sys::Oid) {
         }
         if st == SLOT_PENDING
             && s.state
-                .compare_exchange(SLOT_PENDING, SLOT_CLAIMED, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange(
+                    SLOT_PENDING,
+                    SLOT_CLAIMED,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
                 .is_err()
         {
             continue;
@@ -380,7 +398,10 @@ pub extern "C-unwind" fn pg_quota_writer_main(arg: pg_sys::Datum) {
         w.procno = shmem::my_procno() as i32;
     }
     if !take_twin_guard(db) {
-        log!("pg_quota: another ledger writer already serves database {}", u32::from(db));
+        log!(
+            "pg_quota: another ledger writer already serves database {}",
+            u32::from(db)
+        );
         return;
     }
     configure_session();
@@ -405,7 +426,14 @@ fn twin_guard_tag(db: pg_sys::Oid) -> pg_sys::LOCKTAG {
 /// database cannot get it and leaves.
 fn take_twin_guard(db: pg_sys::Oid) -> bool {
     // SAFETY: a conditional session lock, released in `leave` or at process exit.
-    let r = unsafe { pg_sys::LockAcquire(&twin_guard_tag(db), pg_sys::ExclusiveLock as i32, true, true) };
+    let r = unsafe {
+        pg_sys::LockAcquire(
+            &twin_guard_tag(db),
+            pg_sys::ExclusiveLock as i32,
+            true,
+            true,
+        )
+    };
     r != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
 }
 
@@ -429,7 +457,9 @@ fn configure_session() {
     // I6: a charge is on disk before start() returns, even where the server runs with
     // synchronous_commit = off. Stronger settings (remote_apply, …) are kept.
     // SAFETY: reading a GUC variable.
-    if unsafe { pg_sys::synchronous_commit } < pg_sys::SyncCommitLevel::SYNCHRONOUS_COMMIT_LOCAL_FLUSH as i32 {
+    if unsafe { pg_sys::synchronous_commit }
+        < pg_sys::SyncCommitLevel::SYNCHRONOUS_COMMIT_LOCAL_FLUSH as i32
+    {
         set(c"synchronous_commit", c"local");
     }
     // SAFETY: reports the worker as idle in pg_stat_activity.
@@ -480,7 +510,12 @@ fn claim(db: pg_sys::Oid) -> Vec<usize> {
             continue;
         }
         if s.state
-            .compare_exchange(SLOT_PENDING, SLOT_CLAIMED, Ordering::AcqRel, Ordering::Acquire)
+            .compare_exchange(
+                SLOT_PENDING,
+                SLOT_CLAIMED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
             .is_ok()
         {
             batch.push(i);
@@ -521,7 +556,10 @@ fn process(batch: Vec<usize>) {
             // SAFETY: pgrx flushed the error state when it caught the error; abort the
             // failed transaction as a worker's error recovery does.
             unsafe { pg_sys::AbortCurrentTransaction() };
-            log!("pg_quota ledger writer: batch of {} failed: {msg}", batch.len());
+            log!(
+                "pg_quota ledger writer: batch of {} failed: {msg}",
+                batch.len()
+            );
             for &i in &batch {
                 set_error(i, code, &msg);
             }
@@ -542,7 +580,9 @@ fn process(batch: Vec<usize>) {
 fn caught_error(e: pg_sys::panic::CaughtError) -> (i32, String) {
     use pg_sys::panic::CaughtError;
     match e {
-        CaughtError::PostgresError(r) | CaughtError::ErrorReport(r) | CaughtError::RustPanic { ereport: r, .. } => {
+        CaughtError::PostgresError(r)
+        | CaughtError::ErrorReport(r)
+        | CaughtError::RustPanic { ereport: r, .. } => {
             (r.sql_error_code() as i32, r.message().to_string())
         }
     }
@@ -579,7 +619,10 @@ fn handle_batch(batch: &[usize]) {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let snap = counts::Latest::take();
     // SAFETY: the slots are CLAIMED by us; their callers do not touch them until DONE.
-    let requests: Vec<&Request> = batch.iter().map(|&i| unsafe { &*shmem::slot(i).request.get() }).collect();
+    let requests: Vec<&Request> = batch
+        .iter()
+        .map(|&i| unsafe { &*shmem::slot(i).request.get() })
+        .collect();
 
     // Count each scope once, and only what its requests are limited by: the active
     // count up to the highest active limit among them, the retained count if any of
@@ -595,7 +638,13 @@ fn handle_batch(batch: &[usize]) {
             .iter()
             .filter(|r| !r.exempt && (r.role, r.retention_secs) == key)
             .map(|r| r.max_active)
-            .fold(None, |acc: Option<i64>, m| if m > 0 { Some(acc.map_or(m, |a| a.max(m))) } else { acc });
+            .fold(None, |acc: Option<i64>, m| {
+                if m > 0 {
+                    Some(acc.map_or(m, |a| a.max(m)))
+                } else {
+                    acc
+                }
+            });
         let count_retained = requests
             .iter()
             .any(|r| !r.exempt && (r.role, r.retention_secs) == key && r.max_retained > 0);
@@ -604,8 +653,13 @@ fn handle_batch(batch: &[usize]) {
             let expired = counts::expired(&rels, &snap, req.role, cutoff);
             ScopeCounts {
                 usage: Usage {
-                    active: max_active.map_or(0, |m| counts::active(&rels, &snap, req.role, Some(m))),
-                    retained: if count_retained { counts::rows(&rels, &snap, req.role) - expired } else { 0 },
+                    active: max_active
+                        .map_or(0, |m| counts::active(&rels, &snap, req.role, Some(m))),
+                    retained: if count_retained {
+                        counts::rows(&rels, &snap, req.role) - expired
+                    } else {
+                        0
+                    },
                 },
                 expired,
                 cutoff,
@@ -629,10 +683,10 @@ fn handle_batch(batch: &[usize]) {
                 let id = new_ticket_id(now);
                 ids.push(pgrx::Uuid::from_bytes(id));
                 roles.push(req.role);
-                labels.push(
-                    req.has_label
-                        .then(|| String::from_utf8_lossy(&req.label[..req.label_len]).into_owned()),
-                );
+                labels
+                    .push(req.has_label.then(|| {
+                        String::from_utf8_lossy(&req.label[..req.label_len]).into_owned()
+                    }));
                 if let Some(sc) = sc {
                     sc.usage.active += 1;
                     sc.usage.retained += 1;
@@ -646,7 +700,12 @@ fn handle_batch(batch: &[usize]) {
                 // with different limits, get here: callers count in-flight requests.
                 let cutoff = crate::admission::cutoff(now, req.retention_secs);
                 let (full, next) = crate::admission::refusal_numbers(
-                    &rels, &snap, req.role, cutoff, req.retention_secs, r.kind,
+                    &rels,
+                    &snap,
+                    req.role,
+                    cutoff,
+                    req.retention_secs,
+                    r.kind,
                 );
                 let pending = sc.map_or(0, |sc| sc.admitted);
                 reply.kind = REPLY_REFUSED;
@@ -672,7 +731,13 @@ fn handle_batch(batch: &[usize]) {
 }
 
 /// Inserts the admitted tickets and adds them to their roles' summary rows.
-fn record(rels: &counts::Rels, now: pg_sys::TimestampTz, ids: &[pgrx::Uuid], roles: &[pg_sys::Oid], labels: &[Option<String>]) {
+fn record(
+    rels: &counts::Rels,
+    now: pg_sys::TimestampTz,
+    ids: &[pgrx::Uuid],
+    roles: &[pg_sys::Oid],
+    labels: &[Option<String>],
+) {
     let ledger = OpenRel::open(rels.ledger);
     let mut added: Vec<(pg_sys::Oid, i64)> = Vec::new();
     for ((id, &role), label) in ids.iter().zip(roles).zip(labels) {
@@ -710,22 +775,34 @@ fn add_to_summary(rels: &counts::Rels, summary: &OpenRel, role: pg_sys::Oid, n: 
         unsafe { pg_sys::CommandCounterIncrement() };
         let snap = counts::Latest::take();
         let mut current = None;
-        counts::scan(rels.summary, rels.summary_idx, &snap, &[counts::Key::OidEq(role)], |slot| {
-            // SAFETY: the slot holds a summary tuple (role, tickets), pinned meanwhile.
-            let tickets = unsafe { pg_sys::slot_getattr(slot, 2, &mut false).value() as i64 };
-            // SAFETY: as above.
-            current = Some((unsafe { (*slot).tts_tid }, tickets));
-            false
-        });
+        counts::scan(
+            rels.summary,
+            rels.summary_idx,
+            &snap,
+            &[counts::Key::OidEq(role)],
+            |slot| {
+                // SAFETY: the slot holds a summary tuple (role, tickets), pinned meanwhile.
+                let tickets = unsafe { pg_sys::slot_getattr(slot, 2, &mut false).value() as i64 };
+                // SAFETY: as above.
+                current = Some((unsafe { (*slot).tts_tid }, tickets));
+                false
+            },
+        );
         let Some((tid, tickets)) = current else {
             summary.insert(&mut [role.into(), n.into()], &mut [false, false]);
             return;
         };
-        let tuple = summary.form(&mut [role.into(), (tickets + n).into()], &mut [false, false]);
+        let tuple = summary.form(
+            &mut [role.into(), (tickets + n).into()],
+            &mut [false, false],
+        );
         match summary.update(tid, tuple, &[2]) {
             pg_sys::TM_Result::TM_Ok => return,
             pg_sys::TM_Result::TM_Updated | pg_sys::TM_Result::TM_Deleted => continue,
-            other => pgrx::error!("pg_quota: unexpected result {other} updating the summary of role {}", u32::from(role)),
+            other => pgrx::error!(
+                "pg_quota: unexpected result {other} updating the summary of role {}",
+                u32::from(role)
+            ),
         }
     }
 }

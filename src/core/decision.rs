@@ -115,7 +115,10 @@ mod tests {
             max_active: 0,
             max_retained: 0,
         };
-        assert_eq!(decide(none, usage(1_000_000, 100_000_000), false), Decision::Admit);
+        assert_eq!(
+            decide(none, usage(1_000_000, 100_000_000), false),
+            Decision::Admit
+        );
     }
 
     #[test]

@@ -81,7 +81,10 @@ fn refusal_message(role: &str, r: &Refusal) -> String {
         RefusalKind::Active => (r.usage.active, "active", "quota.max_active_per_role"),
         RefusalKind::Retained => (r.usage.retained, "retained", "quota.max_retained_per_role"),
     };
-    format!("role \"{role}\" has {n} {what} {}, the limit set by {guc}", tickets(n))
+    format!(
+        "role \"{role}\" has {n} {what} {}, the limit set by {guc}",
+        tickets(n)
+    )
 }
 
 fn limit_text(limit: i64) -> String {
@@ -255,10 +258,22 @@ mod tests {
 
     #[test]
     fn sqlstates_match_the_contract() {
-        assert_eq!(QuotaError::LabelTooLong { chars: 300 }.sqlstate().code(), "22001");
-        assert_eq!(QuotaError::NullArgument("ticket").sqlstate().code(), "22004");
-        assert_eq!(QuotaError::UnknownTicket("x".into()).sqlstate().code(), "22023");
-        assert_eq!(QuotaError::InvalidOutcome("x".into()).sqlstate().code(), "22023");
+        assert_eq!(
+            QuotaError::LabelTooLong { chars: 300 }.sqlstate().code(),
+            "22001"
+        );
+        assert_eq!(
+            QuotaError::NullArgument("ticket").sqlstate().code(),
+            "22004"
+        );
+        assert_eq!(
+            QuotaError::UnknownTicket("x".into()).sqlstate().code(),
+            "22023"
+        );
+        assert_eq!(
+            QuotaError::InvalidOutcome("x".into()).sqlstate().code(),
+            "22023"
+        );
         let foreign = QuotaError::ForeignTicket {
             ticket: "x".into(),
             owner: "y".into(),

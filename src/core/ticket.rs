@@ -161,7 +161,11 @@ mod tests {
         let top = uuid_v7(7_000_000, [0xff; 8], None);
         let next = uuid_v7(7_000_000, [0; 8], Some(top));
         assert!(next > top && is_v7(next));
-        assert_eq!(&next[..6], &top[..6], "carried into the sub-millisecond bits, not the time");
+        assert_eq!(
+            &next[..6],
+            &top[..6],
+            "carried into the sub-millisecond bits, not the time"
+        );
     }
 
     proptest::proptest! {

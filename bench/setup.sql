@@ -14,7 +14,7 @@ CREATE ROLE bench_refused LOGIN;
 ALTER ROLE bench_refused SET quota.max_active_per_role = 1;
 CREATE ROLE bench_history LOGIN;
 ALTER ROLE bench_history SET quota.max_active_per_role = 10;
-ALTER ROLE bench_history SET quota.max_retained_per_role = 20000;
+ALTER ROLE bench_history SET quota.max_retained_per_role = 1000000;
 
 GRANT USAGE ON SCHEMA bench TO PUBLIC;
 

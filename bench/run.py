@@ -11,6 +11,7 @@ pgbench script under bench/scripts and an entry here, not a new harness.
 import argparse
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -173,6 +174,7 @@ def main():
             print(f"  start() with {n:5} retained: {start_ms:.3f} ms", flush=True)
 
     write_report(through, refusal, history)
+    shutil.rmtree(logdir, ignore_errors=True)
 
 
 def tps(through, system, mode, clients):

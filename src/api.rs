@@ -1,4 +1,9 @@
 //! The SQL-facing functions. They check arguments and call in; nothing else.
+//!
+//! They return `Result<_, ErrorReport>` because that is how pgrx raises an error with
+//! our SQLSTATE, DETAIL and HINT intact; the report is large, but it is built only on
+//! the error path.
+#![allow(clippy::result_large_err)]
 
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;

@@ -279,7 +279,7 @@ fn register_worker(idx: usize, db: pg_sys::Oid) -> Option<WorkerHandle> {
         w.bgw_flags =
             (pg_sys::BGWORKER_SHMEM_ACCESS | pg_sys::BGWORKER_BACKEND_DATABASE_CONNECTION) as i32;
         w.bgw_start_time = pg_sys::BgWorkerStartTime::BgWorkerStart_RecoveryFinished;
-        w.bgw_restart_time = pg_sys::BGW_NEVER_RESTART as i32;
+        w.bgw_restart_time = pg_sys::BGW_NEVER_RESTART;
         w.bgw_main_arg = pg_sys::Datum::from(((idx as u64) << 32) | u64::from(u32::from(db)));
         w.bgw_notify_pid = pg_sys::MyProcPid;
         let mut handle: *mut pg_sys::BackgroundWorkerHandle = std::ptr::null_mut();

@@ -9,8 +9,11 @@ use crate::error::raise;
 use crate::writer::{self, Answer};
 use crate::{gucs, shmem};
 
-/// The scope lock's field4. SQL advisory locks use field4 = 1 or 2, so no
+/// The scope lock's field4. SQL advisory locks live in the user lock method with
+/// field4 = 1 or 2; ours lives in the default lock method (so that transaction end
+/// and the deadlock detector treat it like any table lock) with a private field4. No
 /// `pg_advisory_*` call can produce this tag, block admission or bypass it (I4).
+/// tests/isolation/specs/advisory_squat.spec hangs and fails if it could.
 pub const SCOPE_LOCK_FIELD4: u16 = 0x5153; // "QS"
 
 /// How long a caller sleeps while requests of its scope that could tip it over the

@@ -111,15 +111,51 @@ finish_checks() {
   [ "$CHECKS_FAILED" -eq 0 ]
 }
 
-# A scratch cluster for one test script, stopped and removed at exit.
+# Clusters and background jobs a test script started; cleanup_at_exit stops them.
+CLUSTERS=()
+BG=()
+# bg CMD...: runs CMD in the background in a process group of its own; sets LAST_BG.
+bg() { setsid "$@" & LAST_BG=$!; BG+=("$LAST_BG"); }
+
+# At exit: kill the background jobs, stop every cluster, and remove the clusters'
+# folders if the script passed (unless KEEP_TMP=1).
+cleanup_at_exit() {
+  local rc=$? p c
+  { exec 3>&-; } 2>/dev/null || true
+  for p in "${BG[@]}"; do kill -- "-$p" 2>/dev/null || true; done
+  for c in "${CLUSTERS[@]}"; do stop_cluster "$c" immediate; done
+  if [ "$rc" -eq 0 ] && [ "${KEEP_TMP:-0}" != 1 ]; then
+    for c in "${CLUSTERS[@]}"; do rm -rf "$c"; done
+  fi
+}
+
+# new_cluster DIR PORT [postgresql.conf lines...]: like start_cluster, and stopped at exit.
+new_cluster() {
+  local dir="$1"
+  mkdir -p "$dir"; chown "$PG_USER" "$dir"
+  CLUSTERS+=("$dir")
+  trap cleanup_at_exit EXIT
+  start_cluster "$@"
+}
+
+# A scratch cluster for one test script, stopped at exit.
 # with_cluster NAME [postgresql.conf lines...]: sets CL (its directory) and PORT.
 with_cluster() {
   local name="$1"; shift
   CL="${SCRATCH:-$(make_scratch)}/$name"
-  mkdir -p "$CL"; chown "$PG_USER" "$CL"
   PORT="${PORT:-5480}"
-  start_cluster "$CL" "$PORT" "$@"
-  trap 'stop_cluster "$CL" immediate' EXIT
+  new_cluster "$CL" "$PORT" "$@"
+}
+
+# burst_client ROLE K: as ROLE, runs the script $CL/burst.sql over and over against
+# $CL, appending the tickets to $CL/got.K, until $CL/stop exists. Run it with bg.
+burst_client() {
+  local role="$1" k="$2" round
+  for round in $(seq 1 400); do
+    [ -e "$CL/stop" ] && break
+    timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -h "$CL" -p "$PORT" -U "$role" \
+      -d postgres -f "$CL/burst.sql" >> "$CL/got.$k" 2>> "$CL/err.$k" || sleep 0.1
+  done
 }
 
 # sql [psql args...] -c ...: runs against the script's cluster, unaligned, no headers.

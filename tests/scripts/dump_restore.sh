@@ -5,12 +5,6 @@
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-5525}"
 with_cluster dump_restore
-cleanup() {
-  local rc=$?
-  stop_cluster "$CL" immediate
-  if [ "$rc" -eq 0 ] && [ "${KEEP_TMP:-0}" != 1 ]; then rm -rf "$CL"; fi
-}
-trap cleanup EXIT
 
 as() {  # as USER DB SQL...: one session, output only
   local user="$1" db="$2"; shift 2; local a=() q

@@ -7,16 +7,6 @@ source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-5522}"
 with_cluster faults_clients
 
-BG=()       # process groups of the background jobs started here
-cleanup() {
-  local rc=$?
-  exec 3>&-
-  for p in "${BG[@]}"; do kill -- "-$p" 2>/dev/null || true; done
-  stop_cluster "$CL" immediate
-  if [ "$rc" -eq 0 ] && [ "${KEEP_TMP:-0}" != 1 ]; then rm -rf "$CL"; fi
-}
-trap cleanup EXIT
-bg() { setsid "$@" & LAST_BG=$!; BG+=("$LAST_BG"); }
 
 psql_as() {  # psql_as USER [psql args...]: like sql, as USER, in database postgres, 20 s at most
   local user="$1"; shift
@@ -134,19 +124,11 @@ expect_eq "once its tickets are finished, fc_one is admitted again" t \
 # ------------------------------------------------------------------------------------
 for _ in $(seq 1 50); do echo "SELECT quota.start('burst');"; done > "$CL/burst.sql"
 chmod 644 "$CL/burst.sql"
-burst_client() {  # burst_client K: sessions of 50 starts each until $CL/stop exists
-  local k="$1" round
-  for round in $(seq 1 400); do
-    [ -e "$CL/stop" ] && break
-    timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -h "$CL" -p "$PORT" -U fc_tenant \
-      -d postgres -f "$CL/burst.sql" >> "$CL/got.$k" 2>> "$CL/err.$k" || sleep 0.1
-  done
-}
 rm -f "$CL/stop"
 burst_pids=()
 for k in $(seq 1 8); do
   : > "$CL/got.$k"
-  bg bash -c "$(declare -f burst_client); CL='$CL' PORT='$PORT' PG_BIN='$PG_BIN' burst_client $k"
+  bg bash -c "$(declare -f burst_client); CL='$CL' PORT='$PORT' PG_BIN='$PG_BIN' burst_client fc_tenant $k"
   burst_pids+=("$LAST_BG")
 done
 timeout 30 bash -c "until [ \"\$('$PG_BIN/psql' -X -At -h '$CL' -p '$PORT' -U postgres -c \"SELECT count(*) >= 300 FROM quota.ledger WHERE label = 'burst'\")\" = t ]; do sleep 0.05; done" || true

@@ -9,17 +9,6 @@ PORT="${PORT:-5521}"
 with_cluster faults_writer
 CL1="$CL"
 
-BG=()       # process groups of the background jobs started here
-cleanup() {
-  local rc=$?
-  for p in "${BG[@]}"; do kill -- "-$p" 2>/dev/null || true; done
-  stop_cluster "$CL1" immediate
-  [ -n "${CL2:-}" ] && stop_cluster "$CL2" immediate
-  if [ "$rc" -eq 0 ] && [ "${KEEP_TMP:-0}" != 1 ]; then rm -rf "$CL1" ${CL2:+"$CL2"}; fi
-}
-trap cleanup EXIT
-# bg CMD...: runs CMD in the background in a process group of its own; sets LAST_BG.
-bg() { setsid "$@" & LAST_BG=$!; BG+=("$LAST_BG"); }
 
 psql_as() {  # psql_as USER [psql args...]: like sql, as USER, in database postgres, 20 s at most
   local user="$1"; shift
@@ -56,16 +45,8 @@ sql -c "CREATE EXTENSION pg_quota" -c "CREATE ROLE fw_tenant LOGIN" \
 # ------------------------------------------------------------------------------------
 for _ in $(seq 1 50); do echo "SELECT quota.start('burst');"; done > "$CL/burst.sql"
 chmod 644 "$CL/burst.sql"
-burst_client() {  # burst_client K: sessions of 50 starts each until $CL/stop exists
-  local k="$1" round
-  for round in $(seq 1 400); do
-    [ -e "$CL/stop" ] && break
-    timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -h "$CL" -p "$PORT" -U fw_tenant \
-      -d postgres -f "$CL/burst.sql" >> "$CL/got.$k" 2>> "$CL/err.$k" || sleep 0.1
-  done
-}
 rm -f "$CL/stop"
-for k in $(seq 1 8); do : > "$CL/got.$k"; bg bash -c "$(declare -f burst_client); CL='$CL' PORT='$PORT' PG_BIN='$PG_BIN' burst_client $k"; done
+for k in $(seq 1 8); do : > "$CL/got.$k"; bg bash -c "$(declare -f burst_client); CL='$CL' PORT='$PORT' PG_BIN='$PG_BIN' burst_client fw_tenant $k"; done
 burst_pids=("${BG[@]}")
 
 # Let the burst get going, then kill the writer in the middle of it.
@@ -188,8 +169,8 @@ check "the summary equals the ledger after the lock timeouts" summary_matches_le
 #    second database's start() fails with 53000 and a hint, at once.
 # ------------------------------------------------------------------------------------
 stop_cluster "$CL"
-CL2="$(dirname "$CL1")/faults_writer_slots"; mkdir -p "$CL2"; chown "$PG_USER" "$CL2"
-start_cluster "$CL2" "$PORT" "max_worker_processes = 1" "max_logical_replication_workers = 0"
+CL2="$(dirname "$CL1")/faults_writer_slots"
+new_cluster "$CL2" "$PORT" "max_worker_processes = 1" "max_logical_replication_workers = 0"
 CL="$CL2"
 sql -c "CREATE EXTENSION pg_quota" -c "CREATE DATABASE second" -c "CREATE ROLE fw_tenant2 LOGIN"
 sql -d second -c "CREATE EXTENSION pg_quota"

@@ -9,15 +9,6 @@
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-5524}"
 with_cluster hostile_tenant
-BG=()
-cleanup() {
-  local rc=$?
-  exec 3>&-
-  for p in "${BG[@]}"; do kill -- "-$p" 2>/dev/null || true; done
-  stop_cluster "$CL" immediate
-  if [ "$rc" -eq 0 ] && [ "${KEEP_TMP:-0}" != 1 ]; then rm -rf "$CL"; fi
-}
-trap cleanup EXIT
 
 LIMIT=3
 sql <<SQL

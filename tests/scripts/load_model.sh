@@ -8,12 +8,6 @@
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-5523}"
 with_cluster load_model "max_connections = 120"
-cleanup() {
-  local rc=$?
-  stop_cluster "$CL" immediate
-  if [ "$rc" -eq 0 ] && [ "${KEEP_TMP:-0}" != 1 ]; then rm -rf "$CL"; fi
-}
-trap cleanup EXIT
 
 CLIENTS="${LOAD_CLIENTS:-64}"
 TX="${LOAD_TX:-300}"   # transactions per client and limit

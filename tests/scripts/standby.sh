@@ -10,12 +10,12 @@ sql -c "SET quota.max_active_per_role = 0" -c "SET ROLE standby_tenant" \
     -c "SELECT quota.start('on primary ' || i) FROM generate_series(1, 3) i" >/dev/null
 sql -c "SELECT quota.finish(id) FROM quota.ledger WHERE label = 'on primary 1'" >/dev/null
 
-STANDBY="$PRIMARY/../standby"; mkdir -p "$STANDBY"; chown "$PG_USER" "$STANDBY"
+STANDBY="$(dirname "$PRIMARY")/standby"; mkdir -p "$STANDBY"; chown "$PG_USER" "$STANDBY"
+CLUSTERS+=("$STANDBY")
 as_pg "$PG_BIN/pg_basebackup" -h "$PRIMARY" -p "$PRIMARY_PORT" -U postgres -D "$STANDBY/data" -R -X stream -c fast
 sed -i "s/^port = .*/port = $((PORT + 1))/; s|^unix_socket_directories = .*|unix_socket_directories = '$STANDBY'|" \
   "$STANDBY/data/postgresql.conf"
 as_pg "$PG_BIN/pg_ctl" -D "$STANDBY/data" -l "$STANDBY/server.log" -w -t 60 start >/dev/null
-trap 'stop_cluster "$STANDBY" immediate; stop_cluster "$PRIMARY" immediate' EXIT
 on_standby() { pgq "$STANDBY" $((PORT + 1)) -At "$@"; }
 
 expect_eq "the standby is in recovery" t "$(on_standby -c "SELECT pg_is_in_recovery()")"

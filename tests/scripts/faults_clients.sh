@@ -36,6 +36,35 @@ sql -c "CREATE EXTENSION pg_quota" -c "CREATE ROLE fc_tenant LOGIN" \
     -c "ALTER ROLE fc_tenant SET quota.max_retained_per_role = 0" \
     -c "CREATE TABLE received (ticket uuid NOT NULL)"
 
+# hold_ledger_lock: a superuser session, fed through fd 3, holds LOCK TABLE
+# quota.ledger IN EXCLUSIVE MODE, so that the writer cannot answer. Release it with
+# echo "COMMIT;" >&3 (or by closing fd 3).
+hold_ledger_lock() {
+  rm -f "$CL/lock_out"
+  [ -p "$CL/lock_in" ] || { mkfifo "$CL/lock_in"; chmod 666 "$CL/lock_in"; }
+  bg bash -c "exec '$PG_BIN/psql' -X -q -At -h '$CL' -p '$PORT' -U postgres -d postgres < '$CL/lock_in' > '$CL/lock_out' 2>&1"
+  exec 3> "$CL/lock_in"
+  echo "BEGIN; LOCK TABLE quota.ledger IN EXCLUSIVE MODE; SELECT 'locked';" >&3
+  timeout 10 bash -c "until grep -q locked '$CL/lock_out'; do sleep 0.05; done"
+}
+
+# start_waiting_caller ROLE LABEL NAME: runs ROLE's quota.start(LABEL) in the
+# background (output in $CL/NAME.out, exit status in $CL/NAME.rc) and sets `victim` to
+# its pid once it waits inside start() while the writer waits for the ledger lock.
+start_waiting_caller() {
+  local role="$1" label="$2" name="$3"
+  bg bash -c "timeout 60 '$PG_BIN/psql' -X -q -At -h '$CL' -p '$PORT' -U $role -d postgres \
+                -c \"SELECT quota.start('$label')\" > '$CL/$name.out' 2>&1; echo \$? > '$CL/$name.rc'"
+  victim=""
+  for _ in $(seq 1 80); do
+    victim=$(sql -c "SELECT pid FROM pg_stat_activity WHERE usename = '$role' AND state = 'active'
+                       AND query LIKE '%$label%' AND wait_event_type = 'Extension'")
+    writer_waits=$(sql -c "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer' AND wait_event_type = 'Lock'")
+    [ -n "$victim" ] && [ "$writer_waits" = 1 ] && break
+    sleep 0.05
+  done
+}
+
 # ------------------------------------------------------------------------------------
 # 1. kill -9 of a client backend while it waits in start(). A superuser's LOCK TABLE
 #    keeps the writer from answering, so the caller is surely inside start().
@@ -44,29 +73,15 @@ psql_as fc_tenant -c "SELECT quota.start('kept ' || i) FROM generate_series(1, 3
 psql_as fc_tenant -c "SELECT quota.finish(id) FROM (SELECT '$(head -n1 "$CL/kept")'::uuid AS id) s" >/dev/null
 tail -n +2 "$CL/kept" > "$CL/kept_active"
 
-mkfifo "$CL/lock_in"; chmod 666 "$CL/lock_in"
-bg bash -c "exec '$PG_BIN/psql' -X -q -At -h '$CL' -p '$PORT' -U postgres -d postgres < '$CL/lock_in' > '$CL/lock_out' 2>&1"
-exec 3> "$CL/lock_in"
-echo "BEGIN; LOCK TABLE quota.ledger IN EXCLUSIVE MODE; SELECT 'locked';" >&3
-timeout 10 bash -c "until grep -q locked '$CL/lock_out'; do sleep 0.05; done"
-
-bg bash -c "timeout 60 '$PG_BIN/psql' -X -q -At -h '$CL' -p '$PORT' -U fc_tenant -d postgres \
-              -c \"SELECT quota.start('killed mid-start')\" > '$CL/killed_out' 2>&1; echo \$? > '$CL/killed_rc'"
-victim=""
-for _ in $(seq 1 80); do
-  victim=$(sql -c "SELECT pid FROM pg_stat_activity WHERE usename = 'fc_tenant' AND state = 'active'
-                     AND query LIKE '%killed mid-start%' AND wait_event_type = 'Extension'")
-  writer_waits=$(sql -c "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer' AND wait_event_type = 'Lock'")
-  [ -n "$victim" ] && [ "$writer_waits" = 1 ] && break
-  sleep 0.05
-done
+hold_ledger_lock
+start_waiting_caller fc_tenant 'killed mid-start' killed
 check "the caller is waiting inside start() while the writer waits for the lock" test -n "$victim" -a "$writer_waits" = 1
 log_lines=$(wc -l < "$CL/server.log")
 [ -n "$victim" ] && kill -9 "$victim"
 check "the postmaster reinitialized after the client's SIGKILL" wait_recovered "$log_lines"
 exec 3>&-
 check "the killed caller's psql ended with an error, not a hang" \
-  timeout 20 bash -c "until [ -e '$CL/killed_rc' ]; do sleep 0.05; done; [ \"\$(cat '$CL/killed_rc')\" != 0 ] && [ \"\$(cat '$CL/killed_rc')\" != 124 ]"
+  timeout 20 bash -c "until [ -e '$CL/killed.rc' ]; do sleep 0.05; done; [ \"\$(cat '$CL/killed.rc')\" != 0 ] && [ \"\$(cat '$CL/killed.rc')\" != 124 ]"
 check "the client backend died of signal 9" grep -q "server process (PID $victim) was terminated by signal 9" "$CL/server.log"
 expect_eq "the received tickets are still active after recovery" 0 "$(missing "$CL/kept_active" fc_tenant)"
 expect_eq "the finished ticket stays finished" 1 \
@@ -87,25 +102,12 @@ expect_eq "start() works after the client's crash" t \
 # ------------------------------------------------------------------------------------
 sql -c "CREATE ROLE fc_one LOGIN" -c "ALTER ROLE fc_one SET quota.max_active_per_role = 1"
 reinit_before=$(log_count "reinitializing")
-rm -f "$CL/lock_out"
-bg bash -c "exec '$PG_BIN/psql' -X -q -At -h '$CL' -p '$PORT' -U postgres -d postgres < '$CL/lock_in' > '$CL/lock_out' 2>&1"
-exec 3> "$CL/lock_in"
-echo "BEGIN; LOCK TABLE quota.ledger IN EXCLUSIVE MODE; SELECT 'locked';" >&3
-timeout 10 bash -c "until grep -q locked '$CL/lock_out'; do sleep 0.05; done"
-bg bash -c "timeout 60 '$PG_BIN/psql' -X -q -At -h '$CL' -p '$PORT' -U fc_one -d postgres \
-              -c \"SELECT quota.start('terminated mid-start')\" > '$CL/term_out' 2>&1; echo \$? > '$CL/term_rc'"
-victim=""
-for _ in $(seq 1 80); do
-  victim=$(sql -c "SELECT pid FROM pg_stat_activity WHERE usename = 'fc_one' AND state = 'active'
-                     AND query LIKE '%terminated mid-start%' AND wait_event_type = 'Extension'")
-  writer_waits=$(sql -c "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer' AND wait_event_type = 'Lock'")
-  [ -n "$victim" ] && [ "$writer_waits" = 1 ] && break
-  sleep 0.05
-done
+hold_ledger_lock
+start_waiting_caller fc_one 'terminated mid-start' term
 check "the fc_one caller is waiting inside start() while the writer waits for the lock" test -n "$victim" -a "$writer_waits" = 1
 [ -n "$victim" ] && sql -c "SELECT pg_terminate_backend($victim, 5000)" >/dev/null
 check "the terminated caller's psql ended at once, with an error" \
-  timeout 5 bash -c "until [ -e '$CL/term_rc' ]; do sleep 0.05; done; [ \"\$(cat '$CL/term_rc')\" != 0 ]"
+  timeout 5 bash -c "until [ -e '$CL/term.rc' ]; do sleep 0.05; done; [ \"\$(cat '$CL/term.rc')\" != 0 ]"
 echo "COMMIT;" >&3
 exec 3>&-
 out=$(timeout 15 "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U fc_one -d postgres -v ON_ERROR_STOP=0 \

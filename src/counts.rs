@@ -147,16 +147,32 @@ pub fn scan(
     index: pg_sys::Oid,
     snap: &Latest,
     keys: &[Key],
-    mut visit: impl FnMut(*mut pg_sys::TupleTableSlot) -> bool,
+    visit: impl FnMut(*mut pg_sys::TupleTableSlot) -> bool,
 ) {
-    let mut sk = scankeys(keys);
     // SAFETY: the relations exist (looked up just now) and are opened with
-    // AccessShareLock, held to the end of the transaction like any read; the slot and
-    // scan are released before we return, and an ERROR releases them with the
-    // transaction's resources.
+    // AccessShareLock, held to the end of the transaction like any read.
     unsafe {
         let heap_rel = pg_sys::table_open(heap, pg_sys::AccessShareLock as i32);
         let index_rel = pg_sys::index_open(index, pg_sys::AccessShareLock as i32);
+        scan_open(heap_rel, index_rel, snap, keys, visit);
+        pg_sys::index_close(index_rel, pg_sys::NoLock as i32);
+        pg_sys::table_close(heap_rel, pg_sys::NoLock as i32);
+    }
+}
+
+/// `scan`, over relations the caller already has open.
+pub fn scan_open(
+    heap_rel: pg_sys::Relation,
+    index_rel: pg_sys::Relation,
+    snap: &Latest,
+    keys: &[Key],
+    mut visit: impl FnMut(*mut pg_sys::TupleTableSlot) -> bool,
+) {
+    let mut sk = scankeys(keys);
+    // SAFETY: the caller holds both relations open and locked; the slot and scan are
+    // released before we return, and an ERROR releases them with the transaction's
+    // resources.
+    unsafe {
         let slot = pg_sys::table_slot_create(heap_rel, std::ptr::null_mut());
         let desc = pg_sys::index_beginscan(heap_rel, index_rel, snap.0, sk.len() as i32, 0);
         pg_sys::index_rescan(
@@ -173,8 +189,6 @@ pub fn scan(
         }
         pg_sys::index_endscan(desc);
         pg_sys::ExecDropSingleTupleTableSlot(slot);
-        pg_sys::index_close(index_rel, pg_sys::NoLock as i32);
-        pg_sys::table_close(heap_rel, pg_sys::NoLock as i32);
     }
 }
 

@@ -82,9 +82,9 @@ fn find(
 ) -> Option<Found> {
     let key = ticket.into_datum().unwrap();
     let mut found = None;
-    counts::scan(
-        rels.ledger,
-        rels.ledger_pkey,
+    counts::scan_open(
+        ledger.heap,
+        ledger.index(rels.ledger_pkey),
         snap,
         &[Key::UuidEq(key)],
         |slot| {

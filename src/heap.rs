@@ -61,6 +61,16 @@ impl OpenRel {
         }
     }
 
+    /// The open index `oid` of this table.
+    pub fn index(&self, oid: pg_sys::Oid) -> pg_sys::Relation {
+        self.indexes
+            .iter()
+            // SAFETY: open relations; rd_id is their OID.
+            .find(|(idx, _)| unsafe { (**idx).rd_id } == oid)
+            .map(|&(idx, _)| idx)
+            .unwrap_or_else(|| pgrx::error!("pg_quota: index {} is not open", u32::from(oid)))
+    }
+
     /// Forms a tuple of this table from `values` and `nulls` (one per column).
     pub fn form(&self, values: &mut [pg_sys::Datum], nulls: &mut [bool]) -> pg_sys::HeapTuple {
         assert_eq!(values.len(), self.ncols);

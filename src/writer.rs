@@ -775,9 +775,9 @@ fn add_to_summary(rels: &counts::Rels, summary: &OpenRel, role: pg_sys::Oid, n: 
         unsafe { pg_sys::CommandCounterIncrement() };
         let snap = counts::Latest::take();
         let mut current = None;
-        counts::scan(
-            rels.summary,
-            rels.summary_idx,
+        counts::scan_open(
+            summary.heap,
+            summary.index(rels.summary_idx),
             &snap,
             &[counts::Key::OidEq(role)],
             |slot| {

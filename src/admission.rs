@@ -80,8 +80,7 @@ struct ScopeLock(pg_sys::LOCKTAG);
 impl ScopeLock {
     fn acquire(role: pg_sys::Oid) -> ScopeLock {
         let tag = pg_sys::LOCKTAG {
-            // SAFETY: MyDatabaseId is set in every connected backend.
-            locktag_field1: u32::from(unsafe { pg_sys::MyDatabaseId }),
+            locktag_field1: u32::from(shmem::my_db()),
             locktag_field2: u32::from(role),
             locktag_field3: 0,
             locktag_field4: SCOPE_LOCK_FIELD4,

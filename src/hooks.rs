@@ -38,7 +38,7 @@ unsafe extern "C-unwind" fn object_access(
         } else if class_id == pg_sys::ExtensionRelationId {
             let name = pg_sys::get_extension_name(object_id);
             if !name.is_null() && std::ffi::CStr::from_ptr(name) == c"pg_quota" {
-                crate::writer::request_exit(pg_sys::MyDatabaseId);
+                crate::writer::request_exit(crate::shmem::my_db());
             }
         }
     }

@@ -249,6 +249,18 @@ impl Drop for TableLock {
     }
 }
 
+/// The writer entry serving database `db`, if any. Callers hold the table lock.
+pub fn writer_of(db: pg_sys::Oid) -> Option<usize> {
+    (0..n_writers()).find(|&i| writer(i).dboid == db)
+}
+
+/// The database this backend is connected to.
+pub fn my_db() -> pg_sys::Oid {
+    // SAFETY: MyDatabaseId is set once a backend or worker connects, before any
+    // pg_quota code that calls this runs, and never changes afterwards.
+    unsafe { pg_sys::MyDatabaseId }
+}
+
 /// This backend's PGPROC number, which is also its slot index.
 pub fn my_procno() -> usize {
     // SAFETY: MyProc points into ProcGlobal->allProcs in every backend.

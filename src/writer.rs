@@ -67,7 +67,7 @@ pub fn enqueue(fill: impl FnOnce(&mut Request)) {
     // else reads or writes its payload until we publish it with the Release below.
     unsafe {
         let r = &mut *slot.request.get();
-        r.dboid = pg_sys::MyDatabaseId;
+        r.dboid = shmem::my_db();
         fill(r);
     }
     // The common case, a running writer, needs only the shared lock.
@@ -92,8 +92,7 @@ pub fn enqueue(fill: impl FnOnce(&mut Request)) {
 /// meanwhile; a read that races with a slot being reused only miscounts a request
 /// that is not of this scope, and the writer's own check is exact in any case.
 pub fn inflight(role: pg_sys::Oid) -> i64 {
-    // SAFETY: MyDatabaseId is set in every connected backend.
-    let db = unsafe { pg_sys::MyDatabaseId };
+    let db = shmem::my_db();
     (0..shmem::n_slots())
         .filter(|&i| {
             let s = shmem::slot(i);
@@ -231,9 +230,7 @@ fn take_reply(slot: &'static Slot) -> Answer {
 
 /// This database's writer entry, if there is one; hands the lock back either way.
 fn find_writer(lock: shmem::TableLock) -> Result<(shmem::TableLock, usize), shmem::TableLock> {
-    // SAFETY: MyDatabaseId is set in every connected backend.
-    let db = unsafe { pg_sys::MyDatabaseId };
-    match (0..shmem::n_writers()).find(|&i| shmem::writer(i).dboid == db) {
+    match shmem::writer_of(shmem::my_db()) {
         Some(i) => Ok((lock, i)),
         None => Err(lock),
     }
@@ -242,13 +239,11 @@ fn find_writer(lock: shmem::TableLock) -> Result<(shmem::TableLock, usize), shme
 /// Finds this database's writer entry, or claims a free one and registers a writer
 /// for it. Called with the table lock held exclusively.
 fn find_or_start_writer() -> usize {
-    // SAFETY: MyDatabaseId is set in every connected backend.
-    let db = unsafe { pg_sys::MyDatabaseId };
-    let n = shmem::n_writers();
-    if let Some(i) = (0..n).find(|&i| shmem::writer(i).dboid == db) {
+    let db = shmem::my_db();
+    if let Some(i) = shmem::writer_of(db) {
         return i;
     }
-    let Some(i) = (0..n).find(|&i| shmem::writer(i).dboid == pg_sys::InvalidOid) else {
+    let Some(i) = shmem::writer_of(pg_sys::InvalidOid) else {
         raise(QuotaError::NoWorkerSlot);
     };
     let handle = register_worker(i, db).unwrap_or_else(|| raise(QuotaError::NoWorkerSlot));
@@ -295,8 +290,7 @@ fn register_worker(idx: usize, db: pg_sys::Oid) -> Option<WorkerHandle> {
 fn writer_alive(idx: usize) -> bool {
     let _lock = shmem::TableLock::acquire();
     let w = shmem::writer(idx);
-    // SAFETY: MyDatabaseId is set in every connected backend.
-    if w.dboid != unsafe { pg_sys::MyDatabaseId } {
+    if w.dboid != shmem::my_db() {
         return false;
     }
     let mut pid = 0;
@@ -308,8 +302,7 @@ fn writer_alive(idx: usize) -> bool {
         // Never started, or died without its exit callback: free the entry.
         w.dboid = pg_sys::InvalidOid;
         w.procno = -1;
-        // SAFETY: MyDatabaseId is set in every connected backend.
-        fail_pending(unsafe { pg_sys::MyDatabaseId });
+        fail_pending(shmem::my_db());
         return false;
     }
     true
@@ -875,7 +868,7 @@ unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
             });
         }
         let w = shmem::writer(MY_ENTRY);
-        let db = pg_sys::MyDatabaseId;
+        let db = shmem::my_db();
         if w.dboid == db && w.procno == shmem::my_procno() as i32 {
             w.dboid = pg_sys::InvalidOid;
             w.procno = -1;
@@ -890,13 +883,11 @@ pub fn request_exit(db: pg_sys::Oid) {
         return;
     }
     let _lock = shmem::TableLock::acquire();
-    for i in 0..shmem::n_writers() {
+    if let Some(i) = shmem::writer_of(db) {
         let w = shmem::writer(i);
-        if w.dboid == db {
-            w.exit_requested.store(true, Ordering::Release);
-            if let Ok(p) = usize::try_from(w.procno) {
-                shmem::wake(p);
-            }
+        w.exit_requested.store(true, Ordering::Release);
+        if let Ok(p) = usize::try_from(w.procno) {
+            shmem::wake(p);
         }
     }
 }

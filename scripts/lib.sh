@@ -4,9 +4,11 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PG_MAJOR="${PG_MAJOR:-15}"
-PG_BIN="/usr/lib/postgresql/$PG_MAJOR/bin"
+# PG_BIN may point at another installation of the same layout, for example a relocated
+# copy of /usr/lib/postgresql/15 that carries an older pg_quota build.
+PG_BIN="${PG_BIN:-/usr/lib/postgresql/$PG_MAJOR/bin}"
 PG_CONFIG="$PG_BIN/pg_config"
-PGXS_TEST="/usr/lib/postgresql/$PG_MAJOR/lib/pgxs/src/test"
+PGXS_TEST="${PG_BIN%/bin}/lib/pgxs/src/test"
 PGRX_VERSION="0.18.0"
 APT_PACKAGES=(postgresql-$PG_MAJOR postgresql-server-dev-$PG_MAJOR libclang-dev clang sudo)
 

@@ -4,7 +4,7 @@
 use pgrx::pg_sys;
 
 use crate::core::{check_label, decide, Decision, Limits, QuotaError, Refusal, RefusalKind, Usage};
-use crate::counts::{self, Latest, Rels};
+use crate::counts::{self, Latest, Reader, Rels};
 use crate::error::raise;
 use crate::writer::{self, Answer};
 use crate::{gucs, shmem};
@@ -64,6 +64,16 @@ pub fn require_preloaded() {
     if !shmem::available() {
         raise(QuotaError::NotPreloaded);
     }
+}
+
+/// The checks every pg_quota function makes first: the library is preloaded, and we
+/// are not in a parallel operation. A parallel worker cannot write, nor hand a request
+/// to the writer on the leader's behalf, so pg_quota refuses there as nextval() does
+/// (25000), even when a user's wrapper function is wrongly marked PARALLEL SAFE.
+pub fn require_callable(name: &std::ffi::CStr) {
+    require_preloaded();
+    // SAFETY: raises ERROR or returns.
+    unsafe { pg_sys::PreventCommandIfParallelMode(name.as_ptr()) };
 }
 
 /// Holds the scope lock for (database, role) until dropped.
@@ -166,17 +176,24 @@ fn refusal(
 
 /// Admits one ticket for `current_user`, or returns the refusal (53400) as an error
 /// value so that try_start can turn it into NULL. Every other error raises.
-pub fn start(label: Option<&str>) -> Result<pgrx::Uuid, QuotaError> {
-    require_preloaded();
+///
+/// `label` is text in the server encoding, passed through as bytes: a LATIN1 or
+/// SQL_ASCII database has labels that are not UTF-8, and its characters are counted
+/// by the server's rules.
+pub fn start(label: Option<&[u8]>, name: &std::ffi::CStr) -> Result<pgrx::Uuid, QuotaError> {
+    require_callable(name);
     // A standby or a read-only transaction refuses with 25006, as nextval() does:
     // the charge is a write, even though it is not the caller's own.
     // SAFETY: both raise ERROR or return.
     unsafe {
-        pg_sys::PreventCommandDuringRecovery(c"quota.start()".as_ptr());
-        pg_sys::PreventCommandIfReadOnly(c"quota.start()".as_ptr());
+        pg_sys::PreventCommandDuringRecovery(name.as_ptr());
+        pg_sys::PreventCommandIfReadOnly(name.as_ptr());
     }
     if let Some(l) = label {
-        check_label(l)?;
+        // SAFETY: counts the characters of `l` in the server encoding; the length is
+        // that of a text datum, which fits in an int.
+        let chars = unsafe { pg_sys::pg_mbstrlen_with_len(l.as_ptr().cast(), l.len() as i32) };
+        check_label(chars as usize, l.len())?;
     }
     // SAFETY: plain reads of backend state.
     let (role, exempt) = unsafe {
@@ -186,13 +203,12 @@ pub fn start(label: Option<&str>) -> Result<pgrx::Uuid, QuotaError> {
     let limits = gucs::limits();
     let retention = gucs::retention_secs();
     let fill = |r: &mut shmem::Request| {
-        r.role = role;
         r.exempt = exempt;
         r.max_active = limits.max_active;
         r.max_retained = limits.max_retained;
         r.retention_secs = retention;
         r.has_label = label.is_some();
-        let bytes = label.unwrap_or("").as_bytes();
+        let bytes = label.unwrap_or(b"");
         r.label[..bytes.len()].copy_from_slice(bytes);
         r.label_len = bytes.len();
     };
@@ -204,57 +220,79 @@ pub fn start(label: Option<&str>) -> Result<pgrx::Uuid, QuotaError> {
         writer::enqueue(fill);
         writer::wait()
     } else {
-        let rels = counts::rels();
-        // SAFETY: plain clock read.
-        let cutoff = cutoff(unsafe { pg_sys::GetCurrentTimestamp() }, retention);
-        let refuse = |snap: &Latest, kind| {
-            let (usage, next) = refusal_numbers(&rels, snap, role, cutoff, retention, kind);
-            Err(refusal(role, kind, usage, next))
-        };
-
-        // Refusals need no lock: a committed count at the limit is a correct answer
-        // at the moment of the snapshot. This keeps a role hammering at its limit
-        // from queueing on its own scope lock.
-        {
-            let snap = Latest::take();
-            if let Decision::Refuse(r) =
-                decide(limits, usage_for(&rels, &snap, role, cutoff, limits), false)
-            {
-                return refuse(&snap, r.kind);
-            }
+        match admit_under_lock(role, limits, retention, fill) {
+            Ok(()) => writer::wait(),
+            Err(refused) => return Err(refused),
         }
-
-        // Admission: under the scope lock, count the committed tickets plus this
-        // scope's requests still in the writer's hands, and hand ours over only if
-        // all of them fit. The lock makes count-and-enqueue atomic per scope, so the
-        // decision here is exact; it is released before we wait for the writer, so
-        // one role's starts share the writer's commits.
-        let lock = ScopeLock::acquire(role);
-        loop {
-            let snap = Latest::take();
-            let usage = usage_for(&rels, &snap, role, cutoff, limits);
-            if let Decision::Refuse(r) = decide(limits, usage, false) {
-                return refuse(&snap, r.kind);
-            }
-            let inflight = writer::inflight(role);
-            let with_inflight = Usage {
-                active: usage.active + inflight,
-                retained: usage.retained + inflight,
-            };
-            if decide(limits, with_inflight, false) == Decision::Admit {
-                break;
-            }
-            // Requests in flight would take the last slots; wait for them to be
-            // committed (then counted) or refused, and count again.
-            drop(snap);
-            writer::nap(INFLIGHT_POLL_MS);
-        }
-        writer::enqueue(fill);
-        drop(lock);
-        writer::wait()
     };
     match answer {
         Answer::Admitted(id) => Ok(pgrx::Uuid::from_bytes(id)),
         Answer::Refused(kind, usage, next) => Err(refusal(role, kind, usage, next)),
     }
+}
+
+/// The limited path of start(): refuses from the committed state without a lock, or
+/// hands the request to the writer under the scope lock once it surely fits.
+fn admit_under_lock(
+    role: pg_sys::Oid,
+    limits: Limits,
+    retention: i64,
+    fill: impl FnOnce(&mut shmem::Request),
+) -> Result<(), QuotaError> {
+    // SAFETY: plain clock read.
+    let cutoff = cutoff(unsafe { pg_sys::GetCurrentTimestamp() }, retention);
+    let refuse = |rels: &Rels, snap: &Latest, kind| {
+        let (usage, next) = refusal_numbers(rels, snap, role, cutoff, retention, kind);
+        Err(refusal(role, kind, usage, next))
+    };
+
+    // Refusals need no lock: a committed count at the limit is a correct answer at
+    // the moment of the snapshot. This keeps a role hammering at its limit from
+    // queueing on its own scope lock. The Reader's table locks end with the reads.
+    {
+        let reader = Reader::open();
+        let snap = Latest::take();
+        if let Decision::Refuse(r) =
+            decide(limits, usage_for(&reader.rels, &snap, role, cutoff, limits), false)
+        {
+            return refuse(&reader.rels, &snap, r.kind);
+        }
+    }
+
+    // Admission: under the scope lock, count the committed tickets plus this scope's
+    // requests still in the writer's hands, and hand ours over only if all of them
+    // fit. The lock makes count-and-enqueue atomic per scope, so the decision here is
+    // exact; it is released before we wait for the writer, so one role's starts share
+    // the writer's commits. The writer checks again in any case (it is the single
+    // authority), so this only keeps refusals off the writer.
+    let _lock = ScopeLock::acquire(role);
+    let mut waited = writer::Patience::new();
+    loop {
+        // Read the requests in flight BEFORE taking the snapshot: a request that the
+        // writer commits in between is then counted twice (we wait and count again),
+        // never missed. The other order could miss it in both places.
+        let inflight = writer::inflight(role);
+        let reader = Reader::open();
+        let snap = Latest::take();
+        let usage = usage_for(&reader.rels, &snap, role, cutoff, limits);
+        if let Decision::Refuse(r) = decide(limits, usage, false) {
+            return refuse(&reader.rels, &snap, r.kind);
+        }
+        let with_inflight = Usage {
+            active: usage.active + inflight,
+            retained: usage.retained + inflight,
+        };
+        if decide(limits, with_inflight, false) == Decision::Admit {
+            break;
+        }
+        // Requests in flight would take the last slots; wait for them to be
+        // committed (then counted) or refused, and count again. If their writer is
+        // gone, bring up a new one (or fail clearly) rather than wait for ever.
+        drop(snap);
+        drop(reader);
+        writer::nap(INFLIGHT_POLL_MS);
+        waited.check_writer();
+    }
+    writer::enqueue(fill);
+    Ok(())
 }

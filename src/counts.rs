@@ -1,15 +1,31 @@
-//! Counting a scope's tickets with direct index scans under the latest snapshot.
+//! Finding pg_quota's relations and counting a scope's tickets with direct index scans
+//! under the latest snapshot.
 //!
 //! Admission runs on every start(), including every refusal, so it must be cheap: an
 //! SPI query would build and tear down an executor tree each time. Instead we probe
-//! the two indexes directly, as PostgreSQL's own catalog code does with systable
-//! scans. Relations are found by OID from a syscache lookup of their names in the
-//! schema `quota`, so the search_path plays no part (I5), and no permission check
-//! applies: only pg_quota's own code reaches these scans.
+//! the indexes directly, as PostgreSQL's own catalog code does with systable scans.
+//!
+//! Three rules hold for every read here:
+//! - **Not redirectable (I5).** Relations are found by name in schema `quota`, and
+//!   each must be a member of extension pg_quota with the columns pg_quota writes.
+//!   Anything else (a renamed schema with look-alike tables in its place, a column
+//!   dropped by hand) is an error, never a crash.
+//! - **No SSI (I3).** Under SERIALIZABLE, a scan with an MVCC snapshot takes
+//!   predicate locks and checks rw-conflicts, so two sessions that each start and
+//!   finish in one SERIALIZABLE transaction would fail each other with 40001. We scan
+//!   with SnapshotAny, which predicate locking ignores, and decide visibility ourselves
+//!   against the latest snapshot. pg_quota's reads then take no predicate locks, and
+//!   the caller's own statements keep full SERIALIZABLE semantics.
+//! - **Bounded lock waits.** A caller never queues without bound behind maintenance
+//!   (VACUUM FULL, REINDEX, CLUSTER): every lock is taken with a bounded wait, and the
+//!   read locks of start() are released as soon as its reads are done.
+
+use std::time::{Duration, Instant};
 
 use pgrx::pg_sys;
 
-use crate::core::Usage;
+use crate::core::QuotaError;
+use crate::error::raise;
 
 /// Ledger columns, 1-based, as created by sql/schema.sql.
 pub const COL_ID: usize = 1;
@@ -20,29 +36,119 @@ pub const COL_ENDED_AT: usize = 5;
 pub const COL_OUTCOME: usize = 6;
 pub const NCOLS: usize = 6;
 
-/// The OIDs of pg_quota's relations in this database.
-#[derive(Clone, Copy)]
+/// How long a caller waits for a lock on one of pg_quota's relations before it gives
+/// up with 55P03 (or the session's lock_timeout, if shorter).
+pub const LOCK_WAIT: Duration = Duration::from_secs(5);
+
+/// The OIDs of pg_quota's relations in this database, and the valid indexes that
+/// serve its scans. Indexes are chosen by what they index, not by name, so that
+/// REINDEX CONCURRENTLY (which swaps names) and renames do not matter.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct Rels {
     pub ledger: pg_sys::Oid,
-    /// `ledger_pkey` on (id).
+    /// A valid btree index whose first column is the ledger's id.
     pub ledger_pkey: pg_sys::Oid,
-    /// `ledger_role_ended_idx` on (role, ended_at).
+    /// A valid btree index on (role, ended_at, …).
     pub ledger_idx: pg_sys::Oid,
     pub summary: pg_sys::Oid,
-    /// `summary_pkey` on (role).
+    /// A valid btree index whose first column is the summary's role.
     pub summary_idx: pg_sys::Oid,
 }
 
-fn relid(ns: pg_sys::Oid, name: &std::ffi::CStr) -> pg_sys::Oid {
+// Backend-local cache of `Rels`, cleared by relcache invalidations of any of them.
+// A backend runs one thread, so plain statics suffice.
+static mut CACHED: Option<Rels> = None;
+static mut CALLBACK_REGISTERED: bool = false;
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn relcache_changed(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    // SAFETY: single-threaded backend state.
+    unsafe {
+        if let Some(r) = CACHED {
+            let ours = [
+                r.ledger,
+                r.ledger_pkey,
+                r.ledger_idx,
+                r.summary,
+                r.summary_idx,
+            ];
+            if relid == pg_sys::InvalidOid || ours.contains(&relid) {
+                CACHED = None;
+            }
+        }
+    }
+}
+
+/// Locks `relid` in `mode`, waiting at most LOCK_WAIT (or lock_timeout, if shorter).
+/// A conditional request also fails while a stronger request is queued, so a caller
+/// never joins the queue behind a VACUUM FULL that waits for someone else.
+pub fn lock_bounded(relid: pg_sys::Oid, mode: u32, name: &str) {
+    // SAFETY: a plain lock request; it processes invalidations once granted.
+    if unsafe { pg_sys::ConditionalLockRelationOid(relid, mode as i32) } {
+        return;
+    }
+    // SAFETY: a plain read of a GUC variable (milliseconds, 0 = off).
+    let session = unsafe { pg_sys::LockTimeout };
+    let limit = if session > 0 {
+        LOCK_WAIT.min(Duration::from_millis(session as u64))
+    } else {
+        LOCK_WAIT
+    };
+    let began = Instant::now();
+    loop {
+        crate::writer::nap(10);
+        // SAFETY: as above.
+        if unsafe { pg_sys::ConditionalLockRelationOid(relid, mode as i32) } {
+            return;
+        }
+        if began.elapsed() >= limit {
+            raise(QuotaError::LockTimeout {
+                relation: format!("quota.{name}"),
+                seconds: limit.as_secs().max(1) as i64,
+            });
+        }
+    }
+}
+
+/// Relation locks taken with `lock_bounded` and released when dropped (or kept to the
+/// end of the transaction, for write locks, as the executor keeps them).
+pub struct Locks {
+    held: Vec<(pg_sys::Oid, u32)>,
+}
+
+impl Locks {
+    pub fn new() -> Locks {
+        Locks { held: Vec::new() }
+    }
+
+    pub fn take(&mut self, relid: pg_sys::Oid, mode: u32, name: &str) {
+        lock_bounded(relid, mode, name);
+        if mode == pg_sys::AccessShareLock {
+            self.held.push((relid, mode));
+        }
+    }
+}
+
+impl Drop for Locks {
+    /// Read locks end with the reads: a transaction that called start() and stays
+    /// open holds nothing that maintenance would queue behind.
+    fn drop(&mut self) {
+        for &(relid, mode) in self.held.iter().rev() {
+            // SAFETY: we took exactly this lock in `take`; the lock manager counts
+            // repeated acquisitions, so a lock the transaction held before stays.
+            unsafe { pg_sys::UnlockRelationOid(relid, mode as i32) };
+        }
+    }
+}
+
+fn relid(ns: pg_sys::Oid, name: &std::ffi::CStr, ext: pg_sys::Oid) -> pg_sys::Oid {
     // SAFETY: a syscache lookup; returns InvalidOid when missing.
     let oid = unsafe { pg_sys::get_relname_relid(name.as_ptr(), ns) };
+    let shown = format!("quota.{}", name.to_string_lossy());
     if oid == pg_sys::InvalidOid {
         pgrx::pg_sys::panic::ErrorReport::new(
             pgrx::PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
-            format!(
-                "relation \"quota.{}\" does not exist",
-                name.to_string_lossy()
-            ),
+            format!("relation \"{shown}\" does not exist"),
             "pg_quota",
         )
         .set_hint(
@@ -50,18 +156,188 @@ fn relid(ns: pg_sys::Oid, name: &std::ffi::CStr) -> pg_sys::Oid {
         )
         .report(pgrx::PgLogLevel::ERROR);
     }
+    // SAFETY: a pg_depend lookup.
+    if ext == pg_sys::InvalidOid
+        || unsafe { pg_sys::getExtensionOfObject(pg_sys::RelationRelationId, oid) } != ext
+    {
+        raise(QuotaError::NotExtensionMember { relation: shown });
+    }
     oid
 }
 
+/// The column types pg_quota reads and writes, by table. `role` is `oid` in 0.1.0's
+/// schema and `regrole` from 0.1.1 on; both are the same four bytes.
+fn check_shape(rel: pg_sys::Relation, name: &str, want: &[(&str, &[pg_sys::Oid])]) {
+    // SAFETY: an open relation's tuple descriptor.
+    unsafe {
+        let desc = (*rel).rd_att;
+        let natts = (*desc).natts as usize;
+        let bad = |why: String| -> ! {
+            raise(QuotaError::BadShape {
+                relation: format!("quota.{name}"),
+                why,
+            })
+        };
+        if natts != want.len() {
+            bad(format!(
+                "It has {natts} columns; pg_quota writes exactly {}",
+                want.len()
+            ));
+        }
+        for (i, (col, types)) in want.iter().enumerate() {
+            let att = (*desc).attrs.as_ptr().add(i);
+            if (*att).attisdropped {
+                bad(format!("Column {} ({col}) was dropped", i + 1));
+            }
+            if !types.contains(&(*att).atttypid) {
+                bad(format!(
+                    "Column {} ({col}) has type {}",
+                    i + 1,
+                    std::ffi::CStr::from_ptr(pg_sys::format_type_be((*att).atttypid))
+                        .to_string_lossy()
+                ));
+            }
+        }
+    }
+}
+
+/// The first valid, plain btree index of `heap` whose leading key columns are `keys`.
+fn find_index(heap: pg_sys::Relation, keys: &[usize]) -> Option<pg_sys::Oid> {
+    // SAFETY: `heap` is open and locked; each index is locked before it is opened and
+    // unlocked after, as the planner does when it inspects indexes.
+    unsafe {
+        let list = pg_sys::RelationGetIndexList(heap);
+        let n = if list.is_null() {
+            0
+        } else {
+            (*list).length as usize
+        };
+        for i in 0..n {
+            let oid = (*(*list).elements.add(i)).oid_value;
+            lock_bounded(oid, pg_sys::AccessShareLock, "index");
+            let idx = pg_sys::index_open(oid, pg_sys::NoLock as i32);
+            let ix = &*(*idx).rd_index;
+            let nkeys = ix.indnkeyatts as usize;
+            let key = |k: usize| *ix.indkey.values.as_ptr().add(k) as usize;
+            let usable = (*(*idx).rd_rel).relam == pg_sys::BTREE_AM_OID
+                && ix.indisvalid
+                && ix.indisready
+                && ix.indislive
+                && nkeys >= keys.len()
+                && keys.iter().enumerate().all(|(k, &col)| key(k) == col)
+                && pg_sys::RelationGetIndexExpressions(idx).is_null()
+                && pg_sys::RelationGetIndexPredicate(idx).is_null();
+            pg_sys::index_close(idx, pg_sys::NoLock as i32);
+            pg_sys::UnlockRelationOid(oid, pg_sys::AccessShareLock as i32);
+            if usable {
+                return Some(oid);
+            }
+        }
+        None
+    }
+}
+
+fn discover() -> Rels {
+    // SAFETY: catalog lookups; the heaps are locked before they are opened.
+    unsafe {
+        let ext = pg_sys::get_extension_oid(c"pg_quota".as_ptr(), true);
+        let ns = pg_sys::get_namespace_oid(c"quota".as_ptr(), true);
+        if ns == pg_sys::InvalidOid {
+            raise(QuotaError::NotExtensionMember {
+                relation: "quota.ledger".into(),
+            });
+        }
+        let ledger = relid(ns, c"ledger", ext);
+        let summary = relid(ns, c"summary", ext);
+        let mut locks = Locks::new();
+        locks.take(ledger, pg_sys::AccessShareLock, "ledger");
+        locks.take(summary, pg_sys::AccessShareLock, "summary");
+        let role_types: &[pg_sys::Oid] = &[pg_sys::OIDOID, pg_sys::REGROLEOID];
+        let l = pg_sys::table_open(ledger, pg_sys::NoLock as i32);
+        check_shape(
+            l,
+            "ledger",
+            &[
+                ("id", &[pg_sys::UUIDOID]),
+                ("role", role_types),
+                ("label", &[pg_sys::TEXTOID]),
+                ("started_at", &[pg_sys::TIMESTAMPTZOID]),
+                ("ended_at", &[pg_sys::TIMESTAMPTZOID]),
+                ("outcome", &[pg_sys::TEXTOID]),
+            ],
+        );
+        let ledger_pkey = find_index(l, &[COL_ID]);
+        let ledger_idx = find_index(l, &[COL_ROLE, COL_ENDED_AT]);
+        pg_sys::table_close(l, pg_sys::NoLock as i32);
+        let s = pg_sys::table_open(summary, pg_sys::NoLock as i32);
+        check_shape(
+            s,
+            "summary",
+            &[("role", role_types), ("tickets", &[pg_sys::INT8OID])],
+        );
+        let summary_idx = find_index(s, &[1]);
+        pg_sys::table_close(s, pg_sys::NoLock as i32);
+        let missing = |table: &str, cols: &str| -> ! {
+            raise(QuotaError::BadShape {
+                relation: format!("quota.{table}"),
+                why: format!("It has no valid btree index on ({cols}), which pg_quota created and needs"),
+            })
+        };
+        Rels {
+            ledger,
+            ledger_pkey: ledger_pkey.unwrap_or_else(|| missing("ledger", "id")),
+            ledger_idx: ledger_idx.unwrap_or_else(|| missing("ledger", "role, ended_at")),
+            summary,
+            summary_idx: summary_idx.unwrap_or_else(|| missing("summary", "role")),
+        }
+    }
+}
+
+/// pg_quota's relations, from the backend's cache or looked up afresh.
 pub fn rels() -> Rels {
-    // SAFETY: a syscache lookup; raises if the schema is missing.
-    let ns = unsafe { pg_sys::get_namespace_oid(c"quota".as_ptr(), false) };
-    Rels {
-        ledger: relid(ns, c"ledger"),
-        ledger_pkey: relid(ns, c"ledger_pkey"),
-        ledger_idx: relid(ns, c"ledger_role_ended_idx"),
-        summary: relid(ns, c"summary"),
-        summary_idx: relid(ns, c"summary_pkey"),
+    // SAFETY: single-threaded backend state; the callback is registered once.
+    unsafe {
+        if !CALLBACK_REGISTERED {
+            pg_sys::CacheRegisterRelcacheCallback(Some(relcache_changed), pg_sys::Datum::from(0));
+            CALLBACK_REGISTERED = true;
+        }
+        if let Some(r) = CACHED {
+            return r;
+        }
+        let r = discover();
+        CACHED = Some(r);
+        r
+    }
+}
+
+/// pg_quota's relations, read-locked (bounded) until dropped.
+pub struct Reader {
+    pub rels: Rels,
+    _locks: Locks,
+}
+
+impl Reader {
+    pub fn open() -> Reader {
+        let mut locks = Locks::new();
+        // Lock the tables first: once they are locked, invalidations are processed,
+        // so the cached index choice is current, and no index we pick can be dropped
+        // under us (REINDEX CONCURRENTLY waits for the tables' lockers first).
+        let first = rels();
+        locks.take(first.ledger, pg_sys::AccessShareLock, "ledger");
+        locks.take(first.summary, pg_sys::AccessShareLock, "summary");
+        let rels = rels();
+        if rels.ledger != first.ledger || rels.summary != first.summary {
+            // Reinstalled in between: start over with the new tables.
+            drop(locks);
+            return Reader::open();
+        }
+        locks.take(rels.ledger_idx, pg_sys::AccessShareLock, "ledger_role_ended_idx");
+        locks.take(rels.ledger_pkey, pg_sys::AccessShareLock, "ledger_pkey");
+        locks.take(rels.summary_idx, pg_sys::AccessShareLock, "summary_pkey");
+        Reader {
+            rels,
+            _locks: locks,
+        }
     }
 }
 
@@ -86,6 +362,7 @@ impl Drop for Latest {
 
 pub enum Key {
     OidEq(pg_sys::Oid),
+    OidGreater(pg_sys::Oid),
     UuidEq(pg_sys::Datum),
     IsNull,
     TsLess(pg_sys::TimestampTz),
@@ -102,6 +379,9 @@ fn scankeys(keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
                 let mut sk: pg_sys::ScanKeyData = std::mem::zeroed();
                 let (strategy, proc_, arg) = match *k {
                     Key::OidEq(o) => (pg_sys::BTEqualStrategyNumber, pg_sys::F_OIDEQ, o.into()),
+                    Key::OidGreater(o) => {
+                        (pg_sys::BTGreaterStrategyNumber, pg_sys::F_OIDGT, o.into())
+                    }
                     Key::UuidEq(d) => (pg_sys::BTEqualStrategyNumber, pg_sys::F_UUID_EQ, d),
                     Key::TsLess(t) => (
                         pg_sys::BTLessStrategyNumber,
@@ -141,7 +421,8 @@ fn scankeys(keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
 }
 
 /// Scans `index` of `heap` for tuples visible to `snap` that match `keys` on the
-/// index's leading columns, and hands each to `visit` until it returns false.
+/// index's leading columns, and hands each to `visit` until it returns false. The
+/// caller holds locks on both (see `Reader` and `heap::OpenRel`).
 pub fn scan(
     heap: pg_sys::Oid,
     index: pg_sys::Oid,
@@ -149,11 +430,10 @@ pub fn scan(
     keys: &[Key],
     visit: impl FnMut(*mut pg_sys::TupleTableSlot) -> bool,
 ) {
-    // SAFETY: the relations exist (looked up just now) and are opened with
-    // AccessShareLock, held to the end of the transaction like any read.
+    // SAFETY: the caller holds locks on both relations.
     unsafe {
-        let heap_rel = pg_sys::table_open(heap, pg_sys::AccessShareLock as i32);
-        let index_rel = pg_sys::index_open(index, pg_sys::AccessShareLock as i32);
+        let heap_rel = pg_sys::table_open(heap, pg_sys::NoLock as i32);
+        let index_rel = pg_sys::index_open(index, pg_sys::NoLock as i32);
         scan_open(heap_rel, index_rel, snap, keys, visit);
         pg_sys::index_close(index_rel, pg_sys::NoLock as i32);
         pg_sys::table_close(heap_rel, pg_sys::NoLock as i32);
@@ -161,6 +441,11 @@ pub fn scan(
 }
 
 /// `scan`, over relations the caller already has open.
+///
+/// The index scan runs under SnapshotAny, so it returns every version of every
+/// matching row (walking HOT chains too) and takes no predicate locks; we keep the
+/// versions visible to `snap`, checking each under a share lock on its buffer as
+/// heap_hot_search_buffer would.
 pub fn scan_open(
     heap_rel: pg_sys::Relation,
     index_rel: pg_sys::Relation,
@@ -171,10 +456,12 @@ pub fn scan_open(
     let mut sk = scankeys(keys);
     // SAFETY: the caller holds both relations open and locked; the slot and scan are
     // released before we return, and an ERROR releases them with the transaction's
-    // resources.
+    // resources. A heap relation's slot is a BufferHeapTupleTableSlot, whose tuple
+    // lives in the pinned buffer it names.
     unsafe {
         let slot = pg_sys::table_slot_create(heap_rel, std::ptr::null_mut());
-        let desc = pg_sys::index_beginscan(heap_rel, index_rel, snap.0, sk.len() as i32, 0);
+        let any = std::ptr::addr_of_mut!(pg_sys::SnapshotAnyData);
+        let desc = pg_sys::index_beginscan(heap_rel, index_rel, any, sk.len() as i32, 0);
         pg_sys::index_rescan(
             desc,
             sk.as_mut_ptr(),
@@ -183,7 +470,12 @@ pub fn scan_open(
             0,
         );
         while pg_sys::index_getnext_slot(desc, pg_sys::ScanDirection::ForwardScanDirection, slot) {
-            if !visit(slot) {
+            let bslot = slot as *mut pg_sys::BufferHeapTupleTableSlot;
+            let buffer = (*bslot).buffer;
+            pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
+            let visible = pg_sys::HeapTupleSatisfiesVisibility((*bslot).base.tuple, snap.0, buffer);
+            pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_UNLOCK as i32);
+            if visible && !visit(slot) {
                 break;
             }
         }
@@ -208,7 +500,7 @@ fn count(
 }
 
 /// Column `attno` of the tuple in `slot`, or None if NULL.
-fn attr(slot: *mut pg_sys::TupleTableSlot, attno: i32) -> Option<pg_sys::Datum> {
+pub fn attr(slot: *mut pg_sys::TupleTableSlot, attno: i32) -> Option<pg_sys::Datum> {
     // SAFETY: the slot holds a tuple of the scanned heap, which has at least `attno`
     // columns; slot_getsomeattrs_int deforms up to it.
     unsafe {
@@ -229,20 +521,31 @@ pub fn active(r: &Rels, snap: &Latest, role: pg_sys::Oid, stop_at: Option<i64>) 
     )
 }
 
-/// How many ledger rows `role` has, from its summary row.
+/// How many ledger rows `role` has: from its summary row, or, where SQL-level writes
+/// to the ledger made the summary forget it (see sql/schema.sql), by counting.
 pub fn rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> i64 {
-    let mut rows = 0i64;
+    summary_rows(r, snap, role).unwrap_or_else(|| ledger_rows(r, snap, role))
+}
+
+/// `role`'s summary row, if it has one.
+pub fn summary_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> Option<i64> {
+    let mut rows = None;
     scan(
         r.summary,
         r.summary_idx,
         snap,
         &[Key::OidEq(role)],
         |slot| {
-            rows = attr(slot, 2).map_or(0, |d| d.value() as i64);
+            rows = attr(slot, 2).map(|d| d.value() as i64);
             false
         },
     );
     rows
+}
+
+/// How many ledger rows `role` has, counted one by one.
+pub fn ledger_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> i64 {
+    count(r.ledger, r.ledger_idx, snap, &[Key::OidEq(role)], None)
 }
 
 /// How many retained tickets `role` has: its rows less the ended ones that are past
@@ -283,6 +586,23 @@ pub fn oldest_ended(
     oldest
 }
 
+/// The smallest role above `after` that has a ledger row visible to `snap`: one
+/// index probe per role, so walking every role of the ledger costs one probe each.
+pub fn next_role(r: &Rels, snap: &Latest, after: pg_sys::Oid) -> Option<pg_sys::Oid> {
+    let mut found = None;
+    scan(
+        r.ledger,
+        r.ledger_idx,
+        snap,
+        &[Key::OidGreater(after)],
+        |slot| {
+            found = attr(slot, COL_ROLE as i32).map(|d| pg_sys::Oid::from(d.value() as u32));
+            false
+        },
+    );
+    found
+}
+
 /// The scope's usage as admission needs it: each count only where its limit is set
 /// (`None` means no limit, so that count is not needed to decide).
 pub fn usage(
@@ -292,8 +612,8 @@ pub fn usage(
     cutoff: pg_sys::TimestampTz,
     max_active: Option<i64>,
     count_retained: bool,
-) -> Usage {
-    Usage {
+) -> crate::core::Usage {
+    crate::core::Usage {
         active: max_active.map_or(0, |m| active(r, snap, role, Some(m))),
         retained: if count_retained {
             retained(r, snap, role, cutoff)

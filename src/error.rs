@@ -20,6 +20,8 @@ fn errcode(s: Sqlstate) -> PgSqlErrorCode {
         }
         Sqlstate::InsufficientResources => PgSqlErrorCode::ERRCODE_INSUFFICIENT_RESOURCES,
         Sqlstate::OperatorIntervention => PgSqlErrorCode::ERRCODE_OPERATOR_INTERVENTION,
+        Sqlstate::LockNotAvailable => PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE,
+        Sqlstate::FeatureNotSupported => PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
     }
 }
 

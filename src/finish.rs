@@ -7,17 +7,18 @@
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
-use crate::admission::{require_preloaded, role_name};
+use crate::admission::require_callable;
 use crate::core::{parse_outcome, Outcome, QuotaError};
 use crate::counts::{self, Key, Latest, Rels};
 use crate::heap::OpenRel;
 
-use crate::counts::{COL_ENDED_AT, COL_OUTCOME, COL_ROLE, NCOLS};
+use crate::counts::{COL_ENDED_AT, COL_ID, COL_OUTCOME, COL_ROLE, NCOLS};
 
-/// Ends `ticket` with `outcome`. Returns true if this call ended it, false if it had
-/// already ended (so a retried finish never releases twice).
-pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&str>) -> Result<bool, QuotaError> {
-    require_preloaded();
+/// Ends `ticket` with `outcome` (text in the server encoding). Returns true if this
+/// call ended it, false if it had already ended (so a retried finish never releases
+/// twice).
+pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool, QuotaError> {
+    require_callable(c"quota.finish()");
     let ticket = ticket.ok_or(QuotaError::NullArgument("ticket"))?;
     let outcome = parse_outcome(outcome.ok_or(QuotaError::NullArgument("outcome"))?)?;
     // SAFETY: both raise 25006 (on a standby, in a read-only transaction) or return.
@@ -27,8 +28,8 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&str>) -> Result<bool,
     }
     // SAFETY: plain reads of backend state and the clock.
     let (me, now) = unsafe { (pg_sys::GetUserId(), pg_sys::GetCurrentTimestamp()) };
+    let ledger = OpenRel::open(counts::rels().ledger, "ledger", COL_ID);
     let rels = counts::rels();
-    let ledger = OpenRel::open(rels.ledger);
 
     loop {
         // The latest snapshot, not the transaction's: under REPEATABLE READ a ticket
@@ -38,12 +39,11 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&str>) -> Result<bool,
             return Err(QuotaError::UnknownTicket(ticket.to_string()));
         };
         // I5: only the holder, a member of it, or a superuser (is_member_of_role
-        // says yes for them) may end a ticket.
+        // says yes for them) may end a ticket. The refusal does not say whose it is.
         // SAFETY: a catalog lookup.
         if found.holder != me && !unsafe { pg_sys::is_member_of_role(me, found.holder) } {
             return Err(QuotaError::ForeignTicket {
                 ticket: ticket.to_string(),
-                owner: role_name(found.holder),
             });
         }
         if found.ended {

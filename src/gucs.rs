@@ -9,6 +9,7 @@ use crate::core::Limits;
 static MAX_ACTIVE_PER_ROLE: GucSetting<i32> = GucSetting::<i32>::new(100);
 static MAX_RETAINED_PER_ROLE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 static RETENTION: GucSetting<i32> = GucSetting::<i32>::new(7 * 24 * 3600);
+static WRITER_IDLE_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(10);
 
 pub fn init() {
     // 0 turns the limit off; a million concurrent tickets for one role is far beyond
@@ -47,6 +48,19 @@ pub fn init() {
         GucContext::Suset,
         GucFlags::UNIT_S,
     );
+    // Server-wide (SIGHUP): how long an idle ledger writer keeps its background
+    // worker slot. Short enough that parallel query and other workers get the slot
+    // back soon; long enough that a steady trickle of starts keeps one writer.
+    GucRegistry::define_int_guc(
+        c"quota.writer_idle_timeout",
+        c"How long a ledger writer with nothing to do waits before it exits.",
+        c"Each database that uses pg_quota has one writer, which holds one of max_worker_processes while it runs.",
+        &WRITER_IDLE_TIMEOUT,
+        1,
+        86_400,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
     // SAFETY: called from _PG_init in the postmaster, after the settings above are
     // defined; it only marks the prefix so that misspelled quota.* names are refused.
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"quota".as_ptr()) };
@@ -62,4 +76,8 @@ pub fn limits() -> Limits {
 
 pub fn retention_secs() -> i64 {
     i64::from(RETENTION.get())
+}
+
+pub fn writer_idle_timeout() -> std::time::Duration {
+    std::time::Duration::from_secs(WRITER_IDLE_TIMEOUT.get().max(1) as u64)
 }

@@ -7,10 +7,9 @@
 //! are not evaluated here: the pure core validates what goes into each column.
 
 use pgrx::pg_sys;
-use pgrx::prelude::*;
 
-/// A table opened for writing, with its indexes; closed on drop, keeping the locks to
-/// the end of the transaction as the executor does.
+/// A table opened for writing, with the indexes that take inserts; closed on drop,
+/// keeping the locks to the end of the transaction as the executor does.
 pub struct OpenRel {
     pub heap: pg_sys::Relation,
     indexes: Vec<(pg_sys::Relation, *mut pg_sys::IndexInfo)>,
@@ -18,12 +17,25 @@ pub struct OpenRel {
 }
 
 impl OpenRel {
-    /// Opens `relid` and its indexes with RowExclusiveLock, what INSERT and UPDATE take.
-    pub fn open(relid: pg_sys::Oid) -> OpenRel {
-        // SAFETY: the relation exists (looked up by the caller); the index list comes
-        // from the relcache and we only read it here.
+    /// Opens `relid` and its indexes with RowExclusiveLock, what INSERT, UPDATE and
+    /// DELETE take, each lock with a bounded wait (see counts::lock_bounded).
+    /// `key_col` is the table's identity column (the ledger's id, the summary's role),
+    /// the only column a unique index may cover.
+    ///
+    /// As ExecOpenIndices and CatalogIndexInsert do, indexes that are not ready for
+    /// inserts (`indisready = false`: a CREATE INDEX or REINDEX CONCURRENTLY in its
+    /// first phase, or an index being dropped) get no entries: their storage may not
+    /// exist yet, and the concurrent build adds our rows itself. Indexes that are
+    /// ready but not valid (a build that was cancelled) do get entries.
+    pub fn open(relid: pg_sys::Oid, name: &str, key_col: usize) -> OpenRel {
+        crate::counts::lock_bounded(relid, pg_sys::RowExclusiveLock, name);
+        // The lock processed invalidations: make sure the table still has the shape
+        // and membership pg_quota checked, and find its current indexes.
+        crate::counts::rels();
+        // SAFETY: the relation exists and is locked; the index list comes from the
+        // relcache, and each index is locked before it is opened.
         unsafe {
-            let heap = pg_sys::table_open(relid, pg_sys::RowExclusiveLock as i32);
+            let heap = pg_sys::table_open(relid, pg_sys::NoLock as i32);
             let list = pg_sys::RelationGetIndexList(heap);
             let n = if list.is_null() {
                 0
@@ -33,24 +45,26 @@ impl OpenRel {
             let mut indexes = Vec::with_capacity(n);
             for i in 0..n {
                 let oid = (*(*list).elements.add(i)).oid_value;
-                let idx = pg_sys::index_open(oid, pg_sys::RowExclusiveLock as i32);
-                indexes.push((idx, pg_sys::BuildIndexInfo(idx)));
-                // We form index entries from plain columns only. A DBA who adds an
-                // expression or partial index gets a clear error here rather than a
-                // silently incomplete index.
-                if !pg_sys::RelationGetIndexExpressions(idx).is_null()
-                    || !pg_sys::RelationGetIndexPredicate(idx).is_null()
-                {
-                    let name =
-                        std::ffi::CStr::from_ptr(pg_sys::get_rel_name(relid)).to_string_lossy();
-                    pg_sys::panic::ErrorReport::new(
-                        PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
-                        format!("pg_quota cannot maintain an expression or partial index on quota.{name}"),
-                        "pg_quota",
-                    )
-                    .set_hint("Drop the index; pg_quota creates the indexes it needs.")
-                    .report(PgLogLevel::ERROR);
+                crate::counts::lock_bounded(oid, pg_sys::RowExclusiveLock, name);
+                let idx = pg_sys::index_open(oid, pg_sys::NoLock as i32);
+                let info = pg_sys::BuildIndexInfo(idx);
+                if let Err(e) = check_index(idx, info, key_col) {
+                    pg_sys::index_close(idx, pg_sys::NoLock as i32);
+                    let table = format!("quota.{name}");
+                    let index = std::ffi::CStr::from_ptr(pg_sys::get_rel_name(oid))
+                        .to_string_lossy()
+                        .into_owned();
+                    crate::error::raise(crate::core::QuotaError::UnsupportedIndex {
+                        table,
+                        index,
+                        what: e,
+                    });
                 }
+                if !(*info).ii_ReadyForInserts {
+                    pg_sys::index_close(idx, pg_sys::NoLock as i32);
+                    continue;
+                }
+                indexes.push((idx, info));
             }
             let ncols = (*(*heap).rd_att).natts as usize;
             OpenRel {
@@ -69,6 +83,25 @@ impl OpenRel {
             .find(|(idx, _)| unsafe { (**idx).rd_id } == oid)
             .map(|&(idx, _)| idx)
             .unwrap_or_else(|| pgrx::error!("pg_quota: index {} is not open", u32::from(oid)))
+    }
+
+    /// Deletes the version at `tid`, waiting for a concurrent writer of the same row
+    /// to commit or abort first. Index entries are left to VACUUM, as for any delete.
+    pub fn delete(&self, mut tid: pg_sys::ItemPointerData) -> pg_sys::TM_Result::Type {
+        // SAFETY: the relation is open with RowExclusiveLock; heap_delete WAL-logs the
+        // change and takes the tuple lock.
+        unsafe {
+            let mut tmfd: pg_sys::TM_FailureData = std::mem::zeroed();
+            pg_sys::heap_delete(
+                self.heap,
+                &mut tid,
+                pg_sys::GetCurrentCommandId(true),
+                std::ptr::null_mut(),
+                true,
+                &mut tmfd,
+                false,
+            )
+        }
     }
 
     /// Forms a tuple of this table from `values` and `nulls` (one per column).
@@ -182,6 +215,7 @@ impl OpenRel {
                     inulls[k] = nulls[attno - 1];
                     unchanged &= !changed.contains(&attno);
                 }
+                // check_index admitted only immediate unique indexes on the key.
                 let unique = if (*(*idx).rd_index).indisunique {
                     pg_sys::IndexUniqueCheck::UNIQUE_CHECK_YES
                 } else {
@@ -199,6 +233,40 @@ impl OpenRel {
                 );
             }
         }
+    }
+}
+
+/// Why pg_quota cannot keep index `idx` up to date, if it cannot. We form index
+/// entries from plain columns only, and a unique index on anything but the table's key
+/// would let one tenant's row fail another tenant's charge (or, deferred, not be
+/// checked at all); exclusion constraints are not checked by plain index inserts.
+///
+/// # Safety
+/// `idx` is an open index and `info` its IndexInfo.
+unsafe fn check_index(
+    idx: pg_sys::Relation,
+    info: *mut pg_sys::IndexInfo,
+    key_col: usize,
+) -> Result<(), &'static str> {
+    // SAFETY: per the contract above.
+    unsafe {
+        let ix = &*(*idx).rd_index;
+        if !pg_sys::RelationGetIndexExpressions(idx).is_null() {
+            return Err("the expression index");
+        }
+        if !pg_sys::RelationGetIndexPredicate(idx).is_null() {
+            return Err("the partial index");
+        }
+        if ix.indisexclusion || !(*info).ii_ExclusionOps.is_null() {
+            return Err("the exclusion constraint");
+        }
+        if ix.indisunique {
+            let on_key = ix.indnkeyatts == 1 && *ix.indkey.values.as_ptr() as usize == key_col;
+            if !on_key || !ix.indimmediate {
+                return Err("the unique index");
+            }
+        }
+        Ok(())
     }
 }
 

@@ -1,19 +1,33 @@
-//! The DROP hook: a ledger writer must never hold up DROP DATABASE (which waits only
-//! five seconds for other sessions to leave) nor outlive DROP EXTENSION.
+//! Hooks into PostgreSQL's DDL, so that DBA operations keep working while pg_quota is
+//! in use (I9):
 //!
-//! dropdb() runs the object-access DROP hook before it counts the sessions still
-//! connected to the database, so asking the writer to leave here is in time.
+//! - A ledger writer is a session connected to its database. It must leave before
+//!   commands that need the database to themselves: DROP DATABASE, CREATE DATABASE
+//!   … TEMPLATE, ALTER DATABASE … RENAME TO and … SET TABLESPACE. Those wait only five
+//!   seconds for other sessions (CountOtherDBBackends), and an idle writer stays
+//!   longer than that. A writer also leaves on DROP EXTENSION pg_quota.
+//! - DROP ROLE: once the dropping transaction commits, every writer purges the
+//!   dropped role's tickets, so they count for nobody else (a role created later with
+//!   the same OID, or whatever role has that OID after a restore elsewhere).
+
+use std::sync::atomic::Ordering;
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
 static mut PREV_OBJECT_ACCESS_HOOK: pg_sys::object_access_hook_type = None;
+static mut PREV_PROCESS_UTILITY_HOOK: pg_sys::ProcessUtility_hook_type = None;
+/// Set when this backend's transaction dropped a role; single-threaded backend state.
+static mut DROPPED_ROLE_IN_XACT: bool = false;
+static mut XACT_CALLBACK_REGISTERED: bool = false;
 
 pub fn init() {
     // SAFETY: _PG_init runs once in the postmaster before any hook can fire.
     unsafe {
         PREV_OBJECT_ACCESS_HOOK = pg_sys::object_access_hook;
         pg_sys::object_access_hook = Some(object_access);
+        PREV_PROCESS_UTILITY_HOOK = pg_sys::ProcessUtility_hook;
+        pg_sys::ProcessUtility_hook = Some(process_utility);
     }
 }
 
@@ -33,6 +47,7 @@ unsafe extern "C-unwind" fn object_access(
         if access != pg_sys::ObjectAccessType::OAT_DROP {
             return;
         }
+        // dropdb() runs this hook before it counts the sessions still connected.
         if class_id == pg_sys::DatabaseRelationId {
             crate::writer::request_exit(object_id);
         } else if class_id == pg_sys::ExtensionRelationId {
@@ -40,6 +55,135 @@ unsafe extern "C-unwind" fn object_access(
             if !name.is_null() && std::ffi::CStr::from_ptr(name) == c"pg_quota" {
                 crate::writer::request_exit(crate::shmem::my_db());
             }
+        } else if class_id == pg_sys::AuthIdRelationId {
+            note_dropped_role();
+        }
+    }
+}
+
+/// Remembers that this transaction dropped a role; the writers hear of it when the
+/// transaction commits, not before: until then the role still exists for them.
+fn note_dropped_role() {
+    // SAFETY: single-threaded backend state; the callback is registered once.
+    unsafe {
+        DROPPED_ROLE_IN_XACT = true;
+        if !XACT_CALLBACK_REGISTERED {
+            pg_sys::RegisterXactCallback(Some(xact_event), std::ptr::null_mut());
+            XACT_CALLBACK_REGISTERED = true;
+        }
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn xact_event(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    // SAFETY: single-threaded backend state; the shared counter is atomic.
+    unsafe {
+        if !DROPPED_ROLE_IN_XACT {
+            return;
+        }
+        match event {
+            // PREPARE too: COMMIT PREPARED may run in another session, and a purge
+            // that finds the role still there does nothing.
+            pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PREPARE => {
+                DROPPED_ROLE_IN_XACT = false;
+                if crate::shmem::available() {
+                    crate::shmem::roles_dropped().fetch_add(1, Ordering::AcqRel);
+                    crate::writer::wake_all();
+                }
+            }
+            pg_sys::XactEvent::XACT_EVENT_ABORT => DROPPED_ROLE_IN_XACT = false,
+            _ => {}
+        }
+    }
+}
+
+/// The database a utility command needs to have to itself, if any.
+///
+/// # Safety
+/// `node` is a parse tree node.
+unsafe fn database_needed_alone(node: *mut pg_sys::Node) -> Option<pg_sys::Oid> {
+    // SAFETY: each cast follows the node tag check.
+    unsafe {
+        let name: *const std::ffi::c_char = if pgrx::is_a(node, pg_sys::NodeTag::T_CreatedbStmt) {
+            let stmt = node as *mut pg_sys::CreatedbStmt;
+            option(&(*stmt).options, c"template")
+                .map_or(c"template1".as_ptr(), |d| pg_sys::defGetString(d))
+        } else if pgrx::is_a(node, pg_sys::NodeTag::T_RenameStmt) {
+            let stmt = node as *mut pg_sys::RenameStmt;
+            if (*stmt).renameType != pg_sys::ObjectType::OBJECT_DATABASE {
+                return None;
+            }
+            (*stmt).subname
+        } else if pgrx::is_a(node, pg_sys::NodeTag::T_AlterDatabaseStmt) {
+            let stmt = node as *mut pg_sys::AlterDatabaseStmt;
+            option(&(*stmt).options, c"tablespace")?;
+            (*stmt).dbname
+        } else {
+            return None;
+        };
+        if name.is_null() {
+            return None;
+        }
+        let db = pg_sys::get_database_oid(name, true);
+        (db != pg_sys::InvalidOid).then_some(db)
+    }
+}
+
+/// The DefElem named `name` in a statement's option list.
+///
+/// # Safety
+/// `options` is NIL or a List of DefElem.
+unsafe fn option(options: &*mut pg_sys::List, name: &std::ffi::CStr) -> Option<*mut pg_sys::DefElem> {
+    // SAFETY: per the contract above.
+    unsafe {
+        let list = *options;
+        if list.is_null() {
+            return None;
+        }
+        (0..(*list).length as usize)
+            .map(|i| (*(*list).elements.add(i)).ptr_value as *mut pg_sys::DefElem)
+            .find(|&d| std::ffi::CStr::from_ptr((*d).defname) == name)
+    }
+}
+
+#[pg_guard]
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C-unwind" fn process_utility(
+    pstmt: *mut pg_sys::PlannedStmt,
+    query_string: *const std::ffi::c_char,
+    read_only_tree: bool,
+    context: pg_sys::ProcessUtilityContext::Type,
+    params: pg_sys::ParamListInfo,
+    query_env: *mut pg_sys::QueryEnvironment,
+    dest: *mut pg_sys::DestReceiver,
+    qc: *mut pg_sys::QueryCompletion,
+) {
+    // SAFETY: we only read the parse tree, then pass the call on unchanged.
+    unsafe {
+        if let Some(db) = database_needed_alone((*pstmt).utilityStmt) {
+            crate::writer::request_exit(db);
+        }
+        match PREV_PROCESS_UTILITY_HOOK {
+            Some(prev) => prev(
+                pstmt,
+                query_string,
+                read_only_tree,
+                context,
+                params,
+                query_env,
+                dest,
+                qc,
+            ),
+            None => pg_sys::standard_ProcessUtility(
+                pstmt,
+                query_string,
+                read_only_tree,
+                context,
+                params,
+                query_env,
+                dest,
+                qc,
+            ),
         }
     }
 }

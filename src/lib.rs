@@ -15,7 +15,6 @@ mod finish;
 mod gucs;
 mod heap;
 mod hooks;
-mod ledger;
 mod shmem;
 mod writer;
 

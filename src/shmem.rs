@@ -8,7 +8,7 @@
 
 use std::cell::UnsafeCell;
 use std::ffi::CStr;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use pgrx::pg_sys;
 
@@ -20,10 +20,10 @@ pub const SLOT_CLAIMED: u32 = 2;
 pub const SLOT_DONE: u32 = 3;
 
 /// What a caller asks of the writer. Written by the caller while the slot is FREE.
+/// The database and the role live in the slot as atomics, because the writer and
+/// other callers read them from slots that are not theirs (see `Slot`).
 #[repr(C)]
 pub struct Request {
-    pub dboid: pg_sys::Oid,
-    pub role: pg_sys::Oid,
     pub exempt: bool,
     pub max_active: i64,
     pub max_retained: i64,
@@ -59,8 +59,23 @@ pub struct Reply {
 #[repr(C)]
 pub struct Slot {
     pub state: AtomicU32,
+    /// The request's database and role. Written by the owner before its Release store
+    /// of PENDING; read by writers to claim and by callers to count requests in flight,
+    /// who must check `state` again after reading them (the slot may be reused).
+    pub dboid: AtomicU32,
+    pub role: AtomicU32,
     pub request: UnsafeCell<Request>,
     pub reply: UnsafeCell<Reply>,
+}
+
+impl Slot {
+    pub fn dboid(&self) -> pg_sys::Oid {
+        pg_sys::Oid::from(self.dboid.load(Ordering::Acquire))
+    }
+
+    pub fn role(&self) -> pg_sys::Oid {
+        pg_sys::Oid::from(self.role.load(Ordering::Acquire))
+    }
 }
 
 /// A copy of PostgreSQL's private `BackgroundWorkerHandle` (bgworker.c: an `int slot`
@@ -90,6 +105,9 @@ struct Header {
     lock: *mut pg_sys::LWLock,
     n_writers: usize,
     n_slots: usize,
+    /// Bumped when a transaction that dropped a role commits; writers purge dropped
+    /// roles' tickets when it moves (see hooks.rs and writer.rs).
+    roles_dropped: AtomicU64,
 }
 
 const SHMEM_NAME: &CStr = c"pg_quota";
@@ -247,6 +265,12 @@ impl Drop for TableLock {
             }
         }
     }
+}
+
+/// How many role-dropping transactions have committed since the server started.
+pub fn roles_dropped() -> &'static AtomicU64 {
+    // SAFETY: the header lives as long as the server; the field is atomic.
+    unsafe { &(*header()).roles_dropped }
 }
 
 /// The writer entry serving database `db`, if any. Callers hold the table lock.

@@ -2,13 +2,18 @@
 //! inserts into `quota.ledger`. It commits each charge in its own transaction, so the
 //! charge survives the caller's rollback (I2), and it is on disk before the caller's
 //! `start()` returns (I6). Being the single inserter, it re-checks the limits exactly
-//! inside its own transaction before every insert, which keeps I1 true even for a
-//! caller that was cancelled after handing over its request.
+//! inside its own transaction before every insert (core::batch), which keeps I1 true
+//! whatever settings the requesting sessions run with, and for a caller that was
+//! cancelled after handing over its request.
 //!
 //! Protocol: a caller fills its own slot (see shmem.rs), marks it PENDING, sets the
 //! writer's latch and sleeps on its own. The writer claims every PENDING slot of its
 //! database, handles them all in one transaction (group commit: one WAL flush for the
 //! lot), then marks them DONE and sets each caller's latch.
+//!
+//! Nothing is ever answered with an error it did not cause: a request whose batch did
+//! not commit (the writer was cancelled, terminated, or another request of the batch
+//! failed) is retried, or handed back as PENDING to the next writer.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -18,19 +23,27 @@ use pgrx::prelude::*;
 
 use std::collections::HashMap;
 
-use crate::core::{decide, uuid_v7, Decision, Limits, QuotaError, RefusalKind, Usage};
-use crate::counts;
+use crate::core::batch::{self, BatchRequest, Counted};
+use crate::core::{uuid_v7, Decision, Limits, QuotaError, RefusalKind, Usage};
+use crate::counts::{self, Key, Latest, Reader};
 use crate::error::raise;
 use crate::heap::OpenRel;
-use crate::ledger::{self, Stmt};
 use crate::shmem::{self, *};
 
-/// A writer with nothing to do leaves after this long; the next start brings it back.
-const IDLE_EXIT: Duration = Duration::from_secs(10);
 /// How often a waiting caller or an idle writer looks around without being woken.
-const POLL_MS: i64 = 1000;
+const POLL_MS: i64 = 250;
+/// How often a waiting caller makes sure its writer is still there.
+const LIVENESS_EVERY: Duration = Duration::from_millis(500);
+/// How many writers a caller starts for one request before it gives up: a writer
+/// that keeps exiting before it serves anything will not do better the next time.
+const MAX_WRITER_STARTS: u32 = 3;
 /// The most requests one writer transaction commits together.
 const MAX_BATCH: usize = 256;
+/// How often a batch is retried after the writer's statement was cancelled
+/// (pg_cancel_backend on the writer): the requests did nothing wrong.
+const MAX_CANCEL_RETRIES: u32 = 3;
+/// How long a new writer waits for its predecessor to release the twin guard.
+const TWIN_GUARD_WAIT: Duration = Duration::from_secs(5);
 /// The writer never waits longer than this for a lock: a caller holding a lock the
 /// writer needs would otherwise deadlock with it unseen by the deadlock detector.
 const WRITER_LOCK_TIMEOUT: &std::ffi::CStr = c"5s";
@@ -49,9 +62,27 @@ pub enum Answer {
     Refused(RefusalKind, Usage, Option<pg_sys::TimestampTz>),
 }
 
-thread_local! {
-    /// The writer entry our pending request went to (see `enqueue` and `wait`).
-    static MY_WRITER: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+// Single-threaded backend state.
+static mut EXIT_CALLBACK_REGISTERED: bool = false;
+
+/// Runs at backend exit, FATAL included (pg_terminate_backend, idle_session_timeout,
+/// client_connection_check_interval), where no Rust destructor runs: a request the
+/// writer has not claimed yet is withdrawn, so it can never become a ticket that
+/// nobody holds. A claimed one is the writer's to finish (over-count at worst).
+#[pg_guard]
+unsafe extern "C-unwind" fn withdraw_at_exit(_code: i32, _arg: pg_sys::Datum) {
+    if !shmem::available() {
+        return;
+    }
+    let me = shmem::my_procno();
+    if me < shmem::n_slots() {
+        let _ = shmem::slot(me).state.compare_exchange(
+            SLOT_PENDING,
+            SLOT_FREE,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
 }
 
 /// Hands one start request to this database's writer. The caller then calls `wait`.
@@ -60,49 +91,57 @@ pub fn enqueue(fill: impl FnOnce(&mut Request)) {
     if me >= shmem::n_slots() {
         pgrx::error!("pg_quota: process number {me} has no request slot");
     }
+    // SAFETY: single-threaded backend state; the callback is registered once.
+    unsafe {
+        if !EXIT_CALLBACK_REGISTERED {
+            pg_sys::before_shmem_exit(Some(withdraw_at_exit), pg_sys::Datum::from(0));
+            EXIT_CALLBACK_REGISTERED = true;
+        }
+    }
     let slot = shmem::slot(me);
     reclaim(slot);
 
     // SAFETY: the slot is FREE and ours (indexed by our PGPROC number), so nobody
-    // else reads or writes its payload until we publish it with the Release below.
-    unsafe {
-        let r = &mut *slot.request.get();
-        r.dboid = shmem::my_db();
-        fill(r);
-    }
-    // The common case, a running writer, needs only the shared lock.
-    let (_lock, idx) = match find_writer(shmem::TableLock::acquire_shared()) {
-        Ok(found) => found,
-        Err(shared) => {
-            drop(shared);
-            let lock = shmem::TableLock::acquire();
-            let idx = find_or_start_writer();
-            (lock, idx)
+    // else reads its payload until we publish it with the Release store below.
+    unsafe { fill(&mut *slot.request.get()) };
+    slot.dboid.store(u32::from(shmem::my_db()), Ordering::Relaxed);
+    // SAFETY: a plain read of backend state.
+    let role = unsafe { pg_sys::GetUserId() };
+    slot.role.store(u32::from(role), Ordering::Relaxed);
+    // The common case, a running writer, needs only the shared lock. Callers publish
+    // under the table lock, so a writer deciding to leave (exclusively) sees every
+    // request queued for it.
+    let db = shmem::my_db();
+    {
+        let _shared = shmem::TableLock::acquire_shared();
+        if let Some(i) = shmem::writer_of(db) {
+            publish(slot, i);
+            return;
         }
-    };
+    }
+    let _exclusive = shmem::TableLock::acquire();
+    let i = shmem::writer_of(db).unwrap_or_else(start_writer);
+    publish(slot, i);
+}
+
+fn publish(slot: &Slot, idx: usize) {
     slot.state.store(SLOT_PENDING, Ordering::Release);
     if let Ok(p) = usize::try_from(shmem::writer(idx).procno) {
         shmem::wake(p);
     }
-    MY_WRITER.set(idx);
 }
 
 /// How many requests of `role` in this database are in the writer's hands: handed
-/// over and not yet answered. Callers hold the scope lock, so none can be added
-/// meanwhile; a read that races with a slot being reused only miscounts a request
-/// that is not of this scope, and the writer's own check is exact in any case.
+/// over and not yet answered. Callers hold the scope lock, so none of their scope can
+/// be added meanwhile; a read that races with a slot being reused only miscounts a
+/// request that is not of this scope, and the writer's own check is exact in any case.
 pub fn inflight(role: pg_sys::Oid) -> i64 {
     let db = shmem::my_db();
     (0..shmem::n_slots())
         .filter(|&i| {
             let s = shmem::slot(i);
             let st = load_state(s);
-            // SAFETY: the payload was published with the slot's Release store.
-            (st == SLOT_PENDING || st == SLOT_CLAIMED)
-                && unsafe {
-                    let r = &*s.request.get();
-                    r.dboid == db && r.role == role
-                }
+            (st == SLOT_PENDING || st == SLOT_CLAIMED) && s.dboid() == db && s.role() == role
         })
         .count() as i64
 }
@@ -125,50 +164,150 @@ pub fn nap(ms: i64) -> bool {
     rc & pg_sys::WL_TIMEOUT as i32 != 0
 }
 
+/// What a caller knows of this database's writer while it waits.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum WriterState {
+    /// Registered and starting, or running.
+    Alive,
+    /// Gone after it had started serving.
+    Gone,
+    /// Gone before it started serving: it could not connect, or failed at start.
+    NeverStarted,
+}
+
+/// Checks this database's writer. Frees the entry of a writer that is gone, so that
+/// the table never fills up with dead entries.
+fn writer_state() -> WriterState {
+    let db = shmem::my_db();
+    let _lock = shmem::TableLock::acquire();
+    let Some(i) = shmem::writer_of(db) else {
+        return WriterState::Gone;
+    };
+    let w = shmem::writer(i);
+    let mut pid = 0;
+    let mut h = w.handle;
+    // SAFETY: `h` has the layout of BackgroundWorkerHandle (see WorkerHandle).
+    let status =
+        unsafe { pg_sys::GetBackgroundWorkerPid(&mut h as *mut WorkerHandle as *mut _, &mut pid) };
+    if status == pg_sys::BgwHandleStatus::BGWH_STOPPED
+        || status == pg_sys::BgwHandleStatus::BGWH_POSTMASTER_DIED
+    {
+        let never = w.procno == -1;
+        w.dboid = pg_sys::InvalidOid;
+        w.procno = -1;
+        return if never {
+            WriterState::NeverStarted
+        } else {
+            WriterState::Gone
+        };
+    }
+    WriterState::Alive
+}
+
+/// A caller's wait for the writer: every LIVENESS_EVERY it makes sure a writer is
+/// there for the requests of this database, starting a new one when the last one is
+/// gone, and gives up with a clear error when writers keep failing to start.
+pub struct Patience {
+    last_check: Instant,
+    starts: u32,
+    never_started: u32,
+}
+
+impl Patience {
+    pub fn new() -> Patience {
+        Patience {
+            last_check: Instant::now(),
+            starts: 0,
+            never_started: 0,
+        }
+    }
+
+    /// Returns true if it found the writer gone (and started a new one).
+    pub fn check_writer(&mut self) -> bool {
+        if self.last_check.elapsed() < LIVENESS_EVERY {
+            return false;
+        }
+        self.last_check = Instant::now();
+        match writer_state() {
+            WriterState::Alive => return false,
+            WriterState::Gone => {}
+            WriterState::NeverStarted => self.never_started += 1,
+        }
+        if self.never_started >= 2 || self.starts >= MAX_WRITER_STARTS {
+            let gave_up = if self.never_started >= 2 {
+                QuotaError::WriterDidNotStart {
+                    db: database_name(shmem::my_db()),
+                }
+            } else {
+                QuotaError::WriterGone
+            };
+            withdraw_mine();
+            raise(gave_up);
+        }
+        // Requests of this database may be waiting for a writer: ours, or others'
+        // that this caller's scope waits on. Bring one up.
+        self.starts += 1;
+        let _lock = shmem::TableLock::acquire();
+        if shmem::writer_of(shmem::my_db()).is_none() {
+            start_writer();
+        }
+        true
+    }
+}
+
+/// Withdraws our own request if the writer has not claimed it.
+fn withdraw_mine() {
+    let slot = shmem::slot(shmem::my_procno());
+    let _ = slot
+        .state
+        .compare_exchange(SLOT_PENDING, SLOT_FREE, Ordering::AcqRel, Ordering::Acquire);
+}
+
+fn database_name(db: pg_sys::Oid) -> String {
+    // SAFETY: a syscache lookup; NULL if the database is gone.
+    unsafe {
+        let p = pg_sys::get_database_name(db);
+        if p.is_null() {
+            u32::from(db).to_string()
+        } else {
+            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    }
+}
+
 /// Waits for the writer's answer to the request `enqueue` handed over.
 pub fn wait() -> Answer {
     let slot = shmem::slot(shmem::my_procno());
-    let writer_idx = MY_WRITER.get();
 
     // Until DONE, an ERROR (cancel, statement_timeout) withdraws the request if the
     // writer has not claimed it yet. If it has, the writer finishes it and the next
     // request from this backend reclaims the slot: the charge, if any, stays counted
-    // (over-count, never under-count).
-    struct Withdraw(&'static Slot);
+    // (over-count, never under-count). FATAL is covered by withdraw_at_exit.
+    struct Withdraw;
     impl Drop for Withdraw {
         fn drop(&mut self) {
-            let _ = self.0.state.compare_exchange(
-                SLOT_PENDING,
-                SLOT_FREE,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            );
+            withdraw_mine();
         }
     }
-    let guard = Withdraw(slot);
+    let guard = Withdraw;
+    let mut patience = Patience::new();
     loop {
         if load_state(slot) == SLOT_DONE {
             std::mem::forget(guard);
             return take_reply(slot);
         }
-        if nap(POLL_MS) && load_state(slot) != SLOT_DONE && !writer_alive(writer_idx) {
-            // The writer is gone and its exit callback did not answer us: it never
-            // started, or it died before it claimed our request.
-            if slot
-                .state
-                .compare_exchange(SLOT_PENDING, SLOT_FREE, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
-                std::mem::forget(guard);
-                raise(QuotaError::WriterGone);
-            }
+        nap(POLL_MS);
+        if load_state(slot) != SLOT_DONE {
+            patience.check_writer();
         }
     }
 }
 
 /// Waits for an answer owed to a request this backend abandoned (it was cancelled
-/// after the writer claimed it), then frees the slot. The answer is dropped.
+/// after the writer claimed it), then frees the slot. The answer is dropped. A claim
+/// whose writer is gone for good is taken back: nobody else can answer it.
 fn reclaim(slot: &'static Slot) {
+    let began = Instant::now();
     loop {
         match load_state(slot) {
             SLOT_FREE => return,
@@ -176,8 +315,24 @@ fn reclaim(slot: &'static Slot) {
                 slot.state.store(SLOT_FREE, Ordering::Release);
                 return;
             }
+            SLOT_PENDING => {
+                // Ours, from a call that errored out between enqueue and wait.
+                withdraw_mine();
+            }
             _ => {
                 nap(POLL_MS);
+                let db_writer_alive = {
+                    let _lock = shmem::TableLock::acquire_shared();
+                    shmem::writer_of(shmem::my_db()).is_some()
+                };
+                if !db_writer_alive && began.elapsed() > LIVENESS_EVERY {
+                    let _ = slot.state.compare_exchange(
+                        SLOT_CLAIMED,
+                        SLOT_FREE,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
+                }
             }
         }
     }
@@ -228,20 +383,13 @@ fn take_reply(slot: &'static Slot) -> Answer {
     unreachable!("ERROR does not return")
 }
 
-/// This database's writer entry, if there is one; hands the lock back either way.
-fn find_writer(lock: shmem::TableLock) -> Result<(shmem::TableLock, usize), shmem::TableLock> {
-    match shmem::writer_of(shmem::my_db()) {
-        Some(i) => Ok((lock, i)),
-        None => Err(lock),
-    }
-}
-
-/// Finds this database's writer entry, or claims a free one and registers a writer
-/// for it. Called with the table lock held exclusively.
-fn find_or_start_writer() -> usize {
+/// Claims a free writer entry for this database and registers a writer for it.
+/// Called with the table lock held exclusively, when the database has no entry. Dead
+/// entries are swept first, so the table cannot fill up with them.
+fn start_writer() -> usize {
     let db = shmem::my_db();
-    if let Some(i) = shmem::writer_of(db) {
-        return i;
+    if shmem::writer_of(pg_sys::InvalidOid).is_none() {
+        sweep_dead_entries();
     }
     let Some(i) = shmem::writer_of(pg_sys::InvalidOid) else {
         raise(QuotaError::NoWorkerSlot);
@@ -253,6 +401,26 @@ fn find_or_start_writer() -> usize {
     w.handle = handle;
     w.exit_requested.store(false, Ordering::Relaxed);
     i
+}
+
+/// Frees the entries of writers that are no longer running. Table lock held.
+fn sweep_dead_entries() {
+    for i in 0..shmem::n_writers() {
+        let w = shmem::writer(i);
+        if w.dboid == pg_sys::InvalidOid {
+            continue;
+        }
+        let mut pid = 0;
+        let mut h = w.handle;
+        // SAFETY: see writer_state.
+        let status = unsafe {
+            pg_sys::GetBackgroundWorkerPid(&mut h as *mut WorkerHandle as *mut _, &mut pid)
+        };
+        if status == pg_sys::BgwHandleStatus::BGWH_STOPPED {
+            w.dboid = pg_sys::InvalidOid;
+            w.procno = -1;
+        }
+    }
 }
 
 fn register_worker(idx: usize, db: pg_sys::Oid) -> Option<WorkerHandle> {
@@ -286,80 +454,29 @@ fn register_worker(idx: usize, db: pg_sys::Oid) -> Option<WorkerHandle> {
     }
 }
 
-/// Whether writer entry `idx` still has a live (or starting) worker behind it.
-fn writer_alive(idx: usize) -> bool {
-    let _lock = shmem::TableLock::acquire();
-    let w = shmem::writer(idx);
-    if w.dboid != shmem::my_db() {
-        return false;
-    }
-    let mut pid = 0;
-    let mut h = w.handle;
-    // SAFETY: `h` has the layout of BackgroundWorkerHandle (see WorkerHandle).
-    let status =
-        unsafe { pg_sys::GetBackgroundWorkerPid(&mut h as *mut WorkerHandle as *mut _, &mut pid) };
-    if status == pg_sys::BgwHandleStatus::BGWH_STOPPED {
-        // Never started, or died without its exit callback: free the entry.
-        w.dboid = pg_sys::InvalidOid;
-        w.procno = -1;
-        fail_pending(shmem::my_db());
-        return false;
-    }
-    true
-}
-
-/// Answers every PENDING or CLAIMED request of database `db` with an error. Called with
-/// the table lock held, when the writer of `db` is gone.
-fn fail_pending(db: pg_sys::Oid) {
-    for i in 0..shmem::n_slots() {
-        let s = shmem::slot(i);
-        let st = load_state(s);
-        if st != SLOT_PENDING && st != SLOT_CLAIMED {
-            continue;
-        }
-        // SAFETY: dboid was published with the slot's Release store.
-        if unsafe { (*s.request.get()).dboid } != db {
-            continue;
-        }
-        if st == SLOT_PENDING
-            && s.state
-                .compare_exchange(
-                    SLOT_PENDING,
-                    SLOT_CLAIMED,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                )
-                .is_err()
-        {
-            continue;
-        }
-        // SAFETY: we own the CLAIMED slot now (the writer that claimed it is gone).
-        unsafe { (*s.reply.get()).kind = 0 };
-        s.state.store(SLOT_DONE, Ordering::Release);
-        shmem::wake(i);
-    }
-}
-
 // ---------------------------------------------------------------------------------
 // Writer side
 // ---------------------------------------------------------------------------------
 
-// Slots claimed by the batch in progress, and whether that batch has committed; the
-// exit callback needs both to answer callers truthfully if the writer is terminated.
-// A background worker is single-threaded, so plain statics suffice.
+// The slots of the batch in progress and the transaction that records them: the exit
+// callback needs both to answer callers truthfully if the writer is terminated. A
+// background worker is single-threaded, so plain statics suffice.
 thread_local! {
     static BATCH: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
 }
-static mut BATCH_COMMITTED: bool = false;
+static mut BATCH_XID: pg_sys::TransactionId = pg_sys::InvalidTransactionId;
 /// Set once this writer has given up its entry; the exit callback then leaves the
 /// table alone, because a new writer may already own the entry and its requests.
 static mut LEFT: bool = false;
 static mut MY_ENTRY: usize = usize::MAX;
+static mut HOLDS_GUARD: bool = false;
 
 unsafe extern "C-unwind" {
     /// PostgreSQL's SIGTERM handler for backends (postgres.c). pgrx's binding wraps it
     /// in a Rust function, but a signal handler must be the C symbol itself.
     fn die(signal: std::ffi::c_int);
+    /// The standard SIGHUP handler (postmaster/interrupt.c), for the same reason.
+    fn SignalHandlerForConfigReload(signal: std::ffi::c_int);
 }
 
 /// Entry point of the ledger writer, named in its BackgroundWorker registration.
@@ -371,11 +488,21 @@ pub extern "C-unwind" fn pg_quota_writer_main(arg: pg_sys::Datum) {
     let db = pg_sys::Oid::from(raw as u32);
 
     // SAFETY: standard background worker start-up: `die` turns SIGTERM into a FATAL
-    // at the next CHECK_FOR_INTERRUPTS, which runs our before_shmem_exit callback.
+    // at the next CHECK_FOR_INTERRUPTS, which runs our before_shmem_exit callback;
+    // SIGHUP sets ConfigReloadPending, which the main loop acts on.
+    //
+    // BGWORKER_BYPASS_ALLOWCONN: the writer is part of the database's machinery,
+    // like autovacuum. After ALTER DATABASE … ALLOW_CONNECTIONS false, sessions that
+    // are still connected keep calling start(), and only a writer can answer them.
     unsafe {
         pg_sys::pqsignal(libc::SIGTERM, Some(die));
+        pg_sys::pqsignal(libc::SIGHUP, Some(SignalHandlerForConfigReload));
         pg_sys::BackgroundWorkerUnblockSignals();
-        pg_sys::BackgroundWorkerInitializeConnectionByOid(db, pg_sys::InvalidOid, 0);
+        pg_sys::BackgroundWorkerInitializeConnectionByOid(
+            db,
+            pg_sys::InvalidOid,
+            pg_sys::BGWORKER_BYPASS_ALLOWCONN,
+        );
         MY_ENTRY = idx;
         pg_sys::before_shmem_exit(Some(on_exit), pg_sys::Datum::from(0));
     }
@@ -392,13 +519,16 @@ pub extern "C-unwind" fn pg_quota_writer_main(arg: pg_sys::Datum) {
     }
     if !take_twin_guard(db) {
         log!(
-            "pg_quota: another ledger writer already serves database {}",
+            "pg_quota: another ledger writer still serves database {}",
             u32::from(db)
         );
         return;
     }
     configure_session();
-    main_loop(idx, db);
+    // Before anything is admitted: tickets of roles dropped while no writer ran.
+    let mut roles_dropped = shmem::roles_dropped().load(Ordering::Acquire);
+    in_transaction(purge_dropped_roles);
+    main_loop(idx, db, &mut roles_dropped);
 }
 
 /// The tag of the twin guard of database `db`. It lives in the user lock method, as
@@ -416,18 +546,41 @@ fn twin_guard_tag(db: pg_sys::Oid) -> pg_sys::LOCKTAG {
 }
 
 /// A session-level lock on a tag only pg_quota uses: a second writer for the same
-/// database cannot get it and leaves.
+/// database cannot get it. A predecessor that is still exiting releases it within
+/// moments, so we wait for it rather than give up, and give up only on a twin that
+/// keeps it (which the entry table makes impossible; this is the belt to its braces).
 fn take_twin_guard(db: pg_sys::Oid) -> bool {
-    // SAFETY: a conditional session lock, released in `leave` or at process exit.
-    let r = unsafe {
-        pg_sys::LockAcquire(
-            &twin_guard_tag(db),
-            pg_sys::ExclusiveLock as i32,
-            true,
-            true,
-        )
-    };
-    r != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
+    let began = Instant::now();
+    loop {
+        // SAFETY: a conditional session lock, released in `leave` or `on_exit`.
+        let r = unsafe {
+            pg_sys::LockAcquire(
+                &twin_guard_tag(db),
+                pg_sys::ExclusiveLock as i32,
+                true,
+                true,
+            )
+        };
+        if r != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL {
+            // SAFETY: single-threaded worker state.
+            unsafe { HOLDS_GUARD = true };
+            return true;
+        }
+        if began.elapsed() >= TWIN_GUARD_WAIT {
+            return false;
+        }
+        nap(50);
+    }
+}
+
+fn release_twin_guard(db: pg_sys::Oid) {
+    // SAFETY: single-threaded worker state; the lock was taken in take_twin_guard.
+    unsafe {
+        if HOLDS_GUARD {
+            pg_sys::LockRelease(&twin_guard_tag(db), pg_sys::ExclusiveLock as i32, true);
+            HOLDS_GUARD = false;
+        }
+    }
 }
 
 fn configure_session() {
@@ -444,7 +597,8 @@ fn configure_session() {
     };
     set(c"lock_timeout", WRITER_LOCK_TIMEOUT);
     set(c"search_path", c"pg_catalog, pg_temp");
-    // The writer's exact count relies on a fresh snapshot per statement.
+    // The writer's exact count relies on a fresh snapshot per batch, and it never
+    // takes part in SSI.
     set(c"default_transaction_isolation", c"read committed");
     set(c"default_transaction_read_only", c"off");
     // I6: a charge is on disk before start() returns, even where the server runs with
@@ -459,23 +613,41 @@ fn configure_session() {
     unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_IDLE, std::ptr::null()) };
 }
 
-fn main_loop(idx: usize, db: pg_sys::Oid) {
+fn main_loop(idx: usize, db: pg_sys::Oid, roles_dropped: &mut u64) {
     let mut last_work = Instant::now();
     loop {
         // SAFETY: our own latch; reset before looking for work so no wake-up is lost.
         unsafe { pg_sys::ResetLatch(pg_sys::MyLatch) };
         pgrx::check_for_interrupts!();
+        // SAFETY: the flag is set by our SIGHUP handler; reloading the configuration
+        // file is what every background process does with it.
+        unsafe {
+            if pg_sys::ConfigReloadPending != 0 {
+                pg_sys::ConfigReloadPending = 0;
+                pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP);
+                configure_session();
+            }
+        }
         if shmem::writer(idx).exit_requested.load(Ordering::Acquire) {
             leave(idx, db, true);
             return;
         }
+        let dropped = shmem::roles_dropped().load(Ordering::Acquire);
+        if dropped != *roles_dropped {
+            *roles_dropped = dropped;
+            in_transaction(purge_dropped_roles);
+        }
         let batch = claim(db);
         if !batch.is_empty() {
             process(batch);
+            report_stats();
             last_work = Instant::now();
             continue;
         }
-        if last_work.elapsed() >= IDLE_EXIT && leave(idx, db, false) {
+        // Table statistics (pg_stat_user_tables, and so autovacuum) see our writes
+        // while we live, not only when we exit.
+        report_stats();
+        if last_work.elapsed() >= crate::gucs::writer_idle_timeout() && leave(idx, db, false) {
             return;
         }
         // SAFETY: our own latch; WL_EXIT_ON_PM_DEATH ends us with the postmaster.
@@ -490,16 +662,19 @@ fn main_loop(idx: usize, db: pg_sys::Oid) {
     }
 }
 
-/// Claims up to MAX_BATCH PENDING requests of database `db`.
+fn report_stats() {
+    // SAFETY: outside any transaction; flushes at most once a second unless forced.
+    unsafe { pg_sys::pgstat_report_stat(false) };
+}
+
+/// Claims up to MAX_BATCH PENDING requests of database `db`. The claim is checked
+/// after the compare-and-swap: a slot withdrawn and reused by a backend of another
+/// database between our read of its database and the swap is handed back.
 fn claim(db: pg_sys::Oid) -> Vec<usize> {
     let mut batch = Vec::new();
     for i in 0..shmem::n_slots() {
         let s = shmem::slot(i);
-        if load_state(s) != SLOT_PENDING {
-            continue;
-        }
-        // SAFETY: the payload was published by the caller's Release store of PENDING.
-        if unsafe { (*s.request.get()).dboid } != db {
+        if load_state(s) != SLOT_PENDING || s.dboid() != db {
             continue;
         }
         if s.state
@@ -509,64 +684,114 @@ fn claim(db: pg_sys::Oid) -> Vec<usize> {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             )
-            .is_ok()
+            .is_err()
         {
-            batch.push(i);
-            if batch.len() == MAX_BATCH {
-                break;
+            continue;
+        }
+        let claimed_db = s.dboid();
+        if claimed_db != db {
+            s.state.store(SLOT_PENDING, Ordering::Release);
+            let _lock = shmem::TableLock::acquire_shared();
+            if let Some(w) = shmem::writer_of(claimed_db) {
+                if let Ok(p) = usize::try_from(shmem::writer(w).procno) {
+                    shmem::wake(p);
+                }
             }
+            continue;
+        }
+        batch.push(i);
+        if batch.len() == MAX_BATCH {
+            break;
         }
     }
     batch
 }
 
-/// Handles one batch in one transaction, then answers every caller in it.
+/// Runs `f` in a transaction of its own, as a background worker does.
+fn in_transaction<R>(f: impl FnOnce() -> R) -> R {
+    // SAFETY: the standard transaction bracket of a background worker; an ERROR in
+    // `f` aborts the transaction through the worker's error handling.
+    unsafe {
+        pg_sys::SetCurrentStatementStartTimestamp();
+        pg_sys::StartTransactionCommand();
+        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+    }
+    let r = f();
+    // SAFETY: closes the bracket opened above.
+    unsafe {
+        pg_sys::PopActiveSnapshot();
+        pg_sys::CommitTransactionCommand();
+    }
+    r
+}
+
+/// Handles one batch, then answers every caller in it. A group whose transaction
+/// fails is retried when the failure was not the requests' doing (a cancel), or split
+/// into single requests when one of them may be the cause, so that one request's
+/// failure never fails another's.
 fn process(batch: Vec<usize>) {
-    // SAFETY: single-threaded worker state, read by the exit callback.
-    BATCH.with_borrow_mut(|b| b.clone_from(&batch));
-    unsafe { BATCH_COMMITTED = false };
-    let outcome = PgTryBuilder::new(|| {
-        // SAFETY: the standard transaction bracket of a background worker.
-        unsafe {
-            pg_sys::SetCurrentStatementStartTimestamp();
-            pg_sys::StartTransactionCommand();
-            pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
-        }
-        ledger::connect(|| handle_batch(&batch));
-        // SAFETY: closes the bracket opened above.
-        unsafe {
-            pg_sys::PopActiveSnapshot();
-            pg_sys::CommitTransactionCommand();
-        }
-        Ok(())
-    })
-    .catch_others(|e| Err(caught_error(e)))
-    .execute();
-    match outcome {
-        // SAFETY: single-threaded worker state.
-        Ok(()) => unsafe { BATCH_COMMITTED = true },
-        Err((code, msg)) => {
-            // SAFETY: pgrx flushed the error state when it caught the error; abort the
-            // failed transaction as a worker's error recovery does.
-            unsafe { pg_sys::AbortCurrentTransaction() };
-            log!(
-                "pg_quota ledger writer: batch of {} failed: {msg}",
-                batch.len()
-            );
-            for &i in &batch {
-                set_error(i, code, &msg);
+    let mut groups = vec![(batch, 0u32)];
+    while let Some((group, retries)) = groups.pop() {
+        BATCH.with_borrow_mut(|b| b.clone_from(&group));
+        // SAFETY: single-threaded worker state, read by the exit callback.
+        unsafe { BATCH_XID = pg_sys::InvalidTransactionId };
+        let outcome = PgTryBuilder::new(|| {
+            in_transaction(|| {
+                handle_batch(&group);
+                // SAFETY: the transaction id our writes got, if any; the exit callback
+                // asks the commit log about it.
+                unsafe { BATCH_XID = pg_sys::GetTopTransactionIdIfAny() };
+            });
+            Ok(())
+        })
+        .catch_others(|e| Err(caught_error(e)))
+        .execute();
+        match outcome {
+            Ok(()) => answer(&group),
+            Err((code, msg)) => {
+                // SAFETY: pgrx flushed the error state when it caught the error; abort
+                // the failed transaction as a worker's error recovery does.
+                unsafe {
+                    pg_sys::AbortCurrentTransaction();
+                    BATCH_XID = pg_sys::InvalidTransactionId;
+                }
+                let cancelled = code == PgSqlErrorCode::ERRCODE_QUERY_CANCELED as i32;
+                if cancelled && retries < MAX_CANCEL_RETRIES {
+                    groups.push((group, retries + 1));
+                } else if group.len() > 1 && may_be_one_requests_fault(code) {
+                    groups.extend(group.iter().map(|&i| (vec![i], retries)));
+                } else {
+                    log!(
+                        "pg_quota ledger writer: {} request(s) failed: {msg}",
+                        group.len()
+                    );
+                    for &i in &group {
+                        set_error(i, code, &msg);
+                    }
+                    answer(&group);
+                }
             }
         }
     }
-    for &i in &batch {
+    BATCH.with_borrow_mut(Vec::clear);
+    // SAFETY: reports the worker as idle in pg_stat_activity.
+    unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_IDLE, std::ptr::null()) };
+}
+
+/// Errors that a single request's data could cause (a constraint a DBA added, a
+/// value a type rejects). Anything else, such as a lock timeout, would fail every
+/// request alike, so retrying them one by one would only multiply the wait.
+fn may_be_one_requests_fault(code: i32) -> bool {
+    let class = |c: PgSqlErrorCode| (c as i32) & 0xfff; // the two-character class
+    let ours = code & 0xfff;
+    ours == class(PgSqlErrorCode::ERRCODE_INTEGRITY_CONSTRAINT_VIOLATION)
+        || ours == class(PgSqlErrorCode::ERRCODE_DATA_EXCEPTION)
+}
+
+fn answer(group: &[usize]) {
+    for &i in group {
         shmem::slot(i).state.store(SLOT_DONE, Ordering::Release);
         shmem::wake(i);
-    }
-    // SAFETY: single-threaded worker state.
-    BATCH.with_borrow_mut(Vec::clear);
-    unsafe {
-        BATCH_COMMITTED = false;
-        pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_IDLE, std::ptr::null());
     }
 }
 
@@ -594,185 +819,208 @@ fn set_error(i: usize, code: i32, msg: &str) {
     r.error_len = n;
 }
 
-/// One scope's state while a batch is decided: counted once, then kept up to date
-/// as the batch admits tickets, so requests of one batch count each other.
-struct ScopeCounts {
-    usage: Usage,
-    expired: i64,
-    cutoff: pg_sys::TimestampTz,
-    admitted: i64,
-}
-
-/// Decides every request of the batch and records the admitted ones with one
-/// statement. Runs inside the batch transaction; the writer is the only process that
-/// inserts, so counts taken here plus this batch's own admissions are exact (I1).
+/// Decides every request of the batch and records the admitted ones. Runs inside the
+/// batch transaction; the writer is the only process that inserts, so counts taken
+/// here plus this batch's own admissions are exact (I1).
 fn handle_batch(batch: &[usize]) {
-    let rels = counts::rels();
+    let reader = Reader::open();
+    let rels = reader.rels;
     // SAFETY: plain clock read.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let snap = counts::Latest::take();
+    let snap = Latest::take();
     // SAFETY: the slots are CLAIMED by us; their callers do not touch them until DONE.
     let requests: Vec<&Request> = batch
         .iter()
         .map(|&i| unsafe { &*shmem::slot(i).request.get() })
         .collect();
+    let roles: Vec<pg_sys::Oid> = batch.iter().map(|&i| shmem::slot(i).role()).collect();
+    let breqs: Vec<BatchRequest> = requests
+        .iter()
+        .zip(&roles)
+        .map(|(r, role)| BatchRequest {
+            role: u32::from(*role),
+            limits: Limits {
+                max_active: r.max_active,
+                max_retained: r.max_retained,
+            },
+            retention_secs: r.retention_secs,
+            exempt: r.exempt,
+        })
+        .collect();
 
-    // Count each scope once, and only what its requests are limited by: the active
-    // count up to the highest active limit among them, the retained count if any of
-    // them has a retained limit. Keyed by role and retention: two sessions of one
-    // role may run with different quota.retention settings.
-    let mut scopes: HashMap<(pg_sys::Oid, i64), ScopeCounts> = HashMap::new();
-    for req in &requests {
-        if req.exempt {
-            continue;
-        }
-        let key = (req.role, req.retention_secs);
-        let max_active = requests
-            .iter()
-            .filter(|r| !r.exempt && (r.role, r.retention_secs) == key)
-            .map(|r| r.max_active)
-            .fold(None, |acc: Option<i64>, m| {
-                if m > 0 {
-                    Some(acc.map_or(m, |a| a.max(m)))
-                } else {
-                    acc
-                }
-            });
-        let count_retained = requests
-            .iter()
-            .any(|r| !r.exempt && (r.role, r.retention_secs) == key && r.max_retained > 0);
-        scopes.entry(key).or_insert_with(|| {
-            let cutoff = crate::admission::cutoff(now, req.retention_secs);
-            let expired = counts::expired(&rels, &snap, req.role, cutoff);
-            ScopeCounts {
-                usage: Usage {
-                    active: max_active
-                        .map_or(0, |m| counts::active(&rels, &snap, req.role, Some(m))),
-                    retained: if count_retained {
-                        counts::rows(&rels, &snap, req.role) - expired
-                    } else {
-                        0
-                    },
-                },
-                expired,
-                cutoff,
-                admitted: 0,
-            }
-        });
-    }
+    // Count each role once, and only what its requests are limited by.
+    let counted: HashMap<u32, Counted> = batch::needs(&breqs)
+        .into_iter()
+        .map(|(role, needs)| {
+            let oid = pg_sys::Oid::from(role);
+            let active = needs
+                .active_cap
+                .map_or(0, |cap| counts::active(&rels, &snap, oid, Some(cap)));
+            let rows = (!needs.retentions.is_empty()).then(|| counts::rows(&rels, &snap, oid));
+            let retained = needs
+                .retentions
+                .iter()
+                .map(|&ret| {
+                    let cutoff = crate::admission::cutoff(now, ret);
+                    (ret, rows.unwrap_or(0) - counts::expired(&rels, &snap, oid, cutoff))
+                })
+                .collect();
+            (role, Counted { active, retained })
+        })
+        .collect();
+    let decisions = batch::decide_batch(&breqs, &counted);
 
-    let (mut ids, mut roles, mut labels) = (Vec::new(), Vec::new(), Vec::new());
-    for (&i, req) in batch.iter().zip(&requests) {
+    let mut admitted: Vec<(pgrx::Uuid, pg_sys::Oid, Option<&[u8]>)> = Vec::new();
+    let mut pending: HashMap<u32, i64> = HashMap::new();
+    for (((&i, req), breq), decision) in batch.iter().zip(&requests).zip(&breqs).zip(&decisions)
+    {
         // SAFETY: as above; the reply belongs to the writer while the slot is CLAIMED.
         let reply = unsafe { &mut *shmem::slot(i).reply.get() };
-        let limits = Limits {
-            max_active: req.max_active,
-            max_retained: req.max_retained,
-        };
-        let sc = scopes.get_mut(&(req.role, req.retention_secs));
-        let usage = sc.as_ref().map_or(Usage::default(), |sc| sc.usage);
-        match decide(limits, usage, req.exempt) {
+        let role = pg_sys::Oid::from(breq.role);
+        match decision {
             Decision::Admit => {
                 let id = new_ticket_id(now);
-                ids.push(pgrx::Uuid::from_bytes(id));
-                roles.push(req.role);
-                labels
-                    .push(req.has_label.then(|| {
-                        String::from_utf8_lossy(&req.label[..req.label_len]).into_owned()
-                    }));
-                if let Some(sc) = sc {
-                    sc.usage.active += 1;
-                    sc.usage.retained += 1;
-                    sc.admitted += 1;
-                }
+                admitted.push((
+                    pgrx::Uuid::from_bytes(id),
+                    role,
+                    req.has_label.then(|| &req.label[..req.label_len]),
+                ));
+                *pending.entry(breq.role).or_default() += 1;
                 reply.kind = REPLY_ADMITTED;
                 reply.ticket = id;
             }
             Decision::Refuse(r) => {
                 // Only a caller cancelled after handing over its request, or sessions
-                // with different limits, get here: callers count in-flight requests.
+                // with different settings, get here: callers count in-flight requests.
                 let cutoff = crate::admission::cutoff(now, req.retention_secs);
                 let (full, next) = crate::admission::refusal_numbers(
                     &rels,
                     &snap,
-                    req.role,
+                    role,
                     cutoff,
                     req.retention_secs,
                     r.kind,
                 );
-                let pending = sc.map_or(0, |sc| sc.admitted);
+                let p = pending.get(&breq.role).copied().unwrap_or(0);
                 reply.kind = REPLY_REFUSED;
                 reply.refusal_kind = if r.kind == RefusalKind::Active { 1 } else { 2 };
-                reply.active = full.active + pending;
-                reply.retained = full.retained + pending;
+                reply.active = full.active + p;
+                reply.retained = full.retained + p;
                 reply.next_ageout = next;
             }
         }
     }
     drop(snap);
-
-    // Purge what is past retention in the scopes that grow, so that the expired
-    // count each admission reads stays small.
-    for (&(role, _), sc) in &scopes {
-        if sc.admitted > 0 && sc.expired > 0 {
-            PURGE_STMT.run(&mut [role.into(), sc.cutoff.into()], &[false, false]);
-        }
+    drop(reader);
+    if admitted.is_empty() {
+        return;
     }
-    if !ids.is_empty() {
-        record(&rels, now, &ids, &roles, &labels);
+
+    // Purge what is past retention in the roles that grow, so that the expired count
+    // each admission reads stays small. The longest retention among a role's requests
+    // decides, so that no session of the batch loses tickets it still counts.
+    let mut longest: HashMap<u32, i64> = HashMap::new();
+    for b in &breqs {
+        let e = longest.entry(b.role).or_insert(b.retention_secs);
+        *e = (*e).max(b.retention_secs);
+    }
+    let ledger = OpenRel::open(rels.ledger, "ledger", counts::COL_ID);
+    let mut delta: Vec<(pg_sys::Oid, i64)> = Vec::new();
+    for (&role, &n) in &pending {
+        let oid = pg_sys::Oid::from(role);
+        let cutoff = crate::admission::cutoff(now, longest[&role]);
+        let purged = delete_where(&ledger, &rels, &[Key::OidEq(oid), Key::TsLess(cutoff)]);
+        delta.push((oid, n - purged));
+    }
+    record(&ledger, now, &admitted);
+    drop(ledger);
+
+    let summary = OpenRel::open(rels.summary, "summary", 1);
+    for (role, n) in delta {
+        add_to_summary(&rels, &summary, role, n);
     }
 }
 
-/// Inserts the admitted tickets and adds them to their roles' summary rows.
+/// Deletes the ledger rows that `keys` select on the (role, ended_at) index, under
+/// the latest snapshot, directly in the heap: no SQL, so no trigger or rule a DBA
+/// added fires, as for every other write pg_quota makes. Returns how many it deleted.
+fn delete_where(ledger: &OpenRel, rels: &counts::Rels, keys: &[Key]) -> i64 {
+    // SAFETY: makes our earlier writes in this transaction visible to the snapshot.
+    unsafe { pg_sys::CommandCounterIncrement() };
+    let snap = Latest::take();
+    let mut tids = Vec::new();
+    counts::scan_open(
+        ledger.heap,
+        ledger.index(rels.ledger_idx),
+        &snap,
+        keys,
+        |slot| {
+            // SAFETY: the slot holds a visible ledger tuple.
+            tids.push(unsafe { (*slot).tts_tid });
+            true
+        },
+    );
+    drop(snap);
+    let mut n = 0;
+    for tid in tids {
+        match ledger.delete(tid) {
+            pg_sys::TM_Result::TM_Ok => n += 1,
+            // Changed or deleted meanwhile (a superuser's SQL, say): leave it; a
+            // later purge sees its new version.
+            pg_sys::TM_Result::TM_Updated
+            | pg_sys::TM_Result::TM_Deleted
+            | pg_sys::TM_Result::TM_SelfModified => {}
+            other => pgrx::error!("pg_quota: unexpected result {other} deleting a ledger row"),
+        }
+    }
+    n
+}
+
+/// Inserts the admitted tickets. Labels are stored as the caller's bytes in the
+/// database encoding, which is also the writer's: no conversion, so every encoding
+/// works.
 fn record(
-    rels: &counts::Rels,
+    ledger: &OpenRel,
     now: pg_sys::TimestampTz,
-    ids: &[pgrx::Uuid],
-    roles: &[pg_sys::Oid],
-    labels: &[Option<String>],
+    admitted: &[(pgrx::Uuid, pg_sys::Oid, Option<&[u8]>)],
 ) {
-    let ledger = OpenRel::open(rels.ledger);
-    let mut added: Vec<(pg_sys::Oid, i64)> = Vec::new();
-    for ((id, &role), label) in ids.iter().zip(roles).zip(labels) {
+    for &(id, role, label) in admitted {
         let mut values = [pg_sys::Datum::from(0); counts::NCOLS];
         let mut nulls = [false; counts::NCOLS];
         values[counts::COL_ID - 1] = id.into_datum().unwrap();
         values[counts::COL_ROLE - 1] = role.into();
         match label {
-            Some(l) => values[counts::COL_LABEL - 1] = l.as_str().into_datum().unwrap(),
+            // SAFETY: copies the bytes into a palloc'd text datum.
+            Some(l) => {
+                values[counts::COL_LABEL - 1] = pg_sys::Datum::from(unsafe {
+                    pg_sys::cstring_to_text_with_len(l.as_ptr().cast(), l.len() as i32)
+                })
+            }
             None => nulls[counts::COL_LABEL - 1] = true,
         }
         values[counts::COL_STARTED_AT - 1] = now.into();
         nulls[counts::COL_ENDED_AT - 1] = true;
         nulls[counts::COL_OUTCOME - 1] = true;
         ledger.insert(&mut values, &mut nulls);
-        match added.iter_mut().find(|(r, _)| *r == role) {
-            Some((_, n)) => *n += 1,
-            None => added.push((role, 1)),
-        }
-    }
-    drop(ledger);
-
-    let summary = OpenRel::open(rels.summary);
-    for (role, n) in added {
-        add_to_summary(rels, &summary, role, n);
     }
 }
 
-/// Adds `n` to `role`'s summary row, creating it if needed. The writer is the only
-/// process that writes summary rows, so a concurrent change means someone edited the
-/// table by hand; we then count again from the latest version.
+/// Adds `n` to `role`'s summary row. A missing row means "unknown": the role never had
+/// one, or SQL-level writes to the ledger made the summary forget it (see the triggers
+/// in sql/schema.sql); we then count the role's rows, ours included, and store that.
+/// The writer is the only process that writes summary rows, so a concurrent change
+/// means someone edited the table by hand; we then count again from the latest version.
 fn add_to_summary(rels: &counts::Rels, summary: &OpenRel, role: pg_sys::Oid, n: i64) {
     loop {
-        // SAFETY: makes our purges in this transaction visible to the snapshot below.
+        // SAFETY: makes our writes in this transaction visible to the snapshot below.
         unsafe { pg_sys::CommandCounterIncrement() };
-        let snap = counts::Latest::take();
+        let snap = Latest::take();
         let mut current = None;
         counts::scan_open(
             summary.heap,
             summary.index(rels.summary_idx),
             &snap,
-            &[counts::Key::OidEq(role)],
+            &[Key::OidEq(role)],
             |slot| {
                 // SAFETY: the slot holds a summary tuple (role, tickets), pinned meanwhile.
                 let tickets = unsafe { pg_sys::slot_getattr(slot, 2, &mut false).value() as i64 };
@@ -782,13 +1030,16 @@ fn add_to_summary(rels: &counts::Rels, summary: &OpenRel, role: pg_sys::Oid, n: 
             },
         );
         let Some((tid, tickets)) = current else {
-            summary.insert(&mut [role.into(), n.into()], &mut [false, false]);
+            let rows = counts::ledger_rows(rels, &snap, role);
+            summary.insert(&mut [role.into(), rows.into()], &mut [false, false]);
             return;
         };
-        let tuple = summary.form(
-            &mut [role.into(), (tickets + n).into()],
-            &mut [false, false],
-        );
+        let tickets = if tickets + n >= 0 {
+            tickets + n
+        } else {
+            counts::ledger_rows(rels, &snap, role)
+        };
+        let tuple = summary.form(&mut [role.into(), tickets.into()], &mut [false, false]);
         match summary.update(tid, tuple, &[2]) {
             pg_sys::TM_Result::TM_Ok => return,
             pg_sys::TM_Result::TM_Updated | pg_sys::TM_Result::TM_Deleted => continue,
@@ -797,6 +1048,84 @@ fn add_to_summary(rels: &counts::Rels, summary: &OpenRel, role: pg_sys::Oid, n: 
                 u32::from(role)
             ),
         }
+    }
+}
+
+/// Deletes the tickets and summary rows of roles that no longer exist, so that they
+/// count for nobody: not for a future role that gets the same OID, and not, after a
+/// dump, for whatever role has that OID in another cluster. One index probe per role.
+fn purge_dropped_roles() {
+    let reader = Reader::open();
+    let rels = reader.rels;
+    let snap = Latest::take();
+    let mut gone = Vec::new();
+    let mut after = pg_sys::InvalidOid;
+    while let Some(role) = counts::next_role(&rels, &snap, after) {
+        if !role_exists(role) {
+            gone.push(role);
+        }
+        after = role;
+    }
+    // Roles whose summary row outlived their tickets.
+    counts::scan(rels.summary, rels.summary_idx, &snap, &[], |slot| {
+        if let Some(d) = counts::attr(slot, 1) {
+            let role = pg_sys::Oid::from(d.value() as u32);
+            if !role_exists(role) && !gone.contains(&role) {
+                gone.push(role);
+            }
+        }
+        true
+    });
+    drop(snap);
+    drop(reader);
+    if gone.is_empty() {
+        return;
+    }
+    let ledger = OpenRel::open(rels.ledger, "ledger", counts::COL_ID);
+    for &role in &gone {
+        delete_where(&ledger, &rels, &[Key::OidEq(role)]);
+    }
+    drop(ledger);
+    let summary = OpenRel::open(rels.summary, "summary", 1);
+    // SAFETY: makes the deletes above visible to the snapshot below.
+    unsafe { pg_sys::CommandCounterIncrement() };
+    let snap = Latest::take();
+    let mut tids = Vec::new();
+    counts::scan_open(
+        summary.heap,
+        summary.index(rels.summary_idx),
+        &snap,
+        &[],
+        |slot| {
+            if let Some(d) = counts::attr(slot, 1) {
+                if gone.contains(&pg_sys::Oid::from(d.value() as u32)) {
+                    // SAFETY: the slot holds a visible summary tuple.
+                    tids.push(unsafe { (*slot).tts_tid });
+                }
+            }
+            true
+        },
+    );
+    drop(snap);
+    for tid in tids {
+        summary.delete(tid);
+    }
+    log!(
+        "pg_quota ledger writer: removed the tickets of {} dropped role(s)",
+        gone.len()
+    );
+}
+
+fn role_exists(role: pg_sys::Oid) -> bool {
+    // SAFETY: a syscache probe of pg_authid.
+    unsafe {
+        pg_sys::SearchSysCacheExists(
+            pg_sys::SysCacheIdentifier::AUTHOID as i32,
+            role.into(),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+        )
     }
 }
 
@@ -818,25 +1147,22 @@ fn new_ticket_id(now: pg_sys::TimestampTz) -> [u8; 16] {
     id
 }
 
-static PURGE_STMT: Stmt = Stmt::new(ledger::PURGE, &[pg_sys::OIDOID, pg_sys::TIMESTAMPTZOID]);
-
 /// Gives up this writer's entry. Unless `force`, only when no request of its database
-/// is waiting (checked under the table lock, which callers hold to enqueue).
+/// is waiting (checked under the table lock, which callers hold to enqueue). Requests
+/// still waiting are left PENDING: their callers start a new writer.
 fn leave(idx: usize, db: pg_sys::Oid, force: bool) -> bool {
     let _lock = shmem::TableLock::acquire();
     if !force {
         let waiting = (0..shmem::n_slots()).any(|i| {
             let s = shmem::slot(i);
-            // SAFETY: payload published by the caller's Release store.
-            load_state(s) == SLOT_PENDING && unsafe { (*s.request.get()).dboid } == db
+            load_state(s) == SLOT_PENDING && s.dboid() == db
         });
         if waiting {
             return false;
         }
     }
-    fail_pending(db);
-    // SAFETY: the guard taken in take_twin_guard; a new writer may take it at once.
-    unsafe { pg_sys::LockRelease(&twin_guard_tag(db), pg_sys::ExclusiveLock as i32, true) };
+    // The guard first: a new writer may take the entry the moment it is free.
+    release_twin_guard(db);
     let w = shmem::writer(idx);
     w.dboid = pg_sys::InvalidOid;
     w.procno = -1;
@@ -847,6 +1173,8 @@ fn leave(idx: usize, db: pg_sys::Oid, force: bool) -> bool {
 }
 
 /// Runs when the writer exits for any reason, FATAL included (pg_terminate_backend).
+/// A batch that committed is answered; one that did not is handed back as PENDING,
+/// for the next writer: its requests did nothing wrong.
 #[pg_guard]
 unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
     // SAFETY: single-threaded worker state; shared state is changed under the lock.
@@ -857,27 +1185,42 @@ unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
         // A FATAL can arrive while we hold LWLocks; ShutdownPostgres, which would
         // release them, runs after this callback.
         pg_sys::LWLockReleaseAll();
-        let _lock = shmem::TableLock::acquire();
-        if BATCH_COMMITTED {
-            // The charges are durable: hand the callers their tickets.
-            BATCH.with_borrow(|b| {
-                for &i in b {
-                    shmem::slot(i).state.store(SLOT_DONE, Ordering::Release);
-                    shmem::wake(i);
-                }
-            });
-        }
-        let w = shmem::writer(MY_ENTRY);
         let db = shmem::my_db();
+        release_twin_guard(db);
+        let _lock = shmem::TableLock::acquire();
+        let committed =
+            BATCH_XID != pg_sys::InvalidTransactionId && pg_sys::TransactionIdDidCommit(BATCH_XID);
+        BATCH.with_borrow(|b| {
+            for &i in b {
+                let s = shmem::slot(i);
+                if load_state(s) != SLOT_CLAIMED {
+                    continue;
+                }
+                s.state.store(
+                    if committed { SLOT_DONE } else { SLOT_PENDING },
+                    Ordering::Release,
+                );
+                shmem::wake(i);
+            }
+        });
+        let w = shmem::writer(MY_ENTRY);
         if w.dboid == db && w.procno == shmem::my_procno() as i32 {
             w.dboid = pg_sys::InvalidOid;
             w.procno = -1;
         }
-        fail_pending(db);
+        // Callers still waiting for this database notice at once that we are gone,
+        // and start a new writer.
+        for i in 0..shmem::n_slots() {
+            let s = shmem::slot(i);
+            if load_state(s) == SLOT_PENDING && s.dboid() == db {
+                shmem::wake(i);
+            }
+        }
     }
 }
 
-/// Asks the writer of database `db`, if any, to leave now. Used by the DROP hook.
+/// Asks the writer of database `db`, if any, to leave now. Used by the DROP hook and
+/// before commands that need the database to themselves (see hooks.rs).
 pub fn request_exit(db: pg_sys::Oid) {
     if !shmem::available() {
         return;
@@ -889,5 +1232,24 @@ pub fn request_exit(db: pg_sys::Oid) {
         if let Ok(p) = usize::try_from(w.procno) {
             shmem::wake(p);
         }
+    }
+}
+
+/// Wakes every running writer (after a role was dropped).
+pub fn wake_all() {
+    let _lock = shmem::TableLock::acquire_shared();
+    for i in 0..shmem::n_writers() {
+        let w = shmem::writer(i);
+        if w.dboid != pg_sys::InvalidOid {
+            if let Ok(p) = usize::try_from(w.procno) {
+                shmem::wake(p);
+            }
+        }
+    }
+}
+
+impl Default for Patience {
+    fn default() -> Self {
+        Self::new()
     }
 }

@@ -147,34 +147,66 @@ mod tests {
             prop_assert_eq!(admitted, model_admits(limits, u));
         }
 
-        /// I1 as a sequence: starting from an empty scope, admitting only what
-        /// `decide` admits never lets either count pass its limit.
+        /// I1 as a sequence, checked against an independent model of one scope: the
+        /// list of admitted tickets, each with the time it ended (if it did). The
+        /// counts given to `decide` and the counts checked afterwards are both
+        /// derived from that list and a clock, with tickets ageing out of the
+        /// retention window; nothing is kept in step with `decide`'s own inputs.
+        /// After every step: the unfinished tickets are at most `max_active`, the
+        /// retained ones at most `max_retained`, and a refusal only ever happens
+        /// when one more ticket would break a limit (so "never admit" cannot pass).
         #[test]
         fn admitted_sequence_never_exceeds_limits(
-            max_active in 1i64..5,
+            max_active in 0i64..5,
             max_retained in 0i64..8,
-            ops in proptest::collection::vec(0u8..3, 0..60),
+            retention in 1i64..20,
+            ops in proptest::collection::vec((0u8..4, 0usize..8, 1i64..6), 0..80),
         ) {
             let limits = Limits { max_active, max_retained };
-            let mut u = Usage::default();
-            for op in ops {
+            let mut now = 0i64;
+            let mut ended_at: Vec<Option<i64>> = Vec::new();
+            let active = |t: &[Option<i64>]| t.iter().filter(|e| e.is_none()).count() as i64;
+            let retained = |t: &[Option<i64>], now: i64| {
+                t.iter().filter(|e| e.is_none_or(|end| end > now - retention)).count() as i64
+            };
+            for (op, pick, dt) in ops {
                 match op {
                     // start
                     0 | 1 => {
-                        if decide(limits, u, false) == Decision::Admit {
-                            u.active += 1;
-                            u.retained += 1;
+                        let (a, r) = (active(&ended_at), retained(&ended_at, now));
+                        match decide(limits, Usage { active: a, retained: r }, false) {
+                            Decision::Admit => ended_at.push(None),
+                            Decision::Refuse(refusal) => {
+                                let active_full = max_active > 0 && a + 1 > max_active;
+                                let retained_full = max_retained > 0 && r + 1 > max_retained;
+                                prop_assert!(active_full || retained_full,
+                                    "refused with room: active {a}/{max_active}, retained {r}/{max_retained}");
+                                let kind = if active_full { RefusalKind::Active } else { RefusalKind::Retained };
+                                prop_assert_eq!(refusal.kind, kind);
+                            }
                         }
                     }
-                    // finish one active ticket: it stays retained
-                    _ => {
-                        if u.active > 0 {
-                            u.active -= 1;
+                    // finish the pick-th unfinished ticket, if there is one
+                    2 => {
+                        if let Some(e) = ended_at.iter_mut().filter(|e| e.is_none()).nth(pick) {
+                            *e = Some(now);
                         }
                     }
+                    // time passes; tickets that ended long enough ago stop counting
+                    _ => now += dt,
                 }
-                prop_assert!(u.active <= max_active);
-                prop_assert!(max_retained == 0 || u.retained <= max_retained);
+                let unfinished = ended_at.iter().filter(|e| e.is_none()).count() as i64;
+                let in_window = ended_at
+                    .iter()
+                    .filter(|e| match e {
+                        None => true,
+                        Some(end) => now - end < retention,
+                    })
+                    .count() as i64;
+                prop_assert!(max_active == 0 || unfinished <= max_active,
+                    "{unfinished} unfinished tickets, limit {max_active}");
+                prop_assert!(max_retained == 0 || in_window <= max_retained,
+                    "{in_window} retained tickets, limit {max_retained}");
             }
         }
     }

@@ -23,6 +23,10 @@ pub enum Sqlstate {
     InsufficientResources,
     /// 57000: the ledger writer went away before it answered.
     OperatorIntervention,
+    /// 55P03: a table pg_quota needs is locked by maintenance for too long.
+    LockNotAvailable,
+    /// 0A000: an index or constraint on pg_quota's tables that it cannot maintain.
+    FeatureNotSupported,
 }
 
 impl Sqlstate {
@@ -36,6 +40,8 @@ impl Sqlstate {
             Sqlstate::ObjectNotInPrerequisiteState => "55000",
             Sqlstate::InsufficientResources => "53000",
             Sqlstate::OperatorIntervention => "57000",
+            Sqlstate::LockNotAvailable => "55P03",
+            Sqlstate::FeatureNotSupported => "0A000",
         }
     }
 }
@@ -58,14 +64,34 @@ pub enum QuotaError {
     InvalidOutcome(String),
     #[error("ticket {0} does not exist")]
     UnknownTicket(String),
+    /// The message and its detail never name the ticket's owner: holding a uuid
+    /// must not tell anyone which role it belongs to.
     #[error("permission denied to finish ticket {ticket}")]
-    ForeignTicket { ticket: String, owner: String },
+    ForeignTicket { ticket: String },
     #[error("pg_quota must be loaded via shared_preload_libraries")]
     NotPreloaded,
     #[error("could not start the pg_quota ledger writer")]
     NoWorkerSlot,
     #[error("the pg_quota ledger writer exited before it answered")]
     WriterGone,
+    /// The writer for this database exited before it could serve requests, again
+    /// after a retry: it cannot connect, or it fails while starting.
+    #[error("the pg_quota ledger writer for database \"{db}\" could not start")]
+    WriterDidNotStart { db: String },
+    #[error("could not obtain lock on relation \"{relation}\"")]
+    LockTimeout { relation: String, seconds: i64 },
+    /// A relation pg_quota opens is not the one its extension created (I5: lookups
+    /// cannot be redirected), or no longer has the columns pg_quota writes.
+    #[error("relation \"{relation}\" is not a table of extension pg_quota")]
+    NotExtensionMember { relation: String },
+    #[error("relation \"{relation}\" does not have the columns pg_quota expects")]
+    BadShape { relation: String, why: String },
+    #[error("pg_quota cannot maintain {what} \"{index}\" on {table}")]
+    UnsupportedIndex {
+        table: String,
+        index: String,
+        what: &'static str,
+    },
 }
 
 fn tickets(n: i64) -> &'static str {
@@ -108,6 +134,11 @@ impl QuotaError {
             QuotaError::NotPreloaded => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::NoWorkerSlot => Sqlstate::InsufficientResources,
             QuotaError::WriterGone => Sqlstate::OperatorIntervention,
+            QuotaError::WriterDidNotStart { .. }
+            | QuotaError::NotExtensionMember { .. }
+            | QuotaError::BadShape { .. } => Sqlstate::ObjectNotInPrerequisiteState,
+            QuotaError::LockTimeout { .. } => Sqlstate::LockNotAvailable,
+            QuotaError::UnsupportedIndex { .. } => Sqlstate::FeatureNotSupported,
         }
     }
 
@@ -123,9 +154,20 @@ impl QuotaError {
             QuotaError::LabelTooLong { chars } => Some(format!(
                 "The label has {chars} characters; at most {MAX_LABEL_CHARS} are allowed."
             )),
-            QuotaError::ForeignTicket { owner, .. } => {
-                Some(format!("The ticket belongs to role \"{owner}\"."))
+            QuotaError::ForeignTicket { .. } => {
+                Some("The ticket belongs to another role.".to_string())
             }
+            QuotaError::WriterDidNotStart { .. } => Some(
+                "It exited before it connected to the database; the server log says why. No charge was recorded for this call."
+                    .to_string(),
+            ),
+            QuotaError::LockTimeout { seconds, .. } => Some(format!(
+                "pg_quota waited {seconds} s. Maintenance such as VACUUM FULL, CLUSTER, REINDEX or ALTER TABLE holds or awaits a conflicting lock on it."
+            )),
+            QuotaError::BadShape { why, .. } => Some(format!("{why}.")),
+            QuotaError::UnsupportedIndex { what, .. } => Some(format!(
+                "pg_quota writes its tables below SQL: it keeps plain indexes on columns up to date, and unique ones only on the table's key; {what} could reject other roles' tickets or be left unchecked."
+            )),
             QuotaError::UnknownTicket(_) => Some(
                 "It was never issued in this database, or it ended longer ago than quota.retention and was purged."
                     .to_string(),
@@ -164,6 +206,21 @@ impl QuotaError {
             QuotaError::WriterGone => Some(
                 "Try again: the next call starts a new writer. A charge the writer committed stays counted until it is finished.".to_string(),
             ),
+            QuotaError::WriterDidNotStart { .. } => Some(
+                "Fix what the server log reports, then try again.".to_string(),
+            ),
+            QuotaError::LockTimeout { .. } => {
+                Some("Try again once the maintenance has finished.".to_string())
+            }
+            QuotaError::NotExtensionMember { .. } => Some(
+                "Someone renamed or replaced pg_quota's schema or tables. Rename them back, or reinstall with DROP EXTENSION pg_quota and CREATE EXTENSION pg_quota.".to_string(),
+            ),
+            QuotaError::BadShape { .. } => Some(
+                "Undo the ALTER TABLE, or reinstall with DROP EXTENSION pg_quota and CREATE EXTENSION pg_quota.".to_string(),
+            ),
+            QuotaError::UnsupportedIndex { .. } => {
+                Some("Drop it; pg_quota creates the indexes it needs.".to_string())
+            }
             _ => None,
         }
     }
@@ -237,13 +294,27 @@ mod tests {
             QuotaError::NullArgument("ticket"),
             QuotaError::InvalidOutcome("done".into()),
             QuotaError::UnknownTicket("x".into()),
-            QuotaError::ForeignTicket {
-                ticket: "x".into(),
-                owner: "y".into(),
-            },
+            QuotaError::ForeignTicket { ticket: "x".into() },
             QuotaError::NotPreloaded,
             QuotaError::NoWorkerSlot,
             QuotaError::WriterGone,
+            QuotaError::WriterDidNotStart { db: "app".into() },
+            QuotaError::LockTimeout {
+                relation: "quota.ledger".into(),
+                seconds: 5,
+            },
+            QuotaError::NotExtensionMember {
+                relation: "quota.ledger".into(),
+            },
+            QuotaError::BadShape {
+                relation: "quota.ledger".into(),
+                why: "Column 2 is text".into(),
+            },
+            QuotaError::UnsupportedIndex {
+                table: "quota.ledger".into(),
+                index: "u".into(),
+                what: "a unique index",
+            },
         ];
         for e in all {
             let m = e.to_string();
@@ -274,10 +345,27 @@ mod tests {
             QuotaError::InvalidOutcome("x".into()).sqlstate().code(),
             "22023"
         );
-        let foreign = QuotaError::ForeignTicket {
-            ticket: "x".into(),
-            owner: "y".into(),
-        };
+        let foreign = QuotaError::ForeignTicket { ticket: "x".into() };
         assert_eq!(foreign.sqlstate().code(), "42501");
+        assert_eq!(
+            QuotaError::LockTimeout {
+                relation: "quota.ledger".into(),
+                seconds: 5
+            }
+            .sqlstate()
+            .code(),
+            "55P03"
+        );
+    }
+
+    /// Holding a ticket's uuid must not reveal which role owns it (item 9 of 0.1.1).
+    #[test]
+    fn foreign_ticket_refusal_does_not_name_the_owner() {
+        let e = QuotaError::ForeignTicket {
+            ticket: "0192".into(),
+        };
+        let all = format!("{e} {:?} {:?}", e.detail(), e.hint());
+        assert_eq!(e.detail().unwrap(), "The ticket belongs to another role.");
+        assert!(!all.contains("role \""), "{all}");
     }
 }

@@ -2,6 +2,7 @@
 //! every user-facing text. Nothing in here touches PostgreSQL, so all of it is tested
 //! with plain `cargo test`; the pgrx layer only moves values in and out.
 
+pub mod batch;
 pub mod decision;
 pub mod errors;
 pub mod ticket;

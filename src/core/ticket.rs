@@ -6,13 +6,25 @@ use super::errors::QuotaError;
 /// plenty for a job name and keeps a request slot in shared memory small.
 pub const MAX_LABEL_CHARS: usize = 200;
 
-/// The longest label in bytes: 200 characters of at most 4 bytes each in UTF-8.
-pub const MAX_LABEL_BYTES: usize = MAX_LABEL_CHARS * 4;
+/// The most bytes one character takes in any server encoding PostgreSQL supports
+/// (`pg_encoding_max_length`: 4 for UTF8, EUC_TW and GB18030).
+pub const MAX_CHAR_BYTES: usize = 4;
 
-pub fn check_label(label: &str) -> Result<(), QuotaError> {
-    let chars = label.chars().count();
+/// The longest label in bytes, in any server encoding.
+pub const MAX_LABEL_BYTES: usize = MAX_LABEL_CHARS * MAX_CHAR_BYTES;
+
+/// Checks a label that has `chars` characters in `bytes` bytes of the server encoding.
+/// Labels stay in the server encoding end to end (a LATIN1 or SQL_ASCII database has
+/// labels that are not UTF-8), so the caller counts characters with the server's own
+/// rules and passes both numbers.
+pub fn check_label(chars: usize, bytes: usize) -> Result<(), QuotaError> {
     if chars > MAX_LABEL_CHARS {
         return Err(QuotaError::LabelTooLong { chars });
+    }
+    // Only a server that reported more bytes per character than any encoding has
+    // could get here; refuse rather than overflow a request slot.
+    if bytes > MAX_LABEL_BYTES {
+        return Err(QuotaError::LabelTooLong { chars: bytes });
     }
     Ok(())
 }
@@ -35,14 +47,35 @@ impl Outcome {
     }
 }
 
-/// Parses the outcome a caller passes to `finish()`. Matching is exact, as for an enum
-/// label in PostgreSQL: `'Succeeded'` is not an outcome.
-pub fn parse_outcome(text: &str) -> Result<Outcome, QuotaError> {
+/// Parses the outcome a caller passes to `finish()`, as the bytes of the server
+/// encoding. Matching is exact, as for an enum label in PostgreSQL: `'Succeeded'` is
+/// not an outcome. Every outcome is ASCII, which reads the same in every server
+/// encoding.
+pub fn parse_outcome(text: &[u8]) -> Result<Outcome, QuotaError> {
     match text {
-        "succeeded" => Ok(Outcome::Succeeded),
-        "failed" => Ok(Outcome::Failed),
-        "cancelled" => Ok(Outcome::Cancelled),
-        other => Err(QuotaError::InvalidOutcome(other.to_string())),
+        b"succeeded" => Ok(Outcome::Succeeded),
+        b"failed" => Ok(Outcome::Failed),
+        b"cancelled" => Ok(Outcome::Cancelled),
+        other => Err(QuotaError::InvalidOutcome(printable(other))),
+    }
+}
+
+/// Text from the server encoding made safe to quote in a message: valid UTF-8 is kept
+/// (the server encoding of most databases), anything else shows its non-ASCII bytes
+/// as `\xNN`, which reads the same in every encoding.
+pub fn printable(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => s.to_string(),
+        Err(_) => bytes
+            .iter()
+            .map(|&b| {
+                if b.is_ascii() && !b.is_ascii_control() {
+                    (b as char).to_string()
+                } else {
+                    format!("\\x{b:02X}")
+                }
+            })
+            .collect(),
     }
 }
 
@@ -92,35 +125,44 @@ mod tests {
     use super::*;
 
     #[test]
-    fn label_of_200_characters_is_accepted() {
-        assert!(check_label(&"é".repeat(200)).is_ok());
+    fn label_of_200_four_byte_characters_is_accepted() {
+        let l = "\u{10FFFF}".repeat(200);
+        assert!(check_label(l.chars().count(), l.len()).is_ok());
     }
 
     #[test]
     fn label_of_201_characters_is_refused_with_22001() {
-        let e = check_label(&"x".repeat(201)).unwrap_err();
+        let e = check_label(201, 201).unwrap_err();
         assert_eq!(e, QuotaError::LabelTooLong { chars: 201 });
         assert_eq!(e.sqlstate().code(), "22001");
     }
 
     #[test]
-    fn longest_label_fits_in_a_slot() {
-        assert!("\u{10FFFF}".repeat(MAX_LABEL_CHARS).len() <= MAX_LABEL_BYTES);
+    fn label_with_more_bytes_than_a_slot_holds_is_refused() {
+        assert!(check_label(200, MAX_LABEL_BYTES + 1).is_err());
     }
 
     #[test]
     fn outcomes_round_trip() {
         for o in [Outcome::Succeeded, Outcome::Failed, Outcome::Cancelled] {
-            assert_eq!(parse_outcome(o.as_str()).unwrap(), o);
+            assert_eq!(parse_outcome(o.as_str().as_bytes()).unwrap(), o);
         }
     }
 
     #[test]
     fn unknown_outcome_is_22023() {
-        for bad in ["", "Succeeded", "expired", "done"] {
+        for bad in [&b""[..], b"Succeeded", b"expired", b"done", b"d\xf6n"] {
             let e = parse_outcome(bad).unwrap_err();
             assert_eq!(e.sqlstate().code(), "22023");
         }
+    }
+
+    #[test]
+    fn outcome_in_a_latin1_database_is_quoted_safely() {
+        // "dön" in LATIN1: the ö is one byte, 0xF6, which is not UTF-8.
+        let e = parse_outcome(b"d\xf6n").unwrap_err();
+        assert_eq!(e.to_string(), "invalid outcome \"d\\xF6n\"");
+        assert_eq!(printable("dön".as_bytes()), "dön");
     }
 
     fn is_v7(id: [u8; 16]) -> bool {

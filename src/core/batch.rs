@@ -1,0 +1,181 @@
+//! The ledger writer's decision over one batch of requests.
+//!
+//! The writer is the single authority for I1: it is the only process that inserts
+//! tickets, so the committed counts it reads plus what the batch itself admits are
+//! exact. A scope is (database, role) whatever settings the requesting sessions run
+//! with: sessions of one role may pass different limits and different
+//! `quota.retention` values, and every admission counts against all of them. 0.1.0
+//! keyed its counts by (role, retention), so two requests of one role with different
+//! retentions in one batch did not see each other.
+
+use std::collections::HashMap;
+
+use super::decision::{decide, Decision, Limits, Usage};
+
+/// One start request as the writer sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchRequest {
+    pub role: u32,
+    pub limits: Limits,
+    pub retention_secs: i64,
+    pub exempt: bool,
+}
+
+/// What the writer must count for one role to decide every request of the batch.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Needs {
+    /// Count active tickets up to this many (the highest active limit among the
+    /// role's requests); `None` when no request of the role limits active tickets.
+    pub active_cap: Option<i64>,
+    /// The retentions whose retained count a request of the role is limited by.
+    pub retentions: Vec<i64>,
+}
+
+/// Committed counts of one role, as read under one snapshot.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counted {
+    /// Active tickets, exact below `Needs::active_cap` and at least the cap otherwise.
+    pub active: i64,
+    /// Retained tickets for each retention in `Needs::retentions`.
+    pub retained: Vec<(i64, i64)>,
+}
+
+/// What each role of the batch needs counted. Exempt requests need nothing.
+pub fn needs(requests: &[BatchRequest]) -> HashMap<u32, Needs> {
+    let mut out: HashMap<u32, Needs> = HashMap::new();
+    for r in requests.iter().filter(|r| !r.exempt) {
+        let n = out.entry(r.role).or_default();
+        if r.limits.max_active > 0 {
+            n.active_cap = Some(n.active_cap.map_or(r.limits.max_active, |c| c.max(r.limits.max_active)));
+        }
+        if r.limits.max_retained > 0 && !n.retentions.contains(&r.retention_secs) {
+            n.retentions.push(r.retention_secs);
+        }
+    }
+    out
+}
+
+/// Decides every request in order. Each admission adds one active and one retained
+/// ticket to its role's counts (for every retention), so later requests of the same
+/// role in the batch count it, whatever their own settings.
+pub fn decide_batch(requests: &[BatchRequest], counted: &HashMap<u32, Counted>) -> Vec<Decision> {
+    let mut state = counted.clone();
+    requests
+        .iter()
+        .map(|r| {
+            if r.exempt {
+                return Decision::Admit;
+            }
+            let c = state.entry(r.role).or_default();
+            let usage = Usage {
+                active: c.active,
+                retained: c
+                    .retained
+                    .iter()
+                    .find(|(ret, _)| *ret == r.retention_secs)
+                    .map_or(0, |(_, n)| *n),
+            };
+            let d = decide(r.limits, usage, false);
+            if d == Decision::Admit {
+                c.active += 1;
+                for (_, n) in c.retained.iter_mut() {
+                    *n += 1;
+                }
+            }
+            d
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn req(role: u32, max_active: i64, max_retained: i64, retention_secs: i64) -> BatchRequest {
+        BatchRequest {
+            role,
+            limits: Limits {
+                max_active,
+                max_retained,
+            },
+            retention_secs,
+            exempt: false,
+        }
+    }
+
+    fn admitted(ds: &[Decision]) -> usize {
+        ds.iter().filter(|d| **d == Decision::Admit).count()
+    }
+
+    #[test]
+    fn one_role_with_two_retentions_shares_its_last_slot() {
+        let reqs = [req(10, 1, 0, 3600), req(10, 1, 0, 7200)];
+        let counted = HashMap::from([(10, Counted::default())]);
+        assert_eq!(admitted(&decide_batch(&reqs, &counted)), 1);
+    }
+
+    #[test]
+    fn retained_counts_of_every_retention_grow_with_each_admission() {
+        let reqs = [req(10, 0, 2, 3600), req(10, 0, 2, 60), req(10, 0, 2, 3600)];
+        let needs = needs(&reqs);
+        assert_eq!(needs[&10].retentions, vec![3600, 60]);
+        let counted = HashMap::from([(
+            10,
+            Counted {
+                active: 0,
+                retained: vec![(3600, 1), (60, 0)],
+            },
+        )]);
+        // The first admission fills the 1h window (1 + 1 = 2); the 60 s window then has
+        // 1 and admits; the 1h window is full.
+        let ds = decide_batch(&reqs, &counted);
+        assert_eq!(ds[0], Decision::Admit);
+        assert_eq!(ds[1], Decision::Admit);
+        assert!(matches!(ds[2], Decision::Refuse(_)));
+    }
+
+    #[test]
+    fn needs_takes_the_highest_active_limit_and_skips_exempt_requests() {
+        let mut su = req(10, 1, 1, 1);
+        su.exempt = true;
+        let n = needs(&[req(10, 2, 0, 1), req(10, 5, 0, 9), su]);
+        assert_eq!(n[&10].active_cap, Some(5));
+        assert!(n[&10].retentions.is_empty());
+    }
+
+    proptest! {
+        /// I1 against an independent model: replaying the decisions on a plain list
+        /// of tickets, no admitted request ever finds its role at or above its own
+        /// limits, whatever mix of limits and retentions the batch carries.
+        #[test]
+        fn batch_never_admits_past_any_requests_limits(
+            reqs in proptest::collection::vec((0u32..3, 0i64..4, 0i64..5, 0i64..3), 0..24),
+            start_active in proptest::collection::vec(0i64..4, 3),
+        ) {
+            let reqs: Vec<BatchRequest> = reqs.into_iter()
+                .map(|(role, a, r, ret)| req(role, a, r, ret * 100))
+                .collect();
+            // Committed state: `start_active[role]` active tickets, nothing ended, so
+            // every retention sees them as retained.
+            let counted: HashMap<u32, Counted> = needs(&reqs).into_iter().map(|(role, n)| {
+                let a = start_active[role as usize];
+                (role, Counted {
+                    active: n.active_cap.map_or(0, |cap| a.min(cap)),
+                    retained: n.retentions.iter().map(|&ret| (ret, a)).collect(),
+                })
+            }).collect();
+            let ds = decide_batch(&reqs, &counted);
+            let mut held = start_active.clone();
+            for (r, d) in reqs.iter().zip(&ds) {
+                let h = held[r.role as usize];
+                let fits = |limit: i64| limit == 0 || h < limit;
+                let model = fits(r.limits.max_active) && fits(r.limits.max_retained);
+                prop_assert_eq!(*d == Decision::Admit, model, "request {:?} with {} held", r, h);
+                if *d == Decision::Admit {
+                    held[r.role as usize] += 1;
+                }
+            }
+        }
+    }
+}

@@ -44,6 +44,19 @@ unsafe extern "C-unwind" fn object_access(
         if let Some(prev) = PREV_OBJECT_ACCESS_HOOK {
             prev(access, class_id, object_id, sub_id, arg);
         }
+        if access == pg_sys::ObjectAccessType::OAT_POST_ALTER
+            && class_id == pg_sys::ExtensionRelationId
+        {
+            // ALTER EXTENSION pg_quota ADD/DROP/UPDATE changes which relations belong to
+            // pg_quota without touching the relations, so no relcache invalidation
+            // would tell backends (and writers) to look them up again. Send one at
+            // commit; it is as rare as ALTER EXTENSION.
+            let name = pg_sys::get_extension_name(object_id);
+            if !name.is_null() && std::ffi::CStr::from_ptr(name) == c"pg_quota" {
+                pg_sys::CacheInvalidateRelcacheAll();
+            }
+            return;
+        }
         if access != pg_sys::ObjectAccessType::OAT_DROP {
             return;
         }

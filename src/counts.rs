@@ -20,7 +20,7 @@
 //!   (VACUUM FULL, REINDEX, CLUSTER): every lock is taken with a bounded wait, and the
 //!   read locks of start() are released as soon as its reads are done.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pgrx::pg_sys;
 
@@ -80,34 +80,52 @@ unsafe extern "C-unwind" fn relcache_changed(_arg: pg_sys::Datum, relid: pg_sys:
 }
 
 /// Locks `relid` in `mode`, waiting at most LOCK_WAIT (or lock_timeout, if shorter).
-/// A conditional request also fails while a stronger request is queued, so a caller
-/// never joins the queue behind a VACUUM FULL that waits for someone else.
-pub fn lock_bounded(relid: pg_sys::Oid, mode: u32, name: &str) {
+/// The wait is an ordinary lock wait, so it shows in pg_locks and pg_stat_activity and
+/// the deadlock detector sees it; only its length is bounded, by lowering
+/// lock_timeout for the duration of the wait. A caller that queues behind a VACUUM
+/// FULL waiting for someone else thus gets 55P03 after a few seconds, naming the table.
+pub fn lock_bounded(relid: pg_sys::Oid, mode: u32) {
     // SAFETY: a plain lock request; it processes invalidations once granted.
     if unsafe { pg_sys::ConditionalLockRelationOid(relid, mode as i32) } {
         return;
     }
-    // SAFETY: a plain read of a GUC variable (milliseconds, 0 = off).
-    let session = unsafe { pg_sys::LockTimeout };
-    let limit = if session > 0 {
-        LOCK_WAIT.min(Duration::from_millis(session as u64))
-    } else {
-        LOCK_WAIT
-    };
-    let began = Instant::now();
-    loop {
-        crate::writer::nap(10);
-        // SAFETY: as above.
-        if unsafe { pg_sys::ConditionalLockRelationOid(relid, mode as i32) } {
-            return;
+    // SAFETY: a syscache lookup, made before we wait so that the error path needs none.
+    let name = unsafe {
+        let p = pg_sys::get_rel_name(relid);
+        if p.is_null() {
+            u32::from(relid).to_string()
+        } else {
+            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
         }
-        if began.elapsed() >= limit {
-            raise(QuotaError::LockTimeout {
-                relation: format!("quota.{name}"),
-                seconds: limit.as_secs().max(1) as i64,
-            });
+    };
+    struct Restore(i32);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            // SAFETY: puts back the session's own setting.
+            unsafe { pg_sys::LockTimeout = self.0 };
         }
     }
+    // SAFETY: the GUC variable behind lock_timeout (milliseconds, 0 = off), read by
+    // the lock manager when it starts to wait; restored right after the wait.
+    let session = unsafe { pg_sys::LockTimeout };
+    let bound = LOCK_WAIT.as_millis() as i32;
+    let limit = if session > 0 { session.min(bound) } else { bound };
+    let _restore = Restore(session);
+    // SAFETY: as above.
+    unsafe { pg_sys::LockTimeout = limit };
+    pgrx::PgTryBuilder::new(|| {
+        // SAFETY: an ordinary lock wait; cancel and statement_timeout still apply.
+        unsafe { pg_sys::LockRelationOid(relid, mode as i32) }
+    })
+    .catch_when(pgrx::PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, |_| {
+        // The transaction is aborted by this ERROR, which also takes us out of the
+        // lock's wait queue.
+        raise(QuotaError::LockTimeout {
+            relation: format!("quota.{name}"),
+            seconds: i64::from((limit / 1000).max(1)),
+        })
+    })
+    .execute();
 }
 
 /// Relation locks taken with `lock_bounded` and released when dropped (or kept to the
@@ -121,8 +139,8 @@ impl Locks {
         Locks { held: Vec::new() }
     }
 
-    pub fn take(&mut self, relid: pg_sys::Oid, mode: u32, name: &str) {
-        lock_bounded(relid, mode, name);
+    pub fn take(&mut self, relid: pg_sys::Oid, mode: u32) {
+        lock_bounded(relid, mode);
         if mode == pg_sys::AccessShareLock {
             self.held.push((relid, mode));
         }
@@ -214,7 +232,7 @@ fn find_index(heap: pg_sys::Relation, keys: &[usize]) -> Option<pg_sys::Oid> {
         };
         for i in 0..n {
             let oid = (*(*list).elements.add(i)).oid_value;
-            lock_bounded(oid, pg_sys::AccessShareLock, "index");
+            lock_bounded(oid, pg_sys::AccessShareLock);
             let idx = pg_sys::index_open(oid, pg_sys::NoLock as i32);
             let ix = &*(*idx).rd_index;
             let nkeys = ix.indnkeyatts as usize;
@@ -250,8 +268,8 @@ fn discover() -> Rels {
         let ledger = relid(ns, c"ledger", ext);
         let summary = relid(ns, c"summary", ext);
         let mut locks = Locks::new();
-        locks.take(ledger, pg_sys::AccessShareLock, "ledger");
-        locks.take(summary, pg_sys::AccessShareLock, "summary");
+        locks.take(ledger, pg_sys::AccessShareLock);
+        locks.take(summary, pg_sys::AccessShareLock);
         let role_types: &[pg_sys::Oid] = &[pg_sys::OIDOID, pg_sys::REGROLEOID];
         let l = pg_sys::table_open(ledger, pg_sys::NoLock as i32);
         check_shape(
@@ -323,17 +341,17 @@ impl Reader {
         // so the cached index choice is current, and no index we pick can be dropped
         // under us (REINDEX CONCURRENTLY waits for the tables' lockers first).
         let first = rels();
-        locks.take(first.ledger, pg_sys::AccessShareLock, "ledger");
-        locks.take(first.summary, pg_sys::AccessShareLock, "summary");
+        locks.take(first.ledger, pg_sys::AccessShareLock);
+        locks.take(first.summary, pg_sys::AccessShareLock);
         let rels = rels();
         if rels.ledger != first.ledger || rels.summary != first.summary {
             // Reinstalled in between: start over with the new tables.
             drop(locks);
             return Reader::open();
         }
-        locks.take(rels.ledger_idx, pg_sys::AccessShareLock, "ledger_role_ended_idx");
-        locks.take(rels.ledger_pkey, pg_sys::AccessShareLock, "ledger_pkey");
-        locks.take(rels.summary_idx, pg_sys::AccessShareLock, "summary_pkey");
+        locks.take(rels.ledger_idx, pg_sys::AccessShareLock);
+        locks.take(rels.ledger_pkey, pg_sys::AccessShareLock);
+        locks.take(rels.summary_idx, pg_sys::AccessShareLock);
         Reader {
             rels,
             _locks: locks,

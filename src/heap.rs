@@ -28,7 +28,7 @@ impl OpenRel {
     /// exist yet, and the concurrent build adds our rows itself. Indexes that are
     /// ready but not valid (a build that was cancelled) do get entries.
     pub fn open(relid: pg_sys::Oid, name: &str, key_col: usize) -> OpenRel {
-        crate::counts::lock_bounded(relid, pg_sys::RowExclusiveLock, name);
+        crate::counts::lock_bounded(relid, pg_sys::RowExclusiveLock);
         // The lock processed invalidations: make sure the table still has the shape
         // and membership pg_quota checked, and find its current indexes.
         crate::counts::rels();
@@ -45,7 +45,7 @@ impl OpenRel {
             let mut indexes = Vec::with_capacity(n);
             for i in 0..n {
                 let oid = (*(*list).elements.add(i)).oid_value;
-                crate::counts::lock_bounded(oid, pg_sys::RowExclusiveLock, name);
+                crate::counts::lock_bounded(oid, pg_sys::RowExclusiveLock);
                 let idx = pg_sys::index_open(oid, pg_sys::NoLock as i32);
                 let info = pg_sys::BuildIndexInfo(idx);
                 if let Err(e) = check_index(idx, info, key_col) {

@@ -159,7 +159,38 @@ unsafe fn option(options: &*mut pg_sys::List, name: &std::ffi::CStr) -> Option<*
     }
 }
 
+/// Asks the writer to leave if the command needs its database to itself. Guarded: an
+/// ERROR in here becomes an ordinary PostgreSQL error.
 #[pg_guard]
+unsafe extern "C-unwind" fn before_utility(pstmt: *mut pg_sys::PlannedStmt) {
+    // SAFETY: we only read the parse tree.
+    if let Some(db) = unsafe { database_needed_alone((*pstmt).utilityStmt) } {
+        crate::writer::request_exit(db);
+    }
+}
+
+unsafe extern "C-unwind" {
+    /// Declared here without pgrx's FFI guard, unlike pg_sys::standard_ProcessUtility:
+    /// see `process_utility`.
+    #[link_name = "standard_ProcessUtility"]
+    fn standard_process_utility(
+        pstmt: *mut pg_sys::PlannedStmt,
+        query_string: *const std::ffi::c_char,
+        read_only_tree: bool,
+        context: pg_sys::ProcessUtilityContext::Type,
+        params: pg_sys::ParamListInfo,
+        query_env: *mut pg_sys::QueryEnvironment,
+        dest: *mut pg_sys::DestReceiver,
+        qc: *mut pg_sys::QueryCompletion,
+    );
+}
+
+/// The ProcessUtility hook. It is deliberately not a `#[pg_guard]` function and calls
+/// the next hook through an unguarded declaration: pgrx would catch every ERROR of
+/// every utility command and raise it again without its cursor position and error
+/// fields. An ERROR from the command longjmps straight through this frame instead,
+/// which is sound because the frame holds nothing that needs dropping (a "plain old
+/// frame" in the C-unwind ABI). The Rust work happens in the guarded `before_utility`.
 #[allow(clippy::too_many_arguments)]
 unsafe extern "C-unwind" fn process_utility(
     pstmt: *mut pg_sys::PlannedStmt,
@@ -171,11 +202,9 @@ unsafe extern "C-unwind" fn process_utility(
     dest: *mut pg_sys::DestReceiver,
     qc: *mut pg_sys::QueryCompletion,
 ) {
-    // SAFETY: we only read the parse tree, then pass the call on unchanged.
+    // SAFETY: the arguments are passed on unchanged; see above for the ERROR path.
     unsafe {
-        if let Some(db) = database_needed_alone((*pstmt).utilityStmt) {
-            crate::writer::request_exit(db);
-        }
+        before_utility(pstmt);
         match PREV_PROCESS_UTILITY_HOOK {
             Some(prev) => prev(
                 pstmt,
@@ -187,7 +216,7 @@ unsafe extern "C-unwind" fn process_utility(
                 dest,
                 qc,
             ),
-            None => pg_sys::standard_ProcessUtility(
+            None => standard_process_utility(
                 pstmt,
                 query_string,
                 read_only_tree,

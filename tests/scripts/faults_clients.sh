@@ -96,28 +96,56 @@ expect_eq "start() works after the client's crash" t \
   "$(psql_as fc_tenant -c "SELECT quota.start('after client kill') IS NOT NULL" 2>&1)"
 
 # ------------------------------------------------------------------------------------
-# 1b. pg_terminate_backend of a client waiting in start(): no crash, and its request,
-#     left in the writer's hands, neither blocks the role's next start() nor lets it
-#     past its limit (here 1).
+# 1b. pg_terminate_backend of a client whose request the writer has NOT claimed yet
+#     (I6): the caller dies (FATAL, so no Rust Drop guard runs) and must leave no
+#     charge behind: no orphan ticket that nobody holds, and its role's slot stays free.
+#     To be sure the request is unclaimed, a first caller (fc_tenant) is claimed by the
+#     writer, which then waits inside that batch for the ledger lock a superuser holds;
+#     the second caller (fc_one, limit 1) hands its request over meanwhile, and is
+#     terminated while the writer is still stuck. The writer's lock_timeout is 5 s: the
+#     checks below confirm the writer was still in the first batch after the terminate.
 # ------------------------------------------------------------------------------------
 sql -c "CREATE ROLE fc_one LOGIN" -c "ALTER ROLE fc_one SET quota.max_active_per_role = 1"
 reinit_before=$(log_count "reinitializing")
 hold_ledger_lock
-start_waiting_caller fc_one 'terminated mid-start' term
-check "the fc_one caller is waiting inside start() while the writer waits for the lock" test -n "$victim" -a "$writer_waits" = 1
-[ -n "$victim" ] && sql -c "SELECT pg_terminate_backend($victim, 5000)" >/dev/null
+lock_taken=$(date +%s%N)
+start_waiting_caller fc_tenant 'claimed first' claimed
+check "a first caller's request is claimed and the writer waits for the lock inside its batch" \
+  test -n "$victim" -a "$writer_waits" = 1
+start_waiting_caller fc_one 'terminated unclaimed' term
+check "a second caller (fc_one) is waiting inside start() while the writer is still stuck" \
+  test -n "$victim" -a "$writer_waits" = 1
+[ -n "$victim" ] && sql -c "SELECT pg_terminate_backend($victim, 4000)" >/dev/null
 check "the terminated caller's psql ended at once, with an error" \
   timeout 5 bash -c "until [ -e '$CL/term.rc' ]; do sleep 0.05; done; [ \"\$(cat '$CL/term.rc')\" != 0 ]"
+check "the terminated backend is gone" \
+  test "$(sql -c "SELECT count(*) FROM pg_stat_activity WHERE pid = ${victim:-0}")" = 0
+# The writer never left the first batch: it still waits for the lock and the first
+# caller has no answer yet. So the terminated request was never claimed.
+check "after the terminate, the writer still waits for the lock in the first batch ($(( ($(date +%s%N) - lock_taken) / 1000000 )) ms after the lock was taken)" \
+  test "$(sql -c "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer' AND wait_event_type = 'Lock'")" = 1 \
+       -a ! -e "$CL/claimed.rc"
 echo "COMMIT;" >&3
 exec 3>&-
+check "the first caller is admitted once the lock is released" \
+  timeout 15 bash -c "until [ -e '$CL/claimed.rc' ]; do sleep 0.05; done; [ \"\$(cat '$CL/claimed.rc')\" = 0 ] && grep -Eqx '[0-9a-f-]{36}' '$CL/claimed.out'"
+# A superuser's start() handed over after the release is answered only after every
+# request that was pending before it has been handled: after this, an orphan would show.
+expect_eq "a start() after the release is answered (every earlier request handled)" t \
+  "$(psql_as postgres -c "SELECT quota.start('barrier') IS NOT NULL" 2>&1)"
+expect_eq "the terminated caller's unclaimed request left no charge" 0 \
+  "$(sql -c "SELECT count(*) FROM quota.ledger WHERE label = 'terminated unclaimed'")"
+expect_eq "fc_one holds no ticket after its only caller was terminated" 0 \
+  "$(sql -c "SELECT count(*) FROM quota.ledger WHERE role = 'fc_one'::regrole AND ended_at IS NULL")"
 out=$(timeout 15 "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U fc_one -d postgres -v ON_ERROR_STOP=0 \
-        -c "SELECT quota.start('after terminate')" -c '\echo SQLSTATE=:SQLSTATE' 2>/dev/null || true)
-check "the role's next start() answers within 15 s (admitted, or 53400 if the orphan was charged)" \
-  grep -Eq '^SQLSTATE=(00000|53400)$' <<<"$out"
+        -c "SELECT quota.start('after terminate') IS NOT NULL" -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
+expect_eq "fc_one's next start() is admitted: the terminated caller holds no slot" \
+  "t SQLSTATE=00000" "$(tr '\n' ' ' <<<"$out" | sed 's/ $//')"
 check "fc_one has at most 1 active ticket" test "$(sql -c "SELECT count(*) FROM quota.ledger WHERE role = 'fc_one'::regrole AND ended_at IS NULL")" -le 1
 expect_eq "terminating a waiting client is not a crash" "$reinit_before" "$(log_count "reinitializing")"
 check "the summary equals the ledger after the terminate" summary_matches_ledger
-sql -c "SELECT count(quota.finish(id)) FROM quota.ledger WHERE role = 'fc_one'::regrole AND ended_at IS NULL" >/dev/null
+sql -c "SELECT count(quota.finish(id)) FROM quota.ledger WHERE role = 'fc_one'::regrole AND ended_at IS NULL" \
+    -c "SELECT count(quota.finish(id)) FROM quota.ledger WHERE label IN ('claimed first', 'barrier') AND ended_at IS NULL" >/dev/null
 expect_eq "once its tickets are finished, fc_one is admitted again" t \
   "$(psql_as fc_one -c "SELECT quota.start('again') IS NOT NULL" 2>&1)"
 

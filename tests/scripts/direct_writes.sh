@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# A superuser's direct SQL writes to pg_quota's tables (TRUNCATE, DELETE, UPDATE and
+# INSERT on quota.ledger; TRUNCATE and UPDATE on quota.summary) leave admission
+# consistent with the ledger: afterwards each role is admitted exactly up to its limit,
+# counting the rows the ledger really holds. The summary may be rebuilt or recounted;
+# the checks look at admission, not at summary rows.
+source "$(dirname "$0")/../../scripts/lib.sh"
+PORT="${PORT:-5625}"
+with_cluster direct_writes
+
+LIMIT=5
+sql <<SQL
+CREATE EXTENSION pg_quota;
+CREATE ROLE dw_a LOGIN; CREATE ROLE dw_b LOGIN; CREATE ROLE dw_c LOGIN;
+ALTER ROLE dw_a SET quota.max_active_per_role = 0;
+ALTER ROLE dw_a SET quota.max_retained_per_role = $LIMIT;
+ALTER ROLE dw_b SET quota.max_active_per_role = 0;
+ALTER ROLE dw_b SET quota.max_retained_per_role = $LIMIT;
+ALTER ROLE dw_c SET quota.max_active_per_role = 0;
+ALTER ROLE dw_c SET quota.max_retained_per_role = $LIMIT;
+SQL
+
+as() {  # as USER SQL...: one session, output only
+  local user="$1"; shift; local a=() q
+  for q in "$@"; do a+=(-c "$q"); done
+  timeout 20 "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U "$user" -d postgres -v ON_ERROR_STOP=0 "${a[@]}" 2>/dev/null || true
+}
+state() {  # state USER SQL...: the SQLSTATE of the last statement
+  as "$@" '\echo SQLSTATE=:SQLSTATE' | sed -n 's/^SQLSTATE=//p' | tail -n1
+}
+rows() { sql -c "SELECT count(*) FROM quota.ledger WHERE role = '$1'::regrole"; }
+# fill ROLE: starts and finishes tickets as ROLE until it is refused (at most 10);
+# prints how many were admitted.
+fill() {
+  local n=0
+  while [ $n -lt 10 ]; do
+    [ "$(as "$1" "SELECT quota.finish(quota.try_start('fill'))")" = t ] || break
+    n=$((n + 1))
+  done
+  echo $n
+}
+# admits_exactly NAME ROLE N: ROLE is admitted exactly N more times, then refused with
+# 53400, and then holds LIMIT ledger rows.
+admits_exactly() {
+  local name="$1" role="$2" want="$3"
+  expect_eq "$name: $role is admitted exactly $want more times" "$want" "$(fill "$role")"
+  expect_eq "$name: ... then refused with 53400" 53400 "$(state "$role" "SELECT quota.start('over')")"
+  expect_eq "$name: ... holding $LIMIT ledger rows" "$LIMIT" "$(rows "$role")"
+}
+
+# The retained limit reached the ordinary way.
+admits_exactly "start" dw_a $LIMIT
+
+# TRUNCATE quota.ledger: the role has nothing retained.
+sql -c "TRUNCATE quota.ledger" >/dev/null
+expect_eq "after TRUNCATE quota.ledger: start() is admitted" t "$(as dw_a "SELECT quota.start('after truncate') IS NOT NULL")"
+expect_eq "after TRUNCATE quota.ledger: quota.usage shows 1 active, 1 retained" "1|1" \
+  "$(as dw_a "SELECT active || '|' || retained FROM quota.usage")"
+admits_exactly "after TRUNCATE quota.ledger" dw_a $((LIMIT - 1))
+
+# DELETE two of the role's rows.
+sql -c "DELETE FROM quota.ledger WHERE id IN (SELECT id FROM quota.ledger WHERE role = 'dw_a'::regrole ORDER BY id LIMIT 2)" >/dev/null
+expect_eq "after DELETE of 2 rows: dw_a holds $((LIMIT - 2)) rows" $((LIMIT - 2)) "$(rows dw_a)"
+admits_exactly "after DELETE of 2 rows" dw_a 2
+
+# DELETE all of the role's rows.
+sql -c "DELETE FROM quota.ledger WHERE role = 'dw_a'::regrole" >/dev/null
+admits_exactly "after DELETE of all its rows" dw_a $LIMIT
+
+# UPDATE: move 3 of dw_a's tickets to dw_b, which had none.
+sql -c "UPDATE quota.ledger SET role = 'dw_b'::regrole
+         WHERE id IN (SELECT id FROM quota.ledger WHERE role = 'dw_a'::regrole ORDER BY id LIMIT 3)" >/dev/null
+expect_eq "after UPDATE ... SET role: dw_a holds 2 rows, dw_b 3" "2 3" "$(rows dw_a) $(rows dw_b)"
+admits_exactly "after UPDATE ... SET role" dw_a 3
+admits_exactly "after UPDATE ... SET role" dw_b 2
+
+# INSERT: 4 ended tickets written for dw_c by hand.
+sql -c "INSERT INTO quota.ledger (id, role, label, started_at, ended_at, outcome)
+        SELECT gen_random_uuid(), 'dw_c'::regrole, 'inserted ' || i, now(), now(), 'succeeded'
+          FROM generate_series(1, 4) i" >/dev/null
+admits_exactly "after INSERT of 4 rows" dw_c 1
+
+# The summary itself: emptied, or zeroed, admission still counts the ledger.
+sql -c "TRUNCATE quota.summary" >/dev/null
+admits_exactly "after TRUNCATE quota.summary" dw_a 0
+admits_exactly "after TRUNCATE quota.summary" dw_c 0
+sql -c "UPDATE quota.summary SET tickets = 0" >/dev/null
+admits_exactly "after UPDATE quota.summary SET tickets = 0" dw_b 0
+
+# Rows deleted by hand come back as capacity for every role at once.
+sql -c "DELETE FROM quota.ledger WHERE label = 'fill'" >/dev/null
+expect_eq "after deleting every 'fill' row: rows left for dw_a, dw_b, dw_c" "0 0 4" "$(rows dw_a) $(rows dw_b) $(rows dw_c)"
+admits_exactly "after deleting every 'fill' row" dw_a 5
+admits_exactly "after deleting every 'fill' row" dw_b 5
+admits_exactly "after deleting every 'fill' row" dw_c 1
+check "no server process was terminated by a signal" test "$(grep -c 'terminated by signal' "$CL/server.log" || true)" = 0
+finish_checks

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# pg_quota does not install into, or read from, objects that someone else prepared.
+#  1. A non-superuser who may create schemas creates schema "quota" before the DBA runs
+#     CREATE EXTENSION: the extension refuses to install there (42P06) and leaves
+#     nothing behind, so the tenant cannot rename the schema and plant a look-alike
+#     ledger that pg_quota would then read and write.
+#  2. A schema "quota" owned by a superuser (left over after DROP EXTENSION, or made by
+#     the DBA) is still fine.
+#  3. Defence in depth: when a superuser changes the shape of pg_quota's tables, takes
+#     one out of the extension, or swaps in a look-alike, start(), try_start() and
+#     finish() raise a clear error (not XX000) and the server does not crash.
+source "$(dirname "$0")/../../scripts/lib.sh"
+PORT="${PORT:-5622}"
+with_cluster schema_takeover
+
+as() {  # as USER DB SQL...: one session, output only
+  local user="$1" db="$2"; shift 2; local a=() q
+  for q in "$@"; do a+=(-c "$q"); done
+  timeout 20 "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U "$user" -d "$db" -v ON_ERROR_STOP=0 "${a[@]}" 2>/dev/null || true
+}
+state() {  # state USER DB SQL...: the SQLSTATE of the last statement
+  as "$@" '\echo SQLSTATE=:SQLSTATE' | sed -n 's/^SQLSTATE=//p' | tail -n1
+}
+# clear_error NAME USER DB SQL...: the last statement fails with a proper SQLSTATE: not
+# success, not XX000 (internal error), and not a lost connection (classes 08, 57).
+clear_error() {
+  local name="$1"; shift; local got
+  got=$(state "$@")
+  CHECK_NO=$((CHECK_NO + 1))
+  if [[ "$got" =~ ^[0-9A-Z]{5}$ && "$got" != 00000 && "$got" != XX000 && "$got" != 08* && "$got" != 57* ]]; then
+    echo "ok $CHECK_NO - $name ($got)"
+  else
+    echo "not ok $CHECK_NO - $name: expected a clear error, got [${got:-no answer}]"; CHECKS_FAILED=$((CHECKS_FAILED + 1))
+  fi
+}
+has_ext() { sql -d "$1" -c "SELECT count(*) FROM pg_extension WHERE extname = 'pg_quota'"; }
+wait_up() { for _ in $(seq 1 60); do sql -c "SELECT 1" >/dev/null 2>&1 && return 0; sleep 0.25; done; return 1; }
+
+sql -c "CREATE ROLE st_tenant LOGIN" -c "ALTER ROLE st_tenant SET quota.max_active_per_role = 1" \
+    -c "CREATE DATABASE st_take" -c "GRANT CREATE ON DATABASE st_take TO st_tenant" \
+    -c "CREATE DATABASE st_left" -c "CREATE DATABASE st_su" \
+    -c "CREATE DATABASE st_label" -c "CREATE DATABASE st_tickets" -c "CREATE DATABASE st_member" \
+    -c "CREATE DATABASE st_swap" -c "CREATE DATABASE st_take2" -c "GRANT CREATE ON DATABASE st_take2 TO st_tenant"
+
+# ------------------------------------------------------------------------------------
+# 1. The tenant creates schema quota first.
+# ------------------------------------------------------------------------------------
+expect_eq "the tenant creates schema quota in a database where it may create schemas" 00000 \
+  "$(state st_tenant st_take "CREATE SCHEMA quota")"
+expect_eq "CREATE EXTENSION pg_quota refuses the tenant's schema quota with 42P06" 42P06 \
+  "$(state postgres st_take "CREATE EXTENSION pg_quota")"
+expect_eq "... and leaves no extension behind" 0 "$(has_ext st_take)"
+expect_eq "... and no pg_quota object in the tenant's schema" 0 \
+  "$(sql -d st_take -c "SELECT (SELECT count(*) FROM pg_class WHERE relnamespace = 'quota'::regnamespace)
+                              + (SELECT count(*) FROM pg_proc WHERE pronamespace = 'quota'::regnamespace)")"
+as st_tenant st_take2 "CREATE SCHEMA quota" >/dev/null
+expect_eq "CREATE EXTENSION pg_quota SCHEMA quota is refused the same way" 42P06 \
+  "$(state postgres st_take2 "CREATE EXTENSION pg_quota SCHEMA quota")"
+expect_eq "... and leaves no extension behind" 0 "$(has_ext st_take2)"
+# What the tenant would do next: keep the real schema under another name and plant a
+# look-alike ledger and summary where pg_quota reads them, then start past its limit.
+as st_tenant st_take "SELECT quota.start('held')" \
+  "ALTER SCHEMA quota RENAME TO st_real" \
+  "CREATE SCHEMA quota" \
+  "CREATE TABLE quota.ledger (id uuid PRIMARY KEY, role oid NOT NULL, label text, started_at timestamptz NOT NULL,
+                              ended_at timestamptz, outcome text)" \
+  "CREATE INDEX ledger_role_ended_idx ON quota.ledger (role, ended_at)" \
+  "CREATE TABLE quota.summary (role oid PRIMARY KEY, tickets bigint NOT NULL)" >/dev/null
+got=$(state st_tenant st_take "SELECT st_real.start('past the limit')")
+check "the tenant gets no ticket past its limit of 1 through its look-alike ledger (got $got)" \
+  test "$got" != 00000 -a -n "$got"
+
+# ------------------------------------------------------------------------------------
+# 2. A schema quota that a superuser owns is fine.
+# ------------------------------------------------------------------------------------
+sql -d st_left -c "CREATE EXTENSION pg_quota" -c "DROP EXTENSION pg_quota" >/dev/null
+expect_eq "after DROP EXTENSION, schema quota is left, owned by a superuser" "t" \
+  "$(sql -d st_left -c "SELECT r.rolsuper FROM pg_namespace n JOIN pg_roles r ON r.oid = n.nspowner WHERE n.nspname = 'quota'")"
+expect_eq "CREATE EXTENSION pg_quota installs again over that schema" 00000 \
+  "$(state postgres st_left "CREATE EXTENSION pg_quota")"
+expect_eq "... and start() works there" t "$(as postgres st_left "SELECT quota.start('again') IS NOT NULL")"
+sql -d st_su -c "CREATE SCHEMA quota" >/dev/null
+expect_eq "CREATE EXTENSION pg_quota installs into a schema quota the superuser made" 00000 \
+  "$(state postgres st_su "CREATE EXTENSION pg_quota")"
+expect_eq "... and start() works there" t "$(as postgres st_su "SELECT quota.start('made by the DBA') IS NOT NULL")"
+
+# ------------------------------------------------------------------------------------
+# 3. Tables whose shape or membership a superuser changed.
+# ------------------------------------------------------------------------------------
+for db in st_label st_tickets st_member st_swap; do
+  sql -d "$db" -c "CREATE EXTENSION pg_quota" >/dev/null
+  # The writer is running and has seen the tables before they change.
+  as postgres "$db" "SELECT quota.start('before')" > "$CL/before.$db"
+done
+
+sql -d st_label -c "ALTER TABLE quota.ledger DROP COLUMN label" >/dev/null || true
+clear_error "ledger without its label column: start() raises a clear error" postgres st_label "SELECT quota.start('x')"
+clear_error "ledger without its label column: try_start() raises a clear error" postgres st_label "SELECT quota.try_start('x')"
+clear_error "ledger without its label column: finish() raises a clear error" postgres st_label \
+  "SELECT quota.finish('$(cat "$CL/before.st_label")')"
+
+wait_up || true
+sql -d st_tickets -c "DO \$\$ DECLARE c name; BEGIN
+                        FOR c IN SELECT conname FROM pg_constraint WHERE conrelid = 'quota.summary'::regclass AND contype = 'c' LOOP
+                          EXECUTE format('ALTER TABLE quota.summary DROP CONSTRAINT %I', c);
+                        END LOOP; END \$\$" \
+    -c "ALTER TABLE quota.summary ALTER COLUMN tickets TYPE text" >/dev/null || true
+expect_eq "summary.tickets is now text" text \
+  "$(sql -d st_tickets -c "SELECT atttypid::regtype FROM pg_attribute WHERE attrelid = 'quota.summary'::regclass AND attname = 'tickets'")"
+clear_error "summary.tickets of type text: start() raises a clear error" postgres st_tickets "SELECT quota.start('x')"
+clear_error "summary.tickets of type text: a tenant's start() raises a clear error" st_tenant st_tickets "SELECT quota.start('x')"
+
+wait_up || true
+sql -d st_member -c "ALTER EXTENSION pg_quota DROP TABLE quota.summary" >/dev/null || true
+clear_error "a summary that is no member of the extension: start() raises a clear error" postgres st_member "SELECT quota.start('x')"
+
+# A look-alike ledger (role text) in place of the real one, which keeps its data under
+# another name. 0.1.0's writer crashed the server on this one, so it comes last.
+wait_up || true
+sql -d st_swap -c "ALTER TABLE quota.ledger RENAME TO ledger_real" \
+    -c "CREATE TABLE quota.ledger (id uuid PRIMARY KEY, role text NOT NULL, label text, started_at timestamptz NOT NULL,
+                                   ended_at timestamptz, outcome text)" \
+    -c "CREATE INDEX ON quota.ledger (role, ended_at)" >/dev/null || true
+clear_error "a look-alike ledger with role text: start() raises a clear error" postgres st_swap "SELECT quota.start('x')"
+wait_up || true
+clear_error "a look-alike ledger with role text: finish() raises a clear error" postgres st_swap \
+  "SELECT quota.finish('$(cat "$CL/before.st_swap")')"
+sleep 0.5
+check "the server still answers" wait_up
+crashes=$(grep -c "terminated by signal" "$CL/server.log" || true)
+expect_eq "no server process was terminated by a signal" 0 "$crashes"
+[ "$crashes" = 0 ] || grep "terminated by signal" "$CL/server.log" | head -3 | sed 's/^/# /'
+finish_checks

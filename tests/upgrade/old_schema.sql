@@ -1,0 +1,105 @@
+-- The installed library on an older schema: everything the older version offered still
+-- works before the operator runs ALTER EXTENSION pg_quota UPDATE.
+--
+-- scripts/test-upgrade runs this as postgres, with psql -At and ON_ERROR_STOP, in a
+-- database where CREATE EXTENSION pg_quota VERSION :'version' was run and never updated.
+-- Roles t1 and t2 exist and hold no tickets in this database. Each check prints
+-- "ok - <name>"; a failed check raises, which stops the script.
+\set ON_ERROR_STOP 1
+
+CREATE FUNCTION public.expect(name text, ok boolean) RETURNS text
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF ok IS NOT TRUE THEN
+        RAISE EXCEPTION 'check failed: %', name;
+    END IF;
+    RETURN 'ok - ' || name;
+END $$;
+
+-- expect_error(name, statement, sqlstate, message pattern for LIKE)
+CREATE FUNCTION public.expect_error(name text, stmt text, want_state text, want_msg text)
+RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    got_state text;
+    got_msg text;
+BEGIN
+    BEGIN
+        EXECUTE stmt;
+    EXCEPTION WHEN OTHERS THEN
+        GET STACKED DIAGNOSTICS got_state = RETURNED_SQLSTATE, got_msg = MESSAGE_TEXT;
+    END;
+    IF got_state IS NULL THEN
+        RAISE EXCEPTION 'check failed: % (no error from %)', name, stmt;
+    END IF;
+    IF got_state <> want_state OR got_msg NOT LIKE want_msg THEN
+        RAISE EXCEPTION 'check failed: % (got % "%", want % "%")',
+            name, got_state, got_msg, want_state, want_msg;
+    END IF;
+    RETURN 'ok - ' || name;
+END $$;
+
+SELECT expect('the extension is at version ' || :'version' || ' (not updated)',
+              (SELECT extversion FROM pg_extension WHERE extname = 'pg_quota') = :'version');
+SELECT expect('no ledger rows yet', (SELECT count(*) FROM quota.ledger) = 0);
+
+ALTER ROLE t1 IN DATABASE :"DBNAME" SET quota.max_active_per_role = 2;
+ALTER ROLE t2 IN DATABASE :"DBNAME" SET quota.max_active_per_role = 2;
+
+\connect - t1
+SELECT quota.start() AS a \gset
+SELECT expect('start() returns a ticket', :'a' <> '');
+SELECT quota.start('labelled') AS b \gset
+SELECT expect('start(''label'') returns a ticket', :'b' <> '' AND :'b' <> :'a');
+SELECT expect('try_start(''label'') returns NULL at the limit', quota.try_start('over') IS NULL);
+SELECT expect('try_start() returns NULL at the limit too', quota.try_start() IS NULL);
+SELECT expect_error('start() at the limit raises 53400 naming the role, the count and the GUC',
+    $$SELECT quota.start('over')$$, '53400',
+    'role "t1" has 2 active tickets, the limit set by quota.max_active_per_role');
+SELECT expect('finish(t) returns true', quota.finish(:'a'));
+SELECT expect('finish(t) again returns false', quota.finish(:'a') = false);
+SELECT quota.try_start('after finish') AS c \gset
+SELECT expect('try_start() admits once a slot is free', :'c' <> '');
+SELECT expect_error('... and start() refuses the next with 53400',
+    $$SELECT quota.start('over')$$, '53400', 'role "t1" has 2 active tickets,%');
+SELECT expect('finish(t, ''failed'') returns true', quota.finish(:'b', 'failed'));
+SELECT expect('finish(t, ''failed'') again returns false', quota.finish(:'b', 'failed') = false);
+SELECT expect_error('finish(NULL) raises 22004',
+    $$SELECT quota.finish(NULL)$$, '22004', 'ticket must not be null');
+SELECT expect_error('finish(t, NULL) raises 22004',
+    'SELECT quota.finish(' || quote_literal(:'c') || ', NULL)', '22004', 'outcome must not be null');
+SELECT expect_error('an unknown ticket raises 22023',
+    $$SELECT quota.finish('00000000-0000-0000-0000-000000000000')$$, '22023',
+    'ticket 00000000-0000-0000-0000-000000000000 does not exist');
+SELECT expect_error('an invalid outcome raises 22023',
+    'SELECT quota.finish(' || quote_literal(:'c') || ', ''bogus'')', '22023', 'invalid outcome "bogus"');
+SELECT expect_error('a label over 200 characters raises 22001',
+    $$SELECT quota.start(repeat('x', 201))$$, '22001', 'label is too long');
+SELECT expect_error('a tenant cannot read the ledger (42501)',
+    $$SELECT count(*) FROM quota.ledger$$, '42501', 'permission denied%');
+SELECT expect('quota.usage shows t1 its own row',
+    (SELECT array_agg(format('%s|%s|%s', role, active, retained)) FROM quota.usage) = ARRAY['t1|1|3']);
+
+\connect - t2
+SELECT expect_error('t2 cannot finish t1''s ticket (42501)',
+    'SELECT quota.finish(' || quote_literal(:'c') || ')', '42501',
+    'permission denied to finish ticket ' || :'c');
+SELECT quota.start('t2 work') AS d \gset
+SELECT expect('t2 gets a ticket of its own', :'d' <> '');
+SELECT expect('quota.usage shows t2 only its own row',
+    (SELECT array_agg(format('%s|%s|%s', role, active, retained)) FROM quota.usage) = ARRAY['t2|1|1']);
+
+\connect - postgres
+SELECT expect('the superuser sees every row of quota.usage',
+    (SELECT array_agg(format('%s|%s|%s', role, active, retained) ORDER BY role::text) FROM quota.usage)
+    = ARRAY['t1|1|3', 't2|1|1']);
+SELECT expect('the ledger holds each ticket under its role, label and outcome',
+    (SELECT array_agg(format('%s|%s|%s', role::regrole, coalesce(label, '-'), coalesce(outcome, '-'))
+                      ORDER BY started_at) FROM quota.ledger)
+    = ARRAY['t1|-|succeeded', 't1|labelled|failed', 't1|after finish|-', 't2|t2 work|-']);
+SELECT expect('t1''s ticket is still active after t2''s refused finish',
+    (SELECT ended_at IS NULL FROM quota.ledger WHERE id = :'c'));
+SELECT expect('the superuser can finish anyone''s ticket', quota.finish(:'c', 'cancelled'));
+SELECT expect('the extension is still at version ' || :'version',
+              (SELECT extversion FROM pg_extension WHERE extname = 'pg_quota') = :'version');
+DROP FUNCTION public.expect_error(text, text, text, text);
+DROP FUNCTION public.expect(text, boolean);

@@ -131,6 +131,32 @@ def prefill_history(n):
     psql("VACUUM ANALYZE quota.ledger")
 
 
+class HeldSnapshot:
+    """A session that holds a REPEATABLE READ snapshot open, as pg_dump or an idle
+    reporting session does, so that no row version dead since then can be pruned."""
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(
+            [os.path.join(ARGS.pgbin, "psql"), "-X", "-q", "-h", ARGS.host, "-p", ARGS.port,
+             "-U", "postgres", "-d", ARGS.db],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+        self.proc.stdin.write("SET application_name = 'bench_snapshot';\n"
+                              "BEGIN ISOLATION LEVEL REPEATABLE READ;\n"
+                              "SELECT count(*) FROM quota.usage;\n")
+        self.proc.stdin.flush()
+        for _ in range(200):
+            if psql("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'bench_snapshot'"
+                    " AND state = 'idle in transaction' AND backend_xmin IS NOT NULL") == "1":
+                return self
+            time.sleep(0.05)
+        raise SystemExit("the snapshot holder did not start")
+
+    def __exit__(self, *exc):
+        self.proc.stdin.write("COMMIT;\n")
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
 def wal_lsn():
     return psql("SELECT pg_current_wal_insert_lsn()")
 
@@ -145,6 +171,8 @@ def main():
     through = {}   # (system, mode, clients) -> list of runs
     refusal = {"refuse": [], "select1": [], "wal": [], "count": []}
     history = {n: [] for n in HISTORY}
+    # (workload, held) -> list of runs: admission with an old snapshot open vs none.
+    snapshot = {}
 
     for rnd in range(ROUNDS):
         print(f"round {rnd + 1} of {ROUNDS}", flush=True)
@@ -165,6 +193,20 @@ def main():
                 refusal["wal"].append(wal_bytes(a, b))
                 refusal["count"].append(r["tps"] * SECONDS)
             print(f"  {name:8} 16 clients: {r['tps']:9.1f} calls/s", flush=True)
+        # Start+finish and refusals with an old snapshot held open for the whole run,
+        # against none, interleaved. Each pair runs on a role of its own, so that the
+        # dead versions one run leaves behind do not slow the next.
+        for held in (False, True):
+            for name, script, role in (("cycle", "pgq.sql", f"bench_snap_cycle_{rnd}_{int(held)}"),
+                                       ("refuse", "refuse.sql", f"bench_snap_refused_{rnd}_{int(held)}")):
+                if held:
+                    with HeldSnapshot():
+                        r = run(script, 16, "one", logdir, f"snap-{name}-{held}", role=role)
+                else:
+                    r = run(script, 16, "one", logdir, f"snap-{name}-{held}", role=role)
+                snapshot.setdefault((name, held), []).append(r)
+                print(f"  {name:8} 16 clients, {'old snapshot held' if held else 'no old snapshot'}:"
+                      f" {r['tps']:9.1f} /s", flush=True)
         # start() latency against the role's history.
         for n in HISTORY:
             prefill_history(n)
@@ -173,7 +215,7 @@ def main():
             history[n].append(start_ms)
             print(f"  start() with {n:5} retained: {start_ms:.3f} ms", flush=True)
 
-    write_report(through, refusal, history)
+    write_report(through, refusal, history, snapshot)
     shutil.rmtree(logdir, ignore_errors=True)
 
 
@@ -186,7 +228,7 @@ def lat_pcts(through, system, mode, clients):
     return pct(lat, 0.5), pct(lat, 0.99)
 
 
-def write_report(through, refusal, history):
+def write_report(through, refusal, history, snapshot):
     lines = []
     add = lines.append
     add(f"# pg_quota benchmark results ({'quick' if QUICK else 'full'} run)")
@@ -238,6 +280,20 @@ def write_report(through, refusal, history):
         add(f"| {n} | " + ", ".join(f"{x:.3f}" for x in history[n]) + " |")
     add("")
 
+    def snap_tps(name, held):
+        return median([r["tps"] for r in snapshot.get((name, held), [])])
+    add("## With an old snapshot held open")
+    add("")
+    add("16 clients on one role; a REPEATABLE READ session holds its snapshot for the whole "
+        "run, as pg_dump does. Each run uses a role of its own.")
+    add("")
+    add("| workload | none /s | snapshot held /s | ratio |")
+    add("|---|---:|---:|---:|")
+    for name, label in (("cycle", "start + finish"), ("refuse", "`try_start()` refused")):
+        a, b = snap_tps(name, False), snap_tps(name, True)
+        add(f"| {label} | {a:.0f} | {b:.0f} | {b / a if a else float('nan'):.2f}x |")
+    add("")
+
     def ratio(a, b):
         return a / b if b else float("nan")
     c16 = 16 if 16 in CLIENTS else CLIENTS[-1]
@@ -250,6 +306,8 @@ def write_report(through, refusal, history):
         ("refusals/s vs SELECT 1/s (16 clients)", ratio(ref, sel), ">=", 0.5),
         ("WAL bytes per refusal", wal_per, "<", 1.0),
         ("start() latency, 10,000 retained vs 0", ratio(median(history[10000]), median(history[0])), "<=", 1.25),
+        ("start+finish with an old snapshot held vs none", ratio(snap_tps("cycle", True), snap_tps("cycle", False)), ">=", 0.8),
+        ("refusals with an old snapshot held vs none", ratio(snap_tps("refuse", True), snap_tps("refuse", False)), ">=", 0.8),
     ]
     add("## Targets")
     add("")

@@ -32,7 +32,7 @@ verbose_error() {
 out=$(verbose_error "SELECT quota.start()")
 check "start() raises 25006 on a standby" grep -q "ERROR:  25006: cannot execute quota.start() during recovery" <<<"$out"
 out=$(verbose_error "SELECT quota.try_start()")
-check "try_start() raises 25006 on a standby" grep -q "ERROR:  25006: cannot execute quota.start() during recovery" <<<"$out"
+check "try_start() raises 25006 on a standby" grep -q "ERROR:  25006: cannot execute quota.try_start() during recovery" <<<"$out"
 out=$(verbose_error "SELECT quota.finish('00000000-0000-0000-0000-000000000000')")
 check "finish() raises 25006 on a standby" grep -q "ERROR:  25006: cannot execute quota.finish() during recovery" <<<"$out"
 q="SELECT role, active, retained FROM quota.usage ORDER BY role::text"

@@ -36,15 +36,79 @@ EXCEPTION WHEN others THEN
 END $$;
 SELECT quota.try_start('after exception block') IS NULL AS refused;
 
--- A refusal caught by an exception block leaves no scope lock behind.
+-- scope_lock_released_before_start_returns
+-- The scope lock makes count-and-hand-over atomic and nothing more: start() releases
+-- it before it returns, not at the end of the caller's transaction, and a
+-- subtransaction abort cannot release it for us (it belongs to the top transaction's
+-- resource owner). So pg_locks is read inside the transaction that called start(),
+-- after starts that took the lock: the role is below its limit, so admission goes
+-- through the scope lock. objsubid is the lock tag's field4, 20819 = 0x5153.
+-- A role of its own (not quota_*), so that the other tests' counts do not change.
+RESET ROLE;
+CREATE ROLE rb_scope_lock;
+SET quota.max_active_per_role = 3;
+SET ROLE rb_scope_lock;
+BEGIN;
+SELECT quota.start('lock released on return') IS NOT NULL AS admitted;
+SELECT count(*) AS scope_locks_held FROM pg_locks
+ WHERE locktype = 'advisory' AND objsubid = 20819 AND pid = pg_backend_pid();
+-- The same, from a PL/pgSQL block whose subtransaction then aborts.
 DO $$
 BEGIN
-  PERFORM quota.start('over the limit');
-EXCEPTION WHEN configuration_limit_exceeded THEN
-  RAISE NOTICE 'refused: %', SQLSTATE;
+  PERFORM quota.start('lock released in a subtransaction');
+  RAISE EXCEPTION 'the work failed';
+EXCEPTION WHEN raise_exception THEN
+  RAISE NOTICE 'caught: %', SQLERRM;
 END $$;
 SELECT count(*) AS scope_locks_held FROM pg_locks
- WHERE locktype = 'advisory' AND pid = pg_backend_pid();
+ WHERE locktype = 'advisory' AND objsubid = 20819 AND pid = pg_backend_pid();
+ROLLBACK;
+
+-- error_under_scope_lock_releases_it
+-- An ERROR raised while start() holds the scope lock, caught by an exception block,
+-- must not leave the lock held until the top transaction ends (ScopeLock's Drop
+-- releases it on the unwind). To raise one under the lock: a peer connection's start
+-- is held in the writer's hands (the writer waits for our EXCLUSIVE lock on the
+-- ledger), so our start, one below the limit on committed tickets, passes the
+-- lock-free check, takes the scope lock, finds the limit reached with the peer's
+-- request in flight, and waits under the lock until statement_timeout cancels it.
+RESET ROLE;
+CREATE EXTENSION IF NOT EXISTS dblink;
+SELECT dblink_connect('peer', format('dbname=%s port=%s host=%s', current_database(),
+       current_setting('port'), current_setting('unix_socket_directories'))) AS peer;
+SELECT dblink_exec('peer', 'SET quota.max_active_per_role = 3');
+SELECT dblink_exec('peer', 'SET ROLE rb_scope_lock');
+SELECT active FROM quota.usage WHERE role = 'rb_scope_lock'::regrole;
+BEGIN;
+LOCK TABLE quota.ledger IN EXCLUSIVE MODE;
+SELECT dblink_send_query('peer', 'SELECT quota.start(''in flight'') IS NOT NULL') AS sent;
+-- Wait until the writer has claimed the peer's request and waits for our lock.
+DO $$
+BEGIN
+  FOR i IN 1..400 LOOP
+    EXIT WHEN EXISTS (SELECT FROM pg_locks
+                       WHERE relation = 'quota.ledger'::regclass AND NOT granted);
+    PERFORM pg_sleep(0.01);
+  END LOOP;
+END $$;
+SELECT count(*) AS writer_waits_for_ledger FROM pg_locks
+ WHERE relation = 'quota.ledger'::regclass AND NOT granted;
+SET ROLE rb_scope_lock;
+SET LOCAL statement_timeout = '300ms';
+DO $$
+BEGIN
+  PERFORM quota.start('waits under the scope lock');
+EXCEPTION WHEN query_canceled THEN
+  RAISE NOTICE 'cancelled while waiting under the scope lock: %', SQLSTATE;
+END $$;
+SELECT count(*) AS scope_locks_held FROM pg_locks
+ WHERE locktype = 'advisory' AND objsubid = 20819 AND pid = pg_backend_pid();
+ROLLBACK;
+RESET ROLE;
+SELECT admitted AS peer_admitted FROM dblink_get_result('peer') AS r(admitted boolean);
+SELECT dblink_disconnect('peer');
+DROP EXTENSION dblink;
+SELECT label FROM quota.ledger WHERE role = 'rb_scope_lock'::regrole ORDER BY started_at;
 
 -- rolled_back_finish_leaves_ticket_active
 RESET ROLE;

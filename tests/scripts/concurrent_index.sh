@@ -1,0 +1,190 @@
+#!/usr/bin/env bash
+# Concurrent index builds on pg_quota's tables while it is in use (I9): start(),
+# try_start() and finish() keep working while CREATE INDEX CONCURRENTLY waits with its
+# index not yet ready, and REINDEX CONCURRENTLY of every pg_quota index under load
+# leaves every index intact (amcheck with heapallindexed).
+source "$(dirname "$0")/../../scripts/lib.sh"
+PORT="${PORT:-5680}"
+with_cluster concurrent_index
+
+psql_as() {  # psql_as USER [psql args...]: like sql, as USER, in database postgres, 20 s at most
+  local user="$1"; shift
+  timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$CL" -p "$PORT" -U "$user" -d postgres "$@"
+}
+# open_session NAME USER: a psql session fed through the fifo $CL/NAME.in (write to it
+# with `say NAME SQL`), its output in $CL/NAME.out; `close_session NAME` ends it.
+open_session() {
+  local name="$1" user="$2" fd
+  rm -f "$CL/$name.out" "$CL/$name.in"; mkfifo -m 666 "$CL/$name.in"
+  bg bash -c "exec '$PG_BIN/psql' -X -q -At -v ON_ERROR_STOP=0 -h '$CL' -p '$PORT' -U $user -d postgres < '$CL/$name.in' > '$CL/$name.out' 2>&1"
+  exec {fd}> "$CL/$name.in"
+  printf -v "FD_$name" %s "$fd"
+}
+say() { local v="FD_$1"; echo "$2" >&"${!v}"; }
+close_session() { local v="FD_$1"; eval "exec ${!v}>&-"; }
+wait_out() {  # wait_out NAME TEXT [SECONDS]: until the session printed TEXT
+  timeout "${3:-10}" bash -c "until grep -q '$2' '$CL/$1.out' 2>/dev/null; do sleep 0.05; done"
+}
+amcheck() {  # amcheck INDEX: bt_index_check with heapallindexed; prints its error if any
+  sql -c "SELECT bt_index_check('$1'::regclass, true)" >/dev/null
+}
+all_indexes() {
+  sql -c "SELECT indexrelid::regclass FROM pg_index
+           WHERE indrelid IN ('quota.ledger'::regclass, 'quota.summary'::regclass) ORDER BY 1"
+}
+# summary_matches_ledger: every summary row equals its role's ledger rows (a role
+# without a summary row is counted from the ledger, so a missing row is fine); prints
+# the roles that are off.
+summary_matches_ledger() {
+  local off
+  off=$(sql -c "SELECT s.role::regrole || ': summary ' || s.tickets || ', ledger ' || coalesce(l.n, 0)
+                  FROM quota.summary s LEFT JOIN (SELECT role, count(*) AS n FROM quota.ledger GROUP BY role) l USING (role)
+                 WHERE s.tickets IS DISTINCT FROM coalesce(l.n, 0)")
+  [ -z "$off" ] || { echo "# $off" | tr '\n' ' '; echo; return 1; }
+}
+
+sql -c "CREATE EXTENSION pg_quota" -c "CREATE EXTENSION amcheck" \
+    -c "CREATE ROLE ci_tenant LOGIN" -c "CREATE ROLE ci_fresh LOGIN" \
+    -c "ALTER ROLE ci_tenant SET quota.max_active_per_role = 0" \
+    -c "ALTER ROLE ci_tenant SET quota.max_retained_per_role = 0"
+psql_as ci_tenant -c "SELECT quota.finish(quota.start('warm up ' || i)) FROM generate_series(1, 20) i" >/dev/null
+
+# ------------------------------------------------------------------------------------
+# 1. CREATE INDEX CONCURRENTLY held in its first wait: the new index is in the catalog
+#    but not ready (indisready = false) until every older writer of the table is gone.
+#    A superuser's open transaction holding ROW EXCLUSIVE keeps it there.
+# ------------------------------------------------------------------------------------
+# cic_held TABLE INDEX COLUMN: starts the build in the background and returns once it
+# waits with its index not ready; sets `held` to 1 if it got there.
+cic_held() {
+  local table="$1" index="$2" column="$3" n
+  open_session holder postgres
+  say holder "BEGIN; LOCK TABLE quota.$table IN ROW EXCLUSIVE MODE; SELECT 'locked';"
+  wait_out holder locked || true
+  rm -f "$CL/cic.rc"
+  bg bash -c "timeout 60 '$PG_BIN/psql' -X -q -At -h '$CL' -p '$PORT' -U postgres -d postgres \
+                -c 'CREATE INDEX CONCURRENTLY $index ON quota.$table ($column)' > '$CL/cic.out' 2>&1; echo \$? > '$CL/cic.rc'"
+  held=0
+  for _ in $(seq 1 100); do
+    n=$(sql -c "SELECT count(*) FROM pg_index i, pg_stat_activity a
+                 WHERE i.indexrelid = to_regclass('quota.$index') AND NOT i.indisready
+                   AND a.query LIKE 'CREATE INDEX CONCURRENTLY%' AND a.wait_event_type = 'Lock'")
+    [ "$n" = 1 ] && { held=1; break; }
+    sleep 0.1
+  done
+}
+# cic_release INDEX: ends the holder's transaction and waits for the build to finish.
+cic_release() {
+  say holder "COMMIT;"
+  close_session holder
+  timeout 30 bash -c "until [ -e '$CL/cic.rc' ]; do sleep 0.1; done" || true
+}
+
+ticket=$(psql_as ci_tenant -c "SELECT quota.start('to finish during the ledger build')")
+cic_held ledger ledger_extra started_at
+expect_eq "CREATE INDEX CONCURRENTLY on quota.ledger waits with its index not ready" 1 "$held"
+expect_eq "start() works while the ledger's new index is not ready" t \
+  "$(psql_as ci_tenant -c "SELECT quota.start('during ledger build') IS NOT NULL" 2>&1)"
+expect_eq "try_start() works while the ledger's new index is not ready" t \
+  "$(psql_as ci_tenant -c "SELECT quota.try_start('during ledger build') IS NOT NULL" 2>&1)"
+expect_eq "finish() works while the ledger's new index is not ready" t \
+  "$(psql_as ci_tenant -c "SELECT quota.finish('$ticket')" 2>&1)"
+expect_eq "finish(start()) works while the ledger's new index is not ready" t \
+  "$(psql_as ci_tenant -c "SELECT quota.finish(quota.start('during ledger build'))" 2>&1)"
+cic_release
+expect_eq "CREATE INDEX CONCURRENTLY on quota.ledger completes: $(tr '\n' ' ' < "$CL/cic.out")" 0 "$(cat "$CL/cic.rc" 2>/dev/null)"
+expect_eq "quota.ledger_extra is valid and ready" t \
+  "$(sql -c "SELECT indisvalid AND indisready FROM pg_index WHERE indexrelid = to_regclass('quota.ledger_extra')")"
+check "bt_index_check(quota.ledger_extra, heapallindexed) passes" amcheck quota.ledger_extra
+expect_eq "start() works after the ledger's concurrent build" t \
+  "$(psql_as ci_tenant -c "SELECT quota.finish(quota.start('after ledger build'))" 2>&1)"
+
+# The same on quota.summary, whose row the writer updates on every start (and inserts
+# for a role's first start: ci_fresh has none yet).
+ticket=$(psql_as ci_tenant -c "SELECT quota.start('to finish during the summary build')")
+cic_held summary summary_extra tickets
+expect_eq "CREATE INDEX CONCURRENTLY on quota.summary waits with its index not ready" 1 "$held"
+expect_eq "start() works while the summary's new index is not ready" t \
+  "$(psql_as ci_tenant -c "SELECT quota.start('during summary build') IS NOT NULL" 2>&1)"
+expect_eq "a role's first start() works while the summary's new index is not ready" t \
+  "$(psql_as ci_fresh -c "SELECT quota.start('first, during summary build') IS NOT NULL" 2>&1)"
+expect_eq "try_start() works while the summary's new index is not ready" t \
+  "$(psql_as ci_tenant -c "SELECT quota.try_start('during summary build') IS NOT NULL" 2>&1)"
+expect_eq "finish() works while the summary's new index is not ready" t \
+  "$(psql_as ci_tenant -c "SELECT quota.finish('$ticket')" 2>&1)"
+cic_release
+expect_eq "CREATE INDEX CONCURRENTLY on quota.summary completes: $(tr '\n' ' ' < "$CL/cic.out")" 0 "$(cat "$CL/cic.rc" 2>/dev/null)"
+expect_eq "quota.summary_extra is valid and ready" t \
+  "$(sql -c "SELECT indisvalid AND indisready FROM pg_index WHERE indexrelid = to_regclass('quota.summary_extra')")"
+check "bt_index_check(quota.summary_extra, heapallindexed) passes" amcheck quota.summary_extra
+for idx in $(all_indexes); do
+  check "bt_index_check($idx, heapallindexed) passes after the concurrent builds" amcheck "$idx"
+done
+expect_eq "start() works after the summary's concurrent build" t \
+  "$(psql_as ci_tenant -c "SELECT quota.finish(quota.start('after summary build'))" 2>&1)"
+check "the summary equals the ledger after the concurrent builds" summary_matches_ledger
+sql -c "DROP INDEX quota.ledger_extra" -c "DROP INDEX quota.summary_extra"
+
+# ------------------------------------------------------------------------------------
+# 2. REINDEX INDEX CONCURRENTLY of every pg_quota index while two clients loop
+#    finish(start()). Each client keeps its session across the rebuilds, so a backend
+#    that kept an old index's OID would fail too.
+# ------------------------------------------------------------------------------------
+# History makes each build take a while, so that the load's writes land inside the
+# builds, not only between them. A superuser writes it with SQL, and its summary row
+# too where the summary takes one (0.1.0; later versions recount from the ledger).
+sql -c "CREATE ROLE ci_history" \
+    -c "INSERT INTO quota.ledger SELECT gen_random_uuid(), 'ci_history'::regrole, 'old', now() - interval '1 h', now(), 'succeeded'
+          FROM generate_series(1, 200000)" \
+    -c "INSERT INTO quota.summary VALUES ('ci_history'::regrole, 200000)" -c "VACUUM ANALYZE quota.ledger"
+for _ in $(seq 1 200); do echo "SELECT quota.finish(quota.start('load'));"; done > "$CL/load.sql"
+chmod 644 "$CL/load.sql"
+rm -f "$CL/stop"
+load_client() {  # load_client K: runs load.sql over and over until $CL/stop exists
+  local k="$1" round
+  for round in $(seq 1 500); do
+    [ -e "$CL/stop" ] && break
+    timeout 30 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -h "$CL" -p "$PORT" -U ci_tenant \
+      -d postgres -f "$CL/load.sql" >> "$CL/load_out.$k" 2>> "$CL/load_err.$k" || sleep 0.1
+  done
+}
+load_pids=()
+for k in 1 2; do
+  : > "$CL/load_out.$k"; : > "$CL/load_err.$k"
+  bg bash -c "$(declare -f load_client); CL='$CL' PORT='$PORT' PG_BIN='$PG_BIN' load_client $k"
+  load_pids+=("$LAST_BG")
+done
+done_count() { cat "$CL"/load_out.* | grep -c '^t$' || true; }
+wait_done() {  # wait_done N: until the clients have finished N more tickets (8 s at most)
+  local want=$(( $(done_count) + $1 ))
+  timeout 8 bash -c "until [ \"\$(cat '$CL'/load_out.* | grep -c '^t$')\" -ge $want ]; do sleep 0.1; done" || true
+}
+wait_done 50
+for idx in ledger_pkey ledger_role_ended_idx summary_pkey ledger_pkey ledger_role_ended_idx summary_pkey; do
+  before=$(done_count)
+  out=$(timeout 40 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$CL" -p "$PORT" -U postgres \
+          -d postgres -c "REINDEX INDEX CONCURRENTLY quota.$idx" 2>&1) && rc=0 || rc=$?
+  expect_eq "REINDEX INDEX CONCURRENTLY quota.$idx under load succeeds${out:+: $out}" 0 "$rc"
+  wait_done 50
+  check "the clients kept finishing tickets across the rebuild of $idx" test "$(done_count)" -gt "$before"
+done
+touch "$CL/stop"
+for p in "${load_pids[@]}"; do timeout 40 tail --pid="$p" -f /dev/null || true; done
+done_total=$(done_count)
+check "the clients finished tickets during the rebuilds ($done_total)" test "$done_total" -gt 150
+errors=$(cat "$CL"/load_err.* | grep -E 'ERROR|FATAL' || true)
+check "the clients saw no error${errors:+: $(sort <<<"$errors" | uniq -c | sort -rn | head -n3 | tr '\n' ' ')}" test -z "$errors"
+expect_eq "pg_quota's tables have their three indexes, valid and ready, and no leftover" \
+  "ledger_pkey ledger_role_ended_idx summary_pkey" \
+  "$(sql -c "SELECT string_agg(c.relname || CASE WHEN i.indisvalid AND i.indisready THEN '' ELSE ' (invalid)' END,
+                               ' ' ORDER BY c.relname) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+              WHERE i.indrelid IN ('quota.ledger'::regclass, 'quota.summary'::regclass)")"
+for idx in $(all_indexes); do
+  check "bt_index_check($idx, heapallindexed) passes after REINDEX CONCURRENTLY" amcheck "$idx"
+done
+check "the summary equals the ledger after the rebuilds" summary_matches_ledger
+expect_eq "start() works after the rebuilds" t \
+  "$(psql_as ci_tenant -c "SELECT quota.finish(quota.start('after reindex'))" 2>&1)"
+expect_eq "a role's first start() works after the rebuilds" t \
+  "$(psql_as ci_fresh -c "SELECT quota.start('after reindex') IS NOT NULL" 2>&1)"
+finish_checks

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Objects a DBA adds to pg_quota's ledger. A unique index or an exclusion constraint,
+# which the writer's direct index inserts cannot honour (one tenant's duplicate label
+# would fail whole batches of other roles), makes start() refuse with 0A000 for every
+# role, as expression and partial indexes do. Triggers and rules on quota.ledger do not
+# fire on the writer's purge of expired tickets, and cannot make start() fail.
+source "$(dirname "$0")/../../scripts/lib.sh"
+PORT="${PORT:-5684}"
+with_cluster user_objects
+
+psql_as() {  # psql_as USER [psql args...]: like sql, as USER, in database postgres, 20 s at most
+  local user="$1"; shift
+  timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$CL" -p "$PORT" -U "$user" -d postgres "$@"
+}
+sqlstate() {  # sqlstate USER SQL: the SQLSTATE that SQL ends with, as USER
+  timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -h "$CL" -p "$PORT" -U "$1" -d postgres \
+    -c "$2" -c '\echo SQLSTATE=:SQLSTATE' 2>>"$CL/errors" | sed -n 's/^SQLSTATE=//p'
+}
+# summary_matches_ledger: every summary row equals its role's ledger rows (a role
+# without a summary row is counted from the ledger, so a missing row is fine); prints
+# the roles that are off.
+summary_matches_ledger() {
+  local off
+  off=$(sql -c "SELECT s.role::regrole || ': summary ' || s.tickets || ', ledger ' || coalesce(l.n, 0)
+                  FROM quota.summary s LEFT JOIN (SELECT role, count(*) AS n FROM quota.ledger GROUP BY role) l USING (role)
+                 WHERE s.tickets IS DISTINCT FROM coalesce(l.n, 0)")
+  [ -z "$off" ] || { echo "# $off" | tr '\n' ' '; echo; return 1; }
+}
+
+sql -c "CREATE EXTENSION pg_quota" \
+    -c "CREATE ROLE uo_a LOGIN" -c "CREATE ROLE uo_b LOGIN" -c "CREATE ROLE uo_p LOGIN"
+psql_as uo_a -c "SELECT quota.start('a first')" >/dev/null
+
+# ------------------------------------------------------------------------------------
+# 1. A user-added UNIQUE index, then an EXCLUDE constraint, on quota.ledger.
+# ------------------------------------------------------------------------------------
+# refused_everywhere WHAT: start() and try_start() raise 0A000 for two tenants and a
+# superuser (labels all distinct, so nothing else could refuse them).
+refused_everywhere() {
+  local what="$1" tag="$2"
+  expect_eq "$what: uo_a's start() is refused with 0A000" 0A000 "$(sqlstate uo_a "SELECT quota.start('$tag a')")"
+  expect_eq "$what: uo_b's start() is refused with 0A000" 0A000 "$(sqlstate uo_b "SELECT quota.start('$tag b')")"
+  expect_eq "$what: uo_b's try_start() is refused with 0A000" 0A000 "$(sqlstate uo_b "SELECT quota.try_start('$tag b2')")"
+  expect_eq "$what: a superuser's start() is refused with 0A000" 0A000 "$(sqlstate postgres "SELECT quota.start('$tag su')")"
+  expect_eq "$what: no charge was recorded" 0 "$(sql -c "SELECT count(*) FROM quota.ledger WHERE label LIKE '$tag %'")"
+}
+: > "$CL/errors"
+sql -c "CREATE UNIQUE INDEX ledger_label_key ON quota.ledger (label)"
+refused_everywhere "with a unique index on label" uniq
+check "the refusal names the unique index: $(sort -u "$CL/errors" | head -n2 | tr '\n' ' ')" \
+  grep -q 'ledger_label_key' "$CL/errors"
+sql -c "DROP INDEX quota.ledger_label_key"
+expect_eq "start() works again once the unique index is dropped" t \
+  "$(psql_as uo_a -c "SELECT quota.start('after unique a') IS NOT NULL" 2>&1)"
+
+sql -c "ALTER TABLE quota.ledger ADD CONSTRAINT ledger_label_excl EXCLUDE USING btree (label WITH =)"
+refused_everywhere "with an EXCLUDE constraint on label" excl
+sql -c "ALTER TABLE quota.ledger DROP CONSTRAINT ledger_label_excl"
+expect_eq "start() works again once the constraint is dropped" t \
+  "$(psql_as uo_b -c "SELECT quota.start('after exclude b') IS NOT NULL" 2>&1)"
+check "the summary equals the ledger after the refusals" summary_matches_ledger
+
+# ------------------------------------------------------------------------------------
+# 2. An AFTER DELETE trigger, then a DO INSTEAD NOTHING rule, on quota.ledger, while
+#    uo_p runs with quota.retention = 0, so that each of its start()s purges its ended
+#    tickets. The purge must happen, fire nothing, and never fail start().
+# ------------------------------------------------------------------------------------
+sql -c "CREATE TABLE public.purge_count (n int NOT NULL)" -c "INSERT INTO public.purge_count VALUES (0)" \
+    -c "CREATE FUNCTION public.count_purge() RETURNS trigger LANGUAGE plpgsql AS
+          \$\$BEGIN UPDATE public.purge_count SET n = n + 1; RETURN OLD; END\$\$"
+p_rows() { sql -c "SELECT count(*) FROM quota.ledger WHERE role = 'uo_p'::regrole"; }
+ended_history() {  # five ended tickets of uo_p, kept by the default retention
+  psql_as uo_p -c "SELECT quota.finish(quota.start('history ' || i)) FROM generate_series(1, 5) i" >/dev/null
+}
+# cycles: three start/finish cycles of uo_p with quota.retention = 0 (set as superuser,
+# then SET ROLE); prints each result, or the error.
+cycles() {
+  timeout 30 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$CL" -p "$PORT" -U postgres -d postgres \
+    -c "SET quota.retention = 0" -c "SET ROLE uo_p" \
+    -c "SELECT quota.finish(quota.start('cycle 1'))" \
+    -c "SELECT quota.finish(quota.start('cycle 2'))" \
+    -c "SELECT quota.finish(quota.start('cycle 3'))" 2>&1 | tr '\n' ' '
+}
+
+ended_history
+before=$(p_rows)
+sql -c "CREATE TRIGGER count_purge AFTER DELETE ON quota.ledger FOR EACH ROW EXECUTE FUNCTION public.count_purge()"
+expect_eq "with an AFTER DELETE trigger, start()/finish() cycles with retention 0 succeed" "t t t " "$(cycles)"
+expect_eq "... and the trigger did not fire on the writer's purge" 0 "$(sql -c "SELECT n FROM public.purge_count")"
+after=$(p_rows)
+check "... and the purge happened: uo_p's ledger rows went from $before to $after" test "$after" -lt "$before" -a "$after" -le 1
+check "the summary equals the ledger after the purges" summary_matches_ledger
+sql -c "DROP TRIGGER count_purge ON quota.ledger"
+
+ended_history
+before=$(p_rows)
+sql -c "CREATE RULE ledger_keep AS ON DELETE TO quota.ledger DO INSTEAD NOTHING"
+expect_eq "with a DO INSTEAD NOTHING delete rule, start()/finish() cycles with retention 0 succeed" "t t t " "$(cycles)"
+after=$(p_rows)
+check "... and the purge happened: uo_p's ledger rows went from $before to $after" test "$after" -lt "$before" -a "$after" -le 1
+check "the summary equals the ledger after the purges" summary_matches_ledger
+sql -c "DROP RULE ledger_keep ON quota.ledger"
+expect_eq "start() works once the rule is dropped" t \
+  "$(psql_as uo_p -c "SELECT quota.start('after the rule') IS NOT NULL" 2>&1)"
+finish_checks

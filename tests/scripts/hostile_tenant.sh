@@ -121,34 +121,42 @@ settings_before=$(settings)
 # minimum (0 turns a limit off, or keeps no history).
 mapfile -t GUCS < <(sql -c "SELECT name || '|' || CASE vartype WHEN 'bool' THEN 'on' WHEN 'enum' THEN enumvals[1]
                                                       WHEN 'string' THEN 'x' ELSE min_val END
+                                     || '|' || context
                               FROM pg_settings WHERE name LIKE 'quota.%' ORDER BY name")
 expect_eq "the quota.* settings include the three limits" \
   "quota.max_active_per_role quota.max_retained_per_role quota.retention" \
   "$(printf '%s\n' "${GUCS[@]}" | cut -d'|' -f1 | grep -x -e quota.max_active_per_role -e quota.max_retained_per_role -e quota.retention | paste -sd' ')"
 for gv in "${GUCS[@]}"; do
-  g="${gv%%|*}"; v="'${gv#*|}'"
+  g="${gv%%|*}"; rest="${gv#*|}"; v="'${rest%%|*}'"; context="${rest#*|}"
+  # A superuser-only setting refuses tenants with 42501; a server-wide (sighup) one
+  # cannot be set in a session at all, which PostgreSQL reports as 55P02.
+  session=42501; [ "$context" = sighup ] && session=55P02
   refused "SET $g is refused, and start() is still refused after it" 53400 $T "SET $g = $v" "SELECT quota.start('after SET')"
-  refused "SET $g is refused with 42501" 42501 $T "SET $g = $v"
-  refused "SET SESSION $g is refused" 42501 $T "SET SESSION $g = $v"
-  refused "SET LOCAL $g is refused" 42501 $T "BEGIN" "SET LOCAL $g = $v"
-  refused "SET $g TO DEFAULT is refused" 42501 $T "SET $g TO DEFAULT"
-  refused "RESET $g is refused" 42501 $T "RESET $g"
-  refused "set_config('$g') is refused" 42501 $T "SELECT set_config('$g', $v::text, false)"
-  refused "set_config('$g', local) is refused" 42501 $T "BEGIN" "SELECT set_config('$g', $v::text, true)"
-  refused "SET $g from PL/pgSQL is refused" 42501 $T "DO \$\$ BEGIN EXECUTE 'SET $g = ' || quote_literal($v::text); END \$\$"
-  refused "ALTER ROLE <self> SET $g is refused" 42501 $T "ALTER ROLE ht_tenant SET $g = $v"
-  refused "ALTER ROLE <self> IN DATABASE SET $g is refused" 42501 $T "ALTER ROLE ht_tenant IN DATABASE postgres SET $g = $v"
-  refused "ALTER ROLE <self> RESET $g is refused" 42501 $T "ALTER ROLE ht_tenant RESET $g"
+  refused "SET $g is refused with $session" $session $T "SET $g = $v"
+  refused "SET SESSION $g is refused" $session $T "SET SESSION $g = $v"
+  refused "SET LOCAL $g is refused" $session $T "BEGIN" "SET LOCAL $g = $v"
+  refused "SET $g TO DEFAULT is refused" $session $T "SET $g TO DEFAULT"
+  refused "RESET $g is refused" $session $T "RESET $g"
+  refused "set_config('$g') is refused" $session $T "SELECT set_config('$g', $v::text, false)"
+  refused "set_config('$g', local) is refused" $session $T "BEGIN" "SELECT set_config('$g', $v::text, true)"
+  refused "SET $g from PL/pgSQL is refused" $session $T "DO \$\$ BEGIN EXECUTE 'SET $g = ' || quote_literal($v::text); END \$\$"
+  refused "ALTER ROLE <self> SET $g is refused" $session $T "ALTER ROLE ht_tenant SET $g = $v"
+  refused "ALTER ROLE <self> IN DATABASE SET $g is refused" $session $T "ALTER ROLE ht_tenant IN DATABASE postgres SET $g = $v"
+  refused "ALTER ROLE <self> RESET $g is refused" $session $T "ALTER ROLE ht_tenant RESET $g"
   refused "ALTER DATABASE SET $g is refused" 42501 $T "ALTER DATABASE postgres SET $g = $v"
-  refused "ALTER DATABASE <own database> SET $g is refused" 42501 $T "ALTER DATABASE ht_owned SET $g = $v"
-  refused "ALTER DATABASE <own database> RESET $g is refused" 42501 $T "ALTER DATABASE ht_owned RESET $g"
+  refused "ALTER DATABASE <own database> SET $g is refused" $session $T "ALTER DATABASE ht_owned SET $g = $v"
+  refused "ALTER DATABASE <own database> RESET $g is refused" $session $T "ALTER DATABASE ht_owned RESET $g"
   refused "ALTER SYSTEM SET $g is refused" 42501 $T "ALTER SYSTEM SET $g = $v"
   refused "GRANT SET ON PARAMETER $g to oneself is refused" 42501 $T "GRANT SET ON PARAMETER $g TO ht_tenant"
-  refused "CREATE FUNCTION ... SET $g is refused" 42501 $T \
+  refused "CREATE FUNCTION ... SET $g is refused" $session $T \
     "CREATE FUNCTION ht_evil.\"with $g\"() RETURNS uuid LANGUAGE sql SET $g = $v AS 'SELECT quota.start()'"
   out=$(PGOPTIONS="-c $g=${v//\'/}" timeout 20 "$PG_BIN/psql" -X -At -h "$CL" -p "$PORT" -U ht_tenant -d postgres \
           -c "SELECT 'connected'" 2>&1 || true)
-  check "a connection option -c $g is refused" grep -q 'permission denied to set parameter' <<<"$out"
+  if [ "$context" = sighup ]; then
+    check "a connection option -c $g is refused" grep -q 'cannot be changed now' <<<"$out"
+  else
+    check "a connection option -c $g is refused" grep -q 'permission denied to set parameter' <<<"$out"
+  fi
 done
 # RESET ALL by the tenant leaves the superuser's settings alone.
 refused "ALTER ROLE <self> RESET ALL runs" 00000 $T "ALTER ROLE ht_tenant RESET ALL"
@@ -336,13 +344,19 @@ expect_eq "the caller's own start() is charged to the caller" ht_caller \
   "$(sql -c "SELECT role::regrole FROM quota.ledger WHERE id = '$(as ht_caller "SELECT quota.start('own')")'")"
 
 # ------------------------------------------------------------------------------------
-# 7. No internal helper: the extension's functions are exactly the public API.
+# 7. No internal helper: the extension's functions are the public API, and the two
+#    trigger functions that keep quota.summary consistent with SQL-level writes to the
+#    ledger, which nobody but their owner may execute (and only as triggers).
 # ------------------------------------------------------------------------------------
-expect_eq "schema quota has exactly finish, start and try_start" \
-  "quota.finish(uuid,text), quota.start(text), quota.try_start(text)" \
+expect_eq "the trigger functions are not executable by PUBLIC" "false false" \
+  "$(sql -c "SELECT string_agg(has_function_privilege('ht_tenant', p.oid, 'EXECUTE')::text, ' ')
+              FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace AND p.prorettype = 'trigger'::regtype")"
+refused "a tenant cannot call a trigger function" 42501 $T "SELECT quota.ledger_written()"
+expect_eq "schema quota has exactly finish, start, try_start and the two trigger functions" \
+  "quota.ledger_written(), quota.summary_written(), quota.finish(uuid,text), quota.start(text), quota.try_start(text)" \
   "$(sql -c "SELECT string_agg(p.oid::regprocedure::text, ', ' ORDER BY 1) FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace")"
 expect_eq "the extension owns no other function anywhere" \
-  "quota.finish(uuid,text), quota.start(text), quota.try_start(text)" \
+  "quota.ledger_written(), quota.summary_written(), quota.finish(uuid,text), quota.start(text), quota.try_start(text)" \
   "$(sql -c "SELECT string_agg(objid::regprocedure::text, ', ' ORDER BY 1) FROM pg_depend
               WHERE classid = 'pg_proc'::regclass AND refclassid = 'pg_extension'::regclass
                 AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'pg_quota')")"

@@ -160,5 +160,33 @@ burst_client() {
   done
 }
 
+# --- Sessions against the script's cluster ($CL, $PORT) ------------------------------
+as() {  # as USER DB SQL...: one session, output only
+  local user="$1" db="$2"; shift 2; local a=() q
+  for q in "$@"; do a+=(-c "$q"); done
+  timeout 20 "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U "$user" -d "$db" -v ON_ERROR_STOP=0 "${a[@]}" 2>/dev/null || true
+}
+state() {  # state USER DB SQL...: the SQLSTATE of the last statement
+  as "$@" '\echo SQLSTATE=:SQLSTATE' | sed -n 's/^SQLSTATE=//p' | tail -n1
+}
+psql_as() {  # psql_as USER [psql args...]: like sql, as USER, in database postgres, 20 s at most
+  local user="$1"; shift
+  timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$CL" -p "$PORT" -U "$user" -d postgres "$@"
+}
+# open_session NAME USER: a psql session fed through the fifo $CL/NAME.in (write to it
+# with `say NAME SQL`), its output in $CL/NAME.out; `close_session NAME` ends it.
+open_session() {
+  local name="$1" user="$2" fd
+  rm -f "$CL/$name.out" "$CL/$name.in"; mkfifo -m 666 "$CL/$name.in"
+  bg bash -c "exec '$PG_BIN/psql' -X -q -At -v ON_ERROR_STOP=0 -h '$CL' -p '$PORT' -U $user -d postgres < '$CL/$name.in' > '$CL/$name.out' 2>&1"
+  exec {fd}> "$CL/$name.in"
+  printf -v "FD_$name" %s "$fd"
+}
+say() { local v="FD_$1"; echo "$2" >&"${!v}"; }
+close_session() { local v="FD_$1"; eval "exec ${!v}>&-"; }
+wait_out() {  # wait_out NAME TEXT [SECONDS]: until the session printed TEXT
+  timeout "${3:-10}" bash -c "until grep -q '$2' '$CL/$1.out' 2>/dev/null; do sleep 0.05; done"
+}
+
 # sql [psql args...] -c ...: runs against the script's cluster, unaligned, no headers.
 sql() { pgq "$CL" "$PORT" -At "$@"; }

@@ -7,24 +7,6 @@ source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-5680}"
 with_cluster concurrent_index
 
-psql_as() {  # psql_as USER [psql args...]: like sql, as USER, in database postgres, 20 s at most
-  local user="$1"; shift
-  timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$CL" -p "$PORT" -U "$user" -d postgres "$@"
-}
-# open_session NAME USER: a psql session fed through the fifo $CL/NAME.in (write to it
-# with `say NAME SQL`), its output in $CL/NAME.out; `close_session NAME` ends it.
-open_session() {
-  local name="$1" user="$2" fd
-  rm -f "$CL/$name.out" "$CL/$name.in"; mkfifo -m 666 "$CL/$name.in"
-  bg bash -c "exec '$PG_BIN/psql' -X -q -At -v ON_ERROR_STOP=0 -h '$CL' -p '$PORT' -U $user -d postgres < '$CL/$name.in' > '$CL/$name.out' 2>&1"
-  exec {fd}> "$CL/$name.in"
-  printf -v "FD_$name" %s "$fd"
-}
-say() { local v="FD_$1"; echo "$2" >&"${!v}"; }
-close_session() { local v="FD_$1"; eval "exec ${!v}>&-"; }
-wait_out() {  # wait_out NAME TEXT [SECONDS]: until the session printed TEXT
-  timeout "${3:-10}" bash -c "until grep -q '$2' '$CL/$1.out' 2>/dev/null; do sleep 0.05; done"
-}
 amcheck() {  # amcheck INDEX: bt_index_check with heapallindexed; prints its error if any
   sql -c "SELECT bt_index_check('$1'::regclass, true)" >/dev/null
 }

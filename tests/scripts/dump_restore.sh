@@ -6,14 +6,6 @@ source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-5525}"
 with_cluster dump_restore
 
-as() {  # as USER DB SQL...: one session, output only
-  local user="$1" db="$2"; shift 2; local a=() q
-  for q in "$@"; do a+=(-c "$q"); done
-  timeout 20 "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U "$user" -d "$db" -v ON_ERROR_STOP=0 "${a[@]}" 2>/dev/null || true
-}
-state() {  # state USER DB SQL...: the SQLSTATE of the last statement
-  as "$@" '\echo SQLSTATE=:SQLSTATE' | sed -n 's/^SQLSTATE=//p' | tail -n1
-}
 ledger_of() { sql -d "$1" -c "SELECT id, role::regrole, label, started_at, ended_at, outcome FROM quota.ledger ORDER BY id"; }
 summary_of() { sql -d "$1" -c "SELECT role::regrole, tickets FROM quota.summary ORDER BY role"; }
 # The summary is derived: a role without a row has its rows counted from the ledger

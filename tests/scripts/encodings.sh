@@ -13,14 +13,6 @@ sql -c "CREATE ROLE enc_tenant LOGIN" \
     -c "CREATE DATABASE enc_latin1 ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0" \
     -c "CREATE DATABASE enc_ascii ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
 
-as() {  # as USER DB SQL...: one session, output only
-  local user="$1" db="$2"; shift 2; local a=() q
-  for q in "$@"; do a+=(-c "$q"); done
-  timeout 20 "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U "$user" -d "$db" -v ON_ERROR_STOP=0 "${a[@]}" 2>/dev/null || true
-}
-state() {  # state USER DB SQL...: the SQLSTATE of the last statement
-  as "$@" '\echo SQLSTATE=:SQLSTATE' | sed -n 's/^SQLSTATE=//p' | tail -n1
-}
 NIL=00000000-0000-0000-0000-000000000000
 # label_hex DB TICKET: the stored label's bytes in the server encoding, as hex.
 label_hex() { sql -d "$1" -c "SELECT encode(convert_to(label, current_setting('server_encoding')), 'hex') FROM quota.ledger WHERE id = '${2:-$NIL}'"; }

@@ -9,24 +9,6 @@ PORT="${PORT:-5683}"
 with_cluster maintenance_locks
 
 now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
-psql_as() {  # psql_as USER [psql args...]: like sql, as USER, in database postgres, 20 s at most
-  local user="$1"; shift
-  timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$CL" -p "$PORT" -U "$user" -d postgres "$@"
-}
-# open_session NAME USER: a psql session fed through the fifo $CL/NAME.in (write to it
-# with `say NAME SQL`), its output in $CL/NAME.out; `close_session NAME` ends it.
-open_session() {
-  local name="$1" user="$2" fd
-  rm -f "$CL/$name.out" "$CL/$name.in"; mkfifo -m 666 "$CL/$name.in"
-  bg bash -c "exec '$PG_BIN/psql' -X -q -At -v ON_ERROR_STOP=0 -h '$CL' -p '$PORT' -U $user -d postgres < '$CL/$name.in' > '$CL/$name.out' 2>&1"
-  exec {fd}> "$CL/$name.in"
-  printf -v "FD_$name" %s "$fd"
-}
-say() { local v="FD_$1"; echo "$2" >&"${!v}"; }
-close_session() { local v="FD_$1"; eval "exec ${!v}>&-"; }
-wait_out() {  # wait_out NAME TEXT [SECONDS]: until the session printed TEXT
-  timeout "${3:-10}" bash -c "until grep -q '$2' '$CL/$1.out' 2>/dev/null; do sleep 0.05; done"
-}
 # vacuum_full NAME: VACUUM FULL quota.ledger in the background; its exit status goes to
 # $CL/NAME.rc, its output to $CL/NAME.out.
 vacuum_full() {

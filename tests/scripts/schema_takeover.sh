@@ -13,14 +13,6 @@ source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-5622}"
 with_cluster schema_takeover
 
-as() {  # as USER DB SQL...: one session, output only
-  local user="$1" db="$2"; shift 2; local a=() q
-  for q in "$@"; do a+=(-c "$q"); done
-  timeout 20 "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U "$user" -d "$db" -v ON_ERROR_STOP=0 "${a[@]}" 2>/dev/null || true
-}
-state() {  # state USER DB SQL...: the SQLSTATE of the last statement
-  as "$@" '\echo SQLSTATE=:SQLSTATE' | sed -n 's/^SQLSTATE=//p' | tail -n1
-}
 # clear_error NAME USER DB SQL...: the last statement fails with a proper SQLSTATE: not
 # success, not XX000 (internal error), and not a lost connection (classes 08, 57).
 clear_error() {

@@ -8,10 +8,6 @@ source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-5684}"
 with_cluster user_objects
 
-psql_as() {  # psql_as USER [psql args...]: like sql, as USER, in database postgres, 20 s at most
-  local user="$1"; shift
-  timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$CL" -p "$PORT" -U "$user" -d postgres "$@"
-}
 sqlstate() {  # sqlstate USER SQL: the SQLSTATE that SQL ends with, as USER
   timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -h "$CL" -p "$PORT" -U "$1" -d postgres \
     -c "$2" -c '\echo SQLSTATE=:SQLSTATE' 2>>"$CL/errors" | sed -n 's/^SQLSTATE=//p'

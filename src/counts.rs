@@ -12,10 +12,11 @@
 //!   dropped by hand) is an error, never a crash.
 //! - **No SSI (I3).** Under SERIALIZABLE, a scan with an MVCC snapshot takes
 //!   predicate locks and checks rw-conflicts, so two sessions that each start and
-//!   finish in one SERIALIZABLE transaction would fail each other with 40001. We scan
-//!   with SnapshotAny, which predicate locking ignores, and decide visibility ourselves
-//!   against the latest snapshot. pg_quota's reads then take no predicate locks, and
-//!   the caller's own statements keep full SERIALIZABLE semantics.
+//!   finish in one SERIALIZABLE transaction would fail each other with 40001. There we
+//!   scan with SnapshotAny, which predicate locking ignores, and decide visibility
+//!   ourselves against the latest snapshot (see `scan_open`). pg_quota's reads then take
+//!   no predicate locks, and the caller's own statements keep full SERIALIZABLE
+//!   semantics.
 //! - **Bounded lock waits.** A caller never queues without bound behind maintenance
 //!   (VACUUM FULL, REINDEX, CLUSTER): every lock is taken with a bounded wait, and the
 //!   read locks of start() are released as soon as its reads are done.
@@ -458,12 +459,25 @@ pub fn scan(
     }
 }
 
+/// Whether this backend's transaction takes part in SSI: only SERIALIZABLE ones do
+/// (IsolationIsSerializable(), a macro without a binding).
+fn serializable() -> bool {
+    // SAFETY: a plain read of a backend variable.
+    unsafe { pg_sys::XactIsoLevel == pg_sys::XACT_SERIALIZABLE as i32 }
+}
+
 /// `scan`, over relations the caller already has open.
 ///
-/// The index scan runs under SnapshotAny, so it returns every version of every
-/// matching row (walking HOT chains too) and takes no predicate locks; we keep the
-/// versions visible to `snap`, checking each under a share lock on its buffer as
-/// heap_hot_search_buffer would.
+/// Outside SERIALIZABLE (the writer, and callers at READ COMMITTED or REPEATABLE READ)
+/// the index scan runs under `snap` itself, as any catalog scan would, and marks the
+/// index entries of rows dead to everyone as it passes them, so that later scans skip
+/// them cheaply.
+///
+/// Under SERIALIZABLE, a scan under an MVCC snapshot would take predicate locks and
+/// check rw-conflicts. So the scan runs under SnapshotAny, which predicate locking
+/// ignores, returns every version of every matching row (walking HOT chains too), and
+/// we keep the versions visible to `snap`, checking each under a share lock on its
+/// buffer as heap_hot_search_buffer would.
 pub fn scan_open(
     heap_rel: pg_sys::Relation,
     index_rel: pg_sys::Relation,
@@ -472,14 +486,19 @@ pub fn scan_open(
     mut visit: impl FnMut(*mut pg_sys::TupleTableSlot) -> bool,
 ) {
     let mut sk = scankeys(keys);
+    let filter = serializable();
     // SAFETY: the caller holds both relations open and locked; the slot and scan are
     // released before we return, and an ERROR releases them with the transaction's
     // resources. A heap relation's slot is a BufferHeapTupleTableSlot, whose tuple
     // lives in the pinned buffer it names.
     unsafe {
         let slot = pg_sys::table_slot_create(heap_rel, std::ptr::null_mut());
-        let any = std::ptr::addr_of_mut!(pg_sys::SnapshotAnyData);
-        let desc = pg_sys::index_beginscan(heap_rel, index_rel, any, sk.len() as i32, 0);
+        let scan_snap = if filter {
+            std::ptr::addr_of_mut!(pg_sys::SnapshotAnyData)
+        } else {
+            snap.0
+        };
+        let desc = pg_sys::index_beginscan(heap_rel, index_rel, scan_snap, sk.len() as i32, 0);
         pg_sys::index_rescan(
             desc,
             sk.as_mut_ptr(),
@@ -488,12 +507,18 @@ pub fn scan_open(
             0,
         );
         while pg_sys::index_getnext_slot(desc, pg_sys::ScanDirection::ForwardScanDirection, slot) {
-            let bslot = slot as *mut pg_sys::BufferHeapTupleTableSlot;
-            let buffer = (*bslot).buffer;
-            pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
-            let visible = pg_sys::HeapTupleSatisfiesVisibility((*bslot).base.tuple, snap.0, buffer);
-            pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_UNLOCK as i32);
-            if visible && !visit(slot) {
+            if filter {
+                let bslot = slot as *mut pg_sys::BufferHeapTupleTableSlot;
+                let buffer = (*bslot).buffer;
+                pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
+                let visible =
+                    pg_sys::HeapTupleSatisfiesVisibility((*bslot).base.tuple, snap.0, buffer);
+                pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_UNLOCK as i32);
+                if !visible {
+                    continue;
+                }
+            }
+            if !visit(slot) {
                 break;
             }
         }

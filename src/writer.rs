@@ -527,7 +527,7 @@ pub extern "C-unwind" fn pg_quota_writer_main(arg: pg_sys::Datum) {
     configure_session();
     // Before anything is admitted: tickets of roles dropped while no writer ran.
     let mut roles_dropped = shmem::roles_dropped().load(Ordering::Acquire);
-    in_transaction(purge_dropped_roles);
+    try_purge_dropped_roles();
     main_loop(idx, db, &mut roles_dropped);
 }
 
@@ -635,7 +635,7 @@ fn main_loop(idx: usize, db: pg_sys::Oid, roles_dropped: &mut u64) {
         let dropped = shmem::roles_dropped().load(Ordering::Acquire);
         if dropped != *roles_dropped {
             *roles_dropped = dropped;
-            in_transaction(purge_dropped_roles);
+            try_purge_dropped_roles();
         }
         let batch = claim(db);
         if !batch.is_empty() {
@@ -1048,6 +1048,23 @@ fn add_to_summary(rels: &counts::Rels, summary: &OpenRel, role: pg_sys::Oid, n: 
                 u32::from(role)
             ),
         }
+    }
+}
+
+/// `purge_dropped_roles` in a transaction of its own. A failure (a lock held too long
+/// by maintenance, say) is logged and does not stop the writer: admissions go on, and
+/// the next writer start or role drop tries again.
+fn try_purge_dropped_roles() {
+    let failed = PgTryBuilder::new(|| {
+        in_transaction(purge_dropped_roles);
+        None
+    })
+    .catch_others(|e| Some(caught_error(e).1))
+    .execute();
+    if let Some(msg) = failed {
+        // SAFETY: pgrx flushed the error state; abort the failed transaction.
+        unsafe { pg_sys::AbortCurrentTransaction() };
+        pgrx::warning!("pg_quota ledger writer: could not purge the tickets of dropped roles: {msg}");
     }
 }
 

@@ -238,12 +238,22 @@ fn find_index(heap: pg_sys::Relation, keys: &[usize]) -> Option<pg_sys::Oid> {
             let ix = &*(*idx).rd_index;
             let nkeys = ix.indnkeyatts as usize;
             let key = |k: usize| *ix.indkey.values.as_ptr().add(k) as usize;
+            // The scans assume ascending order with the type's default operators: a
+            // DBA's index on (role DESC, …) or with another operator class would
+            // return rows in another order, or compare them differently.
+            let plain_order = |k: usize| {
+                let typ = (*(*(*idx).rd_att).attrs.as_ptr().add(k)).atttypid;
+                let default = pg_sys::GetDefaultOpClass(typ, pg_sys::BTREE_AM_OID);
+                *(*idx).rd_indoption.add(k) == 0
+                    && default != pg_sys::InvalidOid
+                    && *(*idx).rd_opfamily.add(k) == pg_sys::get_opclass_family(default)
+            };
             let usable = (*(*idx).rd_rel).relam == pg_sys::BTREE_AM_OID
                 && ix.indisvalid
                 && ix.indisready
                 && ix.indislive
                 && nkeys >= keys.len()
-                && keys.iter().enumerate().all(|(k, &col)| key(k) == col)
+                && keys.iter().enumerate().all(|(k, &col)| key(k) == col && plain_order(k))
                 && pg_sys::RelationGetIndexExpressions(idx).is_null()
                 && pg_sys::RelationGetIndexPredicate(idx).is_null();
             pg_sys::index_close(idx, pg_sys::NoLock as i32);
@@ -567,8 +577,20 @@ pub fn active(r: &Rels, snap: &Latest, role: pg_sys::Oid, stop_at: Option<i64>) 
 /// How many ledger rows `role` has: from its summary row, or, where SQL-level writes
 /// to the ledger made the summary forget it (see sql/schema.sql), by counting.
 pub fn rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> i64 {
-    summary_rows(r, snap, role).unwrap_or_else(|| ledger_rows(r, snap, role))
+    summary_rows(r, snap, role).unwrap_or_else(|| {
+        let n = ledger_rows(r, snap, role);
+        if n > REBUILD_ABOVE {
+            // Counting a long history on every call is what the summary avoids: ask
+            // the writer to give the role its summary row back.
+            crate::writer::request_summary_rebuild();
+        }
+        n
+    })
 }
+
+/// A role without a summary row and more ledger rows than this makes the writer
+/// rebuild the missing summary rows.
+const REBUILD_ABOVE: i64 = 100;
 
 /// `role`'s summary row, if it has one.
 pub fn summary_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> Option<i64> {

@@ -62,11 +62,11 @@ unsafe extern "C-unwind" fn object_access(
         }
         // dropdb() runs this hook before it counts the sessions still connected.
         if class_id == pg_sys::DatabaseRelationId {
-            crate::writer::request_exit(object_id);
+            crate::writer::request_exit(object_id, true);
         } else if class_id == pg_sys::ExtensionRelationId {
             let name = pg_sys::get_extension_name(object_id);
             if !name.is_null() && std::ffi::CStr::from_ptr(name) == c"pg_quota" {
-                crate::writer::request_exit(crate::shmem::my_db());
+                crate::writer::request_exit(crate::shmem::my_db(), true);
             }
         } else if class_id == pg_sys::AuthIdRelationId {
             note_dropped_role();
@@ -110,35 +110,85 @@ unsafe extern "C-unwind" fn xact_event(event: pg_sys::XactEvent::Type, _arg: *mu
     }
 }
 
-/// The database a utility command needs to have to itself, if any.
+/// The database a utility command needs to have to itself, if any, and only if the
+/// current user may run the command on it: otherwise PostgreSQL refuses the command
+/// anyway, and any role could make any database's writer leave over and over.
 ///
 /// # Safety
 /// `node` is a parse tree node.
 unsafe fn database_needed_alone(node: *mut pg_sys::Node) -> Option<pg_sys::Oid> {
-    // SAFETY: each cast follows the node tag check.
+    // SAFETY: each cast follows the node tag check; catalog lookups only.
     unsafe {
-        let name: *const std::ffi::c_char = if pgrx::is_a(node, pg_sys::NodeTag::T_CreatedbStmt) {
-            let stmt = node as *mut pg_sys::CreatedbStmt;
-            option(&(*stmt).options, c"template")
-                .map_or(c"template1".as_ptr(), |d| pg_sys::defGetString(d))
-        } else if pgrx::is_a(node, pg_sys::NodeTag::T_RenameStmt) {
-            let stmt = node as *mut pg_sys::RenameStmt;
-            if (*stmt).renameType != pg_sys::ObjectType::OBJECT_DATABASE {
+        let (name, clone): (*const std::ffi::c_char, bool) =
+            if pgrx::is_a(node, pg_sys::NodeTag::T_CreatedbStmt) {
+                let stmt = node as *mut pg_sys::CreatedbStmt;
+                // TEMPLATE DEFAULT has no argument: template1, as createdb() reads it.
+                let name = match option(&(*stmt).options, c"template") {
+                    Some(d) if !(*d).arg.is_null() => pg_sys::defGetString(d),
+                    _ => c"template1".as_ptr(),
+                };
+                (name, true)
+            } else if pgrx::is_a(node, pg_sys::NodeTag::T_RenameStmt) {
+                let stmt = node as *mut pg_sys::RenameStmt;
+                if (*stmt).renameType != pg_sys::ObjectType::OBJECT_DATABASE {
+                    return None;
+                }
+                ((*stmt).subname, false)
+            } else if pgrx::is_a(node, pg_sys::NodeTag::T_AlterDatabaseStmt) {
+                let stmt = node as *mut pg_sys::AlterDatabaseStmt;
+                option(&(*stmt).options, c"tablespace")?;
+                ((*stmt).dbname, false)
+            } else {
                 return None;
-            }
-            (*stmt).subname
-        } else if pgrx::is_a(node, pg_sys::NodeTag::T_AlterDatabaseStmt) {
-            let stmt = node as *mut pg_sys::AlterDatabaseStmt;
-            option(&(*stmt).options, c"tablespace")?;
-            (*stmt).dbname
-        } else {
-            return None;
-        };
+            };
         if name.is_null() {
             return None;
         }
         let db = pg_sys::get_database_oid(name, true);
-        (db != pg_sys::InvalidOid).then_some(db)
+        if db == pg_sys::InvalidOid {
+            return None;
+        }
+        let owner = database_owner_is_me(db);
+        // The checks createdb(), RenameDatabase() and movedb() make first.
+        let allowed = if clone {
+            pg_sys::have_createdb_privilege() && (owner || is_template(db))
+        } else {
+            owner
+        };
+        allowed.then_some(db)
+    }
+}
+
+/// Whether the current user owns database `db` (superusers own everything here).
+fn database_owner_is_me(db: pg_sys::Oid) -> bool {
+    // SAFETY: catalog lookups.
+    unsafe {
+        #[cfg(feature = "pg15")]
+        {
+            pg_sys::pg_database_ownercheck(db, pg_sys::GetUserId())
+        }
+        #[cfg(not(feature = "pg15"))]
+        {
+            // PostgreSQL 16 replaced the per-class owner checks with one function.
+            pg_sys::object_ownercheck(pg_sys::DatabaseRelationId, db, pg_sys::GetUserId())
+        }
+    }
+}
+
+/// Whether database `db` is marked as a template (`datistemplate`).
+fn is_template(db: pg_sys::Oid) -> bool {
+    // SAFETY: a syscache lookup; the tuple is released before we return, and its
+    // fixed-size part is FormData_pg_database.
+    unsafe {
+        let tup = pg_sys::SearchSysCache1(pg_sys::SysCacheIdentifier::DATABASEOID as i32, db.into());
+        if tup.is_null() {
+            return false;
+        }
+        let data = (*tup).t_data;
+        let form = (data as *const u8).add((*data).t_hoff as usize) as *const pg_sys::FormData_pg_database;
+        let t = (*form).datistemplate;
+        pg_sys::ReleaseSysCache(tup);
+        t
     }
 }
 
@@ -165,7 +215,7 @@ unsafe fn option(options: &*mut pg_sys::List, name: &std::ffi::CStr) -> Option<*
 unsafe extern "C-unwind" fn before_utility(pstmt: *mut pg_sys::PlannedStmt) {
     // SAFETY: we only read the parse tree.
     if let Some(db) = unsafe { database_needed_alone((*pstmt).utilityStmt) } {
-        crate::writer::request_exit(db);
+        crate::writer::request_exit(db, false);
     }
 }
 

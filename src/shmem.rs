@@ -98,6 +98,12 @@ pub struct WriterEntry {
     pub handle: WorkerHandle,
     /// Set by DROP DATABASE / DROP EXTENSION (see hooks.rs) to make the writer leave.
     pub exit_requested: AtomicBool,
+    /// Set before commands that need the database to themselves (CREATE DATABASE …
+    /// TEMPLATE, ALTER DATABASE … RENAME or SET TABLESPACE): leave once nothing waits.
+    pub leave_when_idle: AtomicBool,
+    /// Set by a caller that found a role without a summary row and a long history:
+    /// the writer rebuilds missing summary rows.
+    pub rebuild_summary: AtomicBool,
 }
 
 #[repr(C)]

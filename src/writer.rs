@@ -305,9 +305,11 @@ pub fn wait() -> Answer {
 
 /// Waits for an answer owed to a request this backend abandoned (it was cancelled
 /// after the writer claimed it), then frees the slot. The answer is dropped. A claim
-/// whose writer is gone for good is taken back: nobody else can answer it.
+/// is always answered: a writer that exits answers or hands back every request it
+/// claimed (on_exit), and a crash resets shared memory. The request may belong to
+/// another database (a previous backend with our PGPROC number), so its writer is not
+/// ours to judge.
 fn reclaim(slot: &'static Slot) {
-    let began = Instant::now();
     loop {
         match load_state(slot) {
             SLOT_FREE => return,
@@ -321,18 +323,6 @@ fn reclaim(slot: &'static Slot) {
             }
             _ => {
                 nap(POLL_MS);
-                let db_writer_alive = {
-                    let _lock = shmem::TableLock::acquire_shared();
-                    shmem::writer_of(shmem::my_db()).is_some()
-                };
-                if !db_writer_alive && began.elapsed() > LIVENESS_EVERY {
-                    let _ = slot.state.compare_exchange(
-                        SLOT_CLAIMED,
-                        SLOT_FREE,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    );
-                }
             }
         }
     }
@@ -400,6 +390,8 @@ fn start_writer() -> usize {
     w.procno = -1;
     w.handle = handle;
     w.exit_requested.store(false, Ordering::Relaxed);
+    w.leave_when_idle.store(false, Ordering::Relaxed);
+    w.rebuild_summary.store(false, Ordering::Relaxed);
     i
 }
 
@@ -462,7 +454,11 @@ fn register_worker(idx: usize, db: pg_sys::Oid) -> Option<WorkerHandle> {
 // callback needs both to answer callers truthfully if the writer is terminated. A
 // background worker is single-threaded, so plain statics suffice.
 thread_local! {
+    /// The group of slots whose transaction is in progress.
     static BATCH: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Slots claimed by this writer and waiting for their turn in the same batch (after
+    /// a failed group was split into single requests).
+    static QUEUED: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 static mut BATCH_XID: pg_sys::TransactionId = pg_sys::InvalidTransactionId;
 /// Set once this writer has given up its entry; the exit callback then leaves the
@@ -526,9 +522,10 @@ pub extern "C-unwind" fn pg_quota_writer_main(arg: pg_sys::Datum) {
     }
     configure_session();
     // Before anything is admitted: tickets of roles dropped while no writer ran.
-    let mut roles_dropped = shmem::roles_dropped().load(Ordering::Acquire);
-    try_purge_dropped_roles();
-    main_loop(idx, db, &mut roles_dropped);
+    let roles_dropped = shmem::roles_dropped().load(Ordering::Acquire);
+    try_in_transaction("purge the tickets of dropped roles", purge_dropped_roles);
+    try_in_transaction("rebuild the summary", rebuild_summary);
+    main_loop(idx, db, roles_dropped);
 }
 
 /// The tag of the twin guard of database `db`. It lives in the user lock method, as
@@ -601,23 +598,23 @@ fn configure_session() {
     // takes part in SSI.
     set(c"default_transaction_isolation", c"read committed");
     set(c"default_transaction_read_only", c"off");
-    // I6: a charge is on disk before start() returns, even where the server runs with
-    // synchronous_commit = off. Stronger settings (remote_apply, …) are kept.
-    // SAFETY: reading a GUC variable.
-    if unsafe { pg_sys::synchronous_commit }
-        < pg_sys::SyncCommitLevel::SYNCHRONOUS_COMMIT_LOCAL_FLUSH as i32
-    {
-        set(c"synchronous_commit", c"local");
-    }
     // SAFETY: reports the worker as idle in pg_stat_activity.
     unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_IDLE, std::ptr::null()) };
 }
 
-fn main_loop(idx: usize, db: pg_sys::Oid, roles_dropped: &mut u64) {
+fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64) {
     let mut last_work = Instant::now();
+    // A role drop is purged twice: at once, and a second later. The dropping backend
+    // wakes us before it sends its catalog invalidations, so the first purge may still
+    // see the role in our syscache.
+    let mut purge_again: Option<Instant> = None;
     loop {
         // SAFETY: our own latch; reset before looking for work so no wake-up is lost.
         unsafe { pg_sys::ResetLatch(pg_sys::MyLatch) };
+        // pg_cancel_backend on an idle writer cancels nothing: a batch in progress
+        // retries on cancel (see process), and outside a batch there is no statement.
+        // SAFETY: a backend flag, as ProcessInterrupts reads it.
+        unsafe { pg_sys::QueryCancelPending = 0 };
         pgrx::check_for_interrupts!();
         // SAFETY: the flag is set by our SIGHUP handler; reloading the configuration
         // file is what every background process does with it.
@@ -628,14 +625,19 @@ fn main_loop(idx: usize, db: pg_sys::Oid, roles_dropped: &mut u64) {
                 configure_session();
             }
         }
-        if shmem::writer(idx).exit_requested.load(Ordering::Acquire) {
+        let w = shmem::writer(idx);
+        if w.exit_requested.load(Ordering::Acquire) {
             leave(idx, db, true);
             return;
         }
         let dropped = shmem::roles_dropped().load(Ordering::Acquire);
-        if dropped != *roles_dropped {
-            *roles_dropped = dropped;
-            try_purge_dropped_roles();
+        if dropped != roles_dropped || purge_again.is_some_and(|t| Instant::now() >= t) {
+            purge_again = (dropped != roles_dropped).then(|| Instant::now() + Duration::from_secs(1));
+            roles_dropped = dropped;
+            try_in_transaction("purge the tickets of dropped roles", purge_dropped_roles);
+        }
+        if w.rebuild_summary.swap(false, Ordering::AcqRel) {
+            try_in_transaction("rebuild the summary", rebuild_summary);
         }
         let batch = claim(db);
         if !batch.is_empty() {
@@ -647,7 +649,8 @@ fn main_loop(idx: usize, db: pg_sys::Oid, roles_dropped: &mut u64) {
         // Table statistics (pg_stat_user_tables, and so autovacuum) see our writes
         // while we live, not only when we exit.
         report_stats();
-        if last_work.elapsed() >= crate::gucs::writer_idle_timeout() && leave(idx, db, false) {
+        let idle_long = last_work.elapsed() >= crate::gucs::writer_idle_timeout();
+        if (idle_long || w.leave_when_idle.load(Ordering::Acquire)) && leave(idx, db, false) {
             return;
         }
         // SAFETY: our own latch; WL_EXIT_ON_PM_DEATH ends us with the postmaster.
@@ -714,6 +717,24 @@ fn in_transaction<R>(f: impl FnOnce() -> R) -> R {
     unsafe {
         pg_sys::SetCurrentStatementStartTimestamp();
         pg_sys::StartTransactionCommand();
+        // I6: a charge is on disk before start() returns, even where the server runs
+        // with synchronous_commit = off. Set for this transaction only, so that the
+        // server's setting, reloaded or not, applies otherwise; stronger settings
+        // (remote_apply, …) are kept.
+        if pg_sys::synchronous_commit
+            < pg_sys::SyncCommitLevel::SYNCHRONOUS_COMMIT_LOCAL_FLUSH as i32
+        {
+            pg_sys::set_config_option(
+                c"synchronous_commit".as_ptr(),
+                c"local".as_ptr(),
+                pg_sys::GucContext::PGC_SUSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+                pg_sys::GucAction::GUC_ACTION_LOCAL,
+                true,
+                pg_sys::PGERROR as i32,
+                false,
+            );
+        }
         pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
     }
     let r = f();
@@ -730,8 +751,10 @@ fn in_transaction<R>(f: impl FnOnce() -> R) -> R {
 /// into single requests when one of them may be the cause, so that one request's
 /// failure never fails another's.
 fn process(batch: Vec<usize>) {
+    QUEUED.with_borrow_mut(|q| q.clone_from(&batch));
     let mut groups = vec![(batch, 0u32)];
     while let Some((group, retries)) = groups.pop() {
+        QUEUED.with_borrow_mut(|q| q.retain(|i| !group.contains(i)));
         BATCH.with_borrow_mut(|b| b.clone_from(&group));
         // SAFETY: single-threaded worker state, read by the exit callback.
         unsafe { BATCH_XID = pg_sys::InvalidTransactionId };
@@ -757,8 +780,10 @@ fn process(batch: Vec<usize>) {
                 }
                 let cancelled = code == PgSqlErrorCode::ERRCODE_QUERY_CANCELED as i32;
                 if cancelled && retries < MAX_CANCEL_RETRIES {
+                    QUEUED.with_borrow_mut(|q| q.extend(&group));
                     groups.push((group, retries + 1));
                 } else if group.len() > 1 && may_be_one_requests_fault(code) {
+                    QUEUED.with_borrow_mut(|q| q.extend(&group));
                     groups.extend(group.iter().map(|&i| (vec![i], retries)));
                 } else {
                     log!(
@@ -774,6 +799,7 @@ fn process(batch: Vec<usize>) {
         }
     }
     BATCH.with_borrow_mut(Vec::clear);
+    QUEUED.with_borrow_mut(Vec::clear);
     // SAFETY: reports the worker as idle in pg_stat_activity.
     unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_IDLE, std::ptr::null()) };
 }
@@ -790,7 +816,13 @@ fn may_be_one_requests_fault(code: i32) -> bool {
 
 fn answer(group: &[usize]) {
     for &i in group {
-        shmem::slot(i).state.store(SLOT_DONE, Ordering::Release);
+        // CLAIMED by us until now; nobody else moves a claimed slot.
+        let _ = shmem::slot(i).state.compare_exchange(
+            SLOT_CLAIMED,
+            SLOT_DONE,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
         shmem::wake(i);
     }
 }
@@ -911,18 +943,31 @@ fn handle_batch(batch: &[usize]) {
         }
     }
     drop(snap);
-    drop(reader);
     if admitted.is_empty() {
         return;
     }
+    // `reader` stays until the end: its locks keep the indexes chosen above from being
+    // dropped (REINDEX or DROP INDEX CONCURRENTLY waits for the tables' lockers).
 
     // Purge what is past retention in the roles that grow, so that the expired count
-    // each admission reads stays small. The longest retention among a role's requests
-    // decides, so that no session of the batch loses tickets it still counts.
+    // each admission reads stays small. A ticket is kept as long as any session of its
+    // role could count it: the longest retention among the batch's requests, the
+    // writer's own setting, and every value configured for the role or the database.
     let mut longest: HashMap<u32, i64> = HashMap::new();
     for b in &breqs {
         let e = longest.entry(b.role).or_insert(b.retention_secs);
         *e = (*e).max(b.retention_secs);
+    }
+    let configured = configured_retentions();
+    for (role, l) in longest.iter_mut() {
+        *l = (*l).max(crate::gucs::retention_secs()).max(
+            configured
+                .iter()
+                .filter(|(r, _)| *r == pg_sys::InvalidOid || u32::from(*r) == *role)
+                .map(|&(_, secs)| secs)
+                .max()
+                .unwrap_or(0),
+        );
     }
     let ledger = OpenRel::open(rels.ledger, "ledger", counts::COL_ID);
     let mut delta: Vec<(pg_sys::Oid, i64)> = Vec::new();
@@ -939,6 +984,70 @@ fn handle_batch(batch: &[usize]) {
     for (role, n) in delta {
         add_to_summary(&rels, &summary, role, n);
     }
+    drop(summary);
+    drop(reader);
+}
+
+/// Every quota.retention configured in pg_db_role_setting that applies in this
+/// database (ALTER ROLE … SET, ALTER DATABASE … SET, ALTER ROLE … IN DATABASE … SET),
+/// as (role, seconds); InvalidOid stands for every role. Values that do not parse are
+/// skipped: PostgreSQL checked them when they were set.
+fn configured_retentions() -> Vec<(pg_sys::Oid, i64)> {
+    /// pg_db_role_setting, whose OID has been fixed since PostgreSQL 9.0.
+    const DB_ROLE_SETTING: pg_sys::Oid = pg_sys::Oid::from_u32(2964);
+    let db = shmem::my_db();
+    let mut out = Vec::new();
+    // SAFETY: a catalog scan under the catalog snapshot, as PostgreSQL's own readers of
+    // this catalog do; every datum is read while the tuple is current.
+    unsafe {
+        let rel = pg_sys::table_open(DB_ROLE_SETTING, pg_sys::AccessShareLock as i32);
+        let desc = (*rel).rd_att;
+        let scan = pg_sys::systable_beginscan(
+            rel,
+            pg_sys::InvalidOid,
+            false,
+            std::ptr::null_mut(),
+            0,
+            std::ptr::null_mut(),
+        );
+        loop {
+            let tup = pg_sys::systable_getnext(scan);
+            if tup.is_null() {
+                break;
+            }
+            let mut isnull = false;
+            let setdb = pg_sys::Oid::from(pg_sys::heap_getattr(tup, 1, desc, &mut isnull).value() as u32);
+            let role = pg_sys::Oid::from(pg_sys::heap_getattr(tup, 2, desc, &mut isnull).value() as u32);
+            let config = pg_sys::heap_getattr(tup, 3, desc, &mut isnull);
+            if isnull || (setdb != db && setdb != pg_sys::InvalidOid) {
+                continue;
+            }
+            let arr = pg_sys::pg_detoast_datum(config.cast_mut_ptr()) as *mut pg_sys::ArrayType;
+            let mut elems: *mut pg_sys::Datum = std::ptr::null_mut();
+            let mut nulls: *mut bool = std::ptr::null_mut();
+            let mut n = 0;
+            pg_sys::deconstruct_array(arr, pg_sys::TEXTOID, -1, false, b'i' as _, &mut elems, &mut nulls, &mut n);
+            for k in 0..n as usize {
+                if *nulls.add(k) {
+                    continue;
+                }
+                let item = std::ffi::CStr::from_ptr(pg_sys::text_to_cstring((*elems.add(k)).cast_mut_ptr()));
+                let Some(value) = item.to_bytes().strip_prefix(b"quota.retention=") else {
+                    continue;
+                };
+                let Ok(value) = std::ffi::CString::new(value) else {
+                    continue;
+                };
+                let mut secs = 0;
+                if pg_sys::parse_int(value.as_ptr(), &mut secs, pg_sys::GUC_UNIT_S as i32, std::ptr::null_mut()) {
+                    out.push((role, i64::from(secs)));
+                }
+            }
+        }
+        pg_sys::systable_endscan(scan);
+        pg_sys::table_close(rel, pg_sys::AccessShareLock as i32);
+    }
+    out
 }
 
 /// Deletes the ledger rows that `keys` select on the (role, ended_at) index, under
@@ -1051,12 +1160,12 @@ fn add_to_summary(rels: &counts::Rels, summary: &OpenRel, role: pg_sys::Oid, n: 
     }
 }
 
-/// `purge_dropped_roles` in a transaction of its own. A failure (a lock held too long
-/// by maintenance, say) is logged and does not stop the writer: admissions go on, and
-/// the next writer start or role drop tries again.
-fn try_purge_dropped_roles() {
+/// Runs `f` in a transaction of its own. A failure (a lock held too long by
+/// maintenance, say) is logged and does not stop the writer: admissions go on, and the
+/// work is tried again on the next occasion.
+fn try_in_transaction(what: &str, f: fn()) {
     let failed = PgTryBuilder::new(|| {
-        in_transaction(purge_dropped_roles);
+        in_transaction(f);
         None
     })
     .catch_others(|e| Some(caught_error(e).1))
@@ -1064,7 +1173,32 @@ fn try_purge_dropped_roles() {
     if let Some(msg) = failed {
         // SAFETY: pgrx flushed the error state; abort the failed transaction.
         unsafe { pg_sys::AbortCurrentTransaction() };
-        pgrx::warning!("pg_quota ledger writer: could not purge the tickets of dropped roles: {msg}");
+        pgrx::warning!("pg_quota ledger writer: could not {what}: {msg}");
+    }
+}
+
+/// Gives every role that has ledger rows but no summary row (after SQL-level writes to
+/// the ledger, a restore, or ALTER EXTENSION UPDATE) its summary row back, so that
+/// admission stops counting its history row by row.
+fn rebuild_summary() {
+    let reader = Reader::open();
+    let rels = reader.rels;
+    let snap = Latest::take();
+    let mut missing = Vec::new();
+    let mut after = pg_sys::InvalidOid;
+    while let Some(role) = counts::next_role(&rels, &snap, after) {
+        if counts::summary_rows(&rels, &snap, role).is_none() {
+            missing.push(role);
+        }
+        after = role;
+    }
+    drop(snap);
+    if missing.is_empty() {
+        return;
+    }
+    let summary = OpenRel::open(rels.summary, "summary", 1);
+    for role in missing {
+        add_to_summary(&rels, &summary, role, 0);
     }
 }
 
@@ -1184,6 +1318,8 @@ fn leave(idx: usize, db: pg_sys::Oid, force: bool) -> bool {
     w.dboid = pg_sys::InvalidOid;
     w.procno = -1;
     w.exit_requested.store(false, Ordering::Release);
+    w.leave_when_idle.store(false, Ordering::Release);
+    w.rebuild_summary.store(false, Ordering::Release);
     // SAFETY: single-threaded worker state.
     unsafe { LEFT = true };
     true
@@ -1207,19 +1343,18 @@ unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
         let _lock = shmem::TableLock::acquire();
         let committed =
             BATCH_XID != pg_sys::InvalidTransactionId && pg_sys::TransactionIdDidCommit(BATCH_XID);
-        BATCH.with_borrow(|b| {
-            for &i in b {
-                let s = shmem::slot(i);
-                if load_state(s) != SLOT_CLAIMED {
-                    continue;
-                }
-                s.state.store(
-                    if committed { SLOT_DONE } else { SLOT_PENDING },
-                    Ordering::Release,
-                );
+        let hand_back = |i: usize, done: bool| {
+            let s = shmem::slot(i);
+            let to = if done { SLOT_DONE } else { SLOT_PENDING };
+            if s.state
+                .compare_exchange(SLOT_CLAIMED, to, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
                 shmem::wake(i);
             }
-        });
+        };
+        BATCH.with_borrow(|b| b.iter().for_each(|&i| hand_back(i, committed)));
+        QUEUED.with_borrow(|q| q.iter().for_each(|&i| hand_back(i, false)));
         let w = shmem::writer(MY_ENTRY);
         if w.dboid == db && w.procno == shmem::my_procno() as i32 {
             w.dboid = pg_sys::InvalidOid;
@@ -1236,18 +1371,37 @@ unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
     }
 }
 
-/// Asks the writer of database `db`, if any, to leave now. Used by the DROP hook and
-/// before commands that need the database to themselves (see hooks.rs).
-pub fn request_exit(db: pg_sys::Oid) {
+/// Asks the writer of database `db`, if any, to leave: now (`force`, for DROP
+/// DATABASE and DROP EXTENSION), or as soon as no request waits (before commands that
+/// need the database to themselves, which fail anyway while sessions are connected).
+/// See hooks.rs.
+pub fn request_exit(db: pg_sys::Oid, force: bool) {
     if !shmem::available() {
         return;
     }
     let _lock = shmem::TableLock::acquire();
     if let Some(i) = shmem::writer_of(db) {
         let w = shmem::writer(i);
-        w.exit_requested.store(true, Ordering::Release);
+        if force {
+            w.exit_requested.store(true, Ordering::Release);
+        } else {
+            w.leave_when_idle.store(true, Ordering::Release);
+        }
         if let Ok(p) = usize::try_from(w.procno) {
             shmem::wake(p);
+        }
+    }
+}
+
+/// Asks this database's writer, if it runs, to rebuild missing summary rows.
+pub fn request_summary_rebuild() {
+    let _lock = shmem::TableLock::acquire_shared();
+    if let Some(i) = shmem::writer_of(shmem::my_db()) {
+        let w = shmem::writer(i);
+        if !w.rebuild_summary.swap(true, Ordering::AcqRel) {
+            if let Ok(p) = usize::try_from(w.procno) {
+                shmem::wake(p);
+            }
         }
     }
 }

@@ -96,6 +96,29 @@ expect_eq "start() works in app after the move" t \
 expect_eq "app kept its charges across the move (and has the two new ones)" "$(( rows + 2 ))" "$(sql -d app -c "SELECT count(*) FROM quota.ledger")"
 
 # ------------------------------------------------------------------------------------
+# 3b. Only those who may run the command make the writer leave: a role that does not
+#     own app, and has no CREATEDB, fails its RENAME and TEMPLATE clone as PostgreSQL
+#     says, and app's writer stays (otherwise any role could evict any database's
+#     writer over and over). CREATE DATABASE ... TEMPLATE DEFAULT works. Cancelling an
+#     idle writer cancels nothing.
+# ------------------------------------------------------------------------------------
+sql -c "CREATE ROLE dm_tenant LOGIN"
+check "a writer serves app, and no session is connected to it" start_in app
+before=$(writer_pid app)
+out=$(timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -h "$CL" -p "$PORT" -U dm_tenant -d postgres \
+        -c "ALTER DATABASE app RENAME TO app_stolen" -c '\echo SQLSTATE=:SQLSTATE' \
+        -c "CREATE DATABASE app_clone TEMPLATE app" -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
+expect_eq "a non-owner's RENAME and clone of app fail with 42501" "SQLSTATE=42501 SQLSTATE=42501" \
+  "$(grep -o 'SQLSTATE=.*' <<<"$out" | paste -sd' ')"
+sleep 0.5
+expect_eq "... and app's writer stays" "$before" "$(writer_pid app)"
+sql -c "SELECT pg_cancel_backend($before)" >/dev/null
+sleep 0.5
+expect_eq "pg_cancel_backend on an idle writer leaves it running" "$before" "$(writer_pid app)"
+timed "CREATE DATABASE from_default TEMPLATE DEFAULT"
+check "CREATE DATABASE ... TEMPLATE DEFAULT succeeds${out:+: $out}" test "$rc" = 0
+
+# ------------------------------------------------------------------------------------
 # 4. SIGHUP reaches a live writer. With quota.writer_idle_timeout = 1h, the writer in
 #    database postgres is still there after more than 10 s idle (the old fixed limit);
 #    lowering the setting to 1s with a reload makes it leave within 5 s.

@@ -58,8 +58,8 @@ check "the summary equals the ledger after the refusals" summary_matches_ledger
 
 # ------------------------------------------------------------------------------------
 # 2. An AFTER DELETE trigger, then a DO INSTEAD NOTHING rule, on quota.ledger, while
-#    uo_p runs with quota.retention = 0, so that each of its start()s purges its ended
-#    tickets. The purge must happen, fire nothing, and never fail start().
+#    uo_p runs with quota.retention = 0 (server-wide, for the cycles), so that each of
+#    its start()s purges its ended tickets. The purge must happen, fire nothing, and never fail start().
 # ------------------------------------------------------------------------------------
 sql -c "CREATE TABLE public.purge_count (n int NOT NULL)" -c "INSERT INTO public.purge_count VALUES (0)" \
     -c "CREATE FUNCTION public.count_purge() RETURNS trigger LANGUAGE plpgsql AS
@@ -68,14 +68,23 @@ p_rows() { sql -c "SELECT count(*) FROM quota.ledger WHERE role = 'uo_p'::regrol
 ended_history() {  # five ended tickets of uo_p, kept by the default retention
   psql_as uo_p -c "SELECT quota.finish(quota.start('history ' || i)) FROM generate_series(1, 5) i" >/dev/null
 }
-# cycles: three start/finish cycles of uo_p with quota.retention = 0 (set as superuser,
-# then SET ROLE); prints each result, or the error.
+# cycles: three start/finish cycles of uo_p with quota.retention = 0, set server-wide
+# for the cycles (the writer purges only what no configured retention still counts),
+# then reset; prints each result, or the error.
+retention_everywhere() {  # retention_everywhere VALUE|DEFAULT: ALTER SYSTEM, reload
+  if [ "$1" = DEFAULT ]; then sql -c "ALTER SYSTEM RESET quota.retention" >/dev/null
+  else sql -c "ALTER SYSTEM SET quota.retention = $1" >/dev/null; fi
+  sql -c "SELECT pg_reload_conf()" >/dev/null
+  sleep 1   # the writer rereads the file on SIGHUP
+}
 cycles() {
+  retention_everywhere 0
   timeout 30 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$CL" -p "$PORT" -U postgres -d postgres \
     -c "SET quota.retention = 0" -c "SET ROLE uo_p" \
     -c "SELECT quota.finish(quota.start('cycle 1'))" \
     -c "SELECT quota.finish(quota.start('cycle 2'))" \
     -c "SELECT quota.finish(quota.start('cycle 3'))" 2>&1 | tr '\n' ' '
+  retention_everywhere DEFAULT
 }
 
 ended_history

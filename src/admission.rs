@@ -4,7 +4,7 @@
 use pgrx::pg_sys;
 
 use crate::core::{check_label, decide, Decision, Limits, QuotaError, Refusal, RefusalKind, Usage};
-use crate::counts::{self, Latest, Reader, Rels};
+use crate::counts::{self, Latest, Reader};
 use crate::error::raise;
 use crate::writer::{self, Answer};
 use crate::{gucs, shmem};
@@ -28,7 +28,7 @@ pub fn cutoff(now: pg_sys::TimestampTz, retention_secs: i64) -> pg_sys::Timestam
 /// What admission needs to count for `limits`: the active count up to the limit (one
 /// more would not change the decision), the retained count only if it is limited.
 pub fn usage_for(
-    r: &Rels,
+    r: &Reader,
     snap: &Latest,
     role: pg_sys::Oid,
     cutoff: pg_sys::TimestampTz,
@@ -41,16 +41,18 @@ pub fn usage_for(
 /// The full numbers for a refusal's message, and when capacity returns if the
 /// retained limit is the one reached.
 pub fn refusal_numbers(
-    r: &Rels,
+    reader: &Reader,
     snap: &Latest,
     role: pg_sys::Oid,
     cutoff: pg_sys::TimestampTz,
     retention_secs: i64,
     kind: RefusalKind,
 ) -> (Usage, Option<pg_sys::TimestampTz>) {
+    let r = &reader.rels;
+    let (active, rows) = counts::scope(reader, snap, role);
     let usage = Usage {
-        active: counts::active(r, snap, role, None),
-        retained: counts::retained(r, snap, role, cutoff),
+        active,
+        retained: rows - counts::expired(r, snap, role, cutoff),
     };
     let next = (kind == RefusalKind::Retained)
         .then(|| counts::oldest_ended(r, snap, role, cutoff))
@@ -241,8 +243,8 @@ fn admit_under_lock(
 ) -> Result<(), QuotaError> {
     // SAFETY: plain clock read.
     let cutoff = cutoff(unsafe { pg_sys::GetCurrentTimestamp() }, retention);
-    let refuse = |rels: &Rels, snap: &Latest, kind| {
-        let (usage, next) = refusal_numbers(rels, snap, role, cutoff, retention, kind);
+    let refuse = |reader: &Reader, snap: &Latest, kind| {
+        let (usage, next) = refusal_numbers(reader, snap, role, cutoff, retention, kind);
         Err(refusal(role, kind, usage, next))
     };
 
@@ -253,9 +255,9 @@ fn admit_under_lock(
         let reader = Reader::open();
         let snap = Latest::take();
         if let Decision::Refuse(r) =
-            decide(limits, usage_for(&reader.rels, &snap, role, cutoff, limits), false)
+            decide(limits, usage_for(&reader, &snap, role, cutoff, limits), false)
         {
-            return refuse(&reader.rels, &snap, r.kind);
+            return refuse(&reader, &snap, r.kind);
         }
     }
 
@@ -274,9 +276,9 @@ fn admit_under_lock(
         let inflight = writer::inflight(role);
         let reader = Reader::open();
         let snap = Latest::take();
-        let usage = usage_for(&reader.rels, &snap, role, cutoff, limits);
+        let usage = usage_for(&reader, &snap, role, cutoff, limits);
         if let Decision::Refuse(r) = decide(limits, usage, false) {
-            return refuse(&reader.rels, &snap, r.kind);
+            return refuse(&reader, &snap, r.kind);
         }
         let with_inflight = Usage {
             active: usage.active + inflight,

@@ -342,7 +342,40 @@ pub fn rels() -> Rels {
 /// pg_quota's relations, read-locked (bounded) until dropped.
 pub struct Reader {
     pub rels: Rels,
+    /// The relfilenodes of the ledger and the summary, which scope counters must match.
+    pub tags: crate::scopes::Tags,
     _locks: Locks,
+}
+
+/// The relfilenode of an open relation.
+fn filenode(rel: pg_sys::Relation) -> u32 {
+    // SAFETY: an open relation's relcache entry.
+    unsafe {
+        #[cfg(feature = "pg15")]
+        {
+            u32::from((*rel).rd_node.relNode)
+        }
+        #[cfg(not(feature = "pg15"))]
+        {
+            // PostgreSQL 16 renamed RelFileNode to RelFileLocator.
+            u32::from((*rel).rd_locator.relNumber)
+        }
+    }
+}
+
+fn tags_of(rels: &Rels) -> crate::scopes::Tags {
+    // SAFETY: both relations are locked by the caller.
+    unsafe {
+        let l = pg_sys::table_open(rels.ledger, pg_sys::NoLock as i32);
+        let s = pg_sys::table_open(rels.summary, pg_sys::NoLock as i32);
+        let tags = crate::scopes::Tags {
+            ledger: filenode(l),
+            summary: filenode(s),
+        };
+        pg_sys::table_close(s, pg_sys::NoLock as i32);
+        pg_sys::table_close(l, pg_sys::NoLock as i32);
+        tags
+    }
 }
 
 impl Reader {
@@ -365,6 +398,7 @@ impl Reader {
         locks.take(rels.summary_idx, pg_sys::AccessShareLock);
         Reader {
             rels,
+            tags: tags_of(&rels),
             _locks: locks,
         }
     }
@@ -613,12 +647,6 @@ pub fn ledger_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> i64 {
     count(r.ledger, r.ledger_idx, snap, &[Key::OidEq(role)], None)
 }
 
-/// How many retained tickets `role` has: its rows less the ended ones that are past
-/// `cutoff` and not purged yet (few: the writer purges them as the scope grows).
-pub fn retained(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::TimestampTz) -> i64 {
-    rows(r, snap, role) - expired(r, snap, role, cutoff)
-}
-
 /// How many of `role`'s ended tickets are past `cutoff`.
 pub fn expired(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::TimestampTz) -> i64 {
     count(
@@ -668,20 +696,35 @@ pub fn next_role(r: &Rels, snap: &Latest, after: pg_sys::Oid) -> Option<pg_sys::
     found
 }
 
+/// (active tickets, ledger rows) of `role`: from its scope counter (see scopes.rs),
+/// which is built from the ledger if missing or stale, or, if the counter table is
+/// full, counted from the ledger under `snap`.
+pub fn scope(reader: &Reader, snap: &Latest, role: pg_sys::Oid) -> (i64, i64) {
+    let r = &reader.rels;
+    crate::scopes::get(crate::shmem::my_db(), role, reader.tags, |s| {
+        (active(r, s, role, None), rows(r, s, role))
+    })
+    .unwrap_or_else(|| (active(r, snap, role, None), rows(r, snap, role)))
+}
+
 /// The scope's usage as admission needs it: each count only where its limit is set
 /// (`None` means no limit, so that count is not needed to decide).
 pub fn usage(
-    r: &Rels,
+    reader: &Reader,
     snap: &Latest,
     role: pg_sys::Oid,
     cutoff: pg_sys::TimestampTz,
     max_active: Option<i64>,
     count_retained: bool,
 ) -> crate::core::Usage {
+    if max_active.is_none() && !count_retained {
+        return crate::core::Usage::default();
+    }
+    let (active, rows) = scope(reader, snap, role);
     crate::core::Usage {
-        active: max_active.map_or(0, |m| active(r, snap, role, Some(m))),
+        active: if max_active.is_some() { active } else { 0 },
         retained: if count_retained {
-            retained(r, snap, role, cutoff)
+            rows - expired(&reader.rels, snap, role, cutoff)
         } else {
             0
         },

@@ -50,7 +50,11 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
             return Ok(false);
         }
         match ledger.update(found.tid, found.new_tuple, &[COL_ENDED_AT, COL_OUTCOME]) {
-            pg_sys::TM_Result::TM_Ok => return Ok(true),
+            pg_sys::TM_Result::TM_Ok => {
+                // The scope's active counter drops when this transaction commits.
+                crate::scopes::note_finish(found.holder);
+                return Ok(true);
+            }
             // Ended by an earlier call in this same statement.
             pg_sys::TM_Result::TM_SelfModified => return Ok(false),
             // A concurrent finish committed first (or, long after, a purge): look

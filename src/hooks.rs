@@ -63,6 +63,7 @@ unsafe extern "C-unwind" fn object_access(
         // dropdb() runs this hook before it counts the sessions still connected.
         if class_id == pg_sys::DatabaseRelationId {
             crate::writer::request_exit(object_id, true);
+            crate::scopes::forget(object_id, None);
         } else if class_id == pg_sys::ExtensionRelationId {
             let name = pg_sys::get_extension_name(object_id);
             if !name.is_null() && std::ffi::CStr::from_ptr(name) == c"pg_quota" {

@@ -15,6 +15,7 @@ mod finish;
 mod gucs;
 mod heap;
 mod hooks;
+mod scopes;
 mod shmem;
 mod writer;
 

@@ -109,6 +109,8 @@ pub struct WriterEntry {
 #[repr(C)]
 struct Header {
     lock: *mut pg_sys::LWLock,
+    /// Guards the scope counters (see scopes.rs).
+    scope_lock: *mut pg_sys::LWLock,
     n_writers: usize,
     n_slots: usize,
     /// Bumped when a transaction that dropped a role commits; writers purge dropped
@@ -133,7 +135,9 @@ fn layout() -> (usize, usize, usize) {
     };
     let size = std::mem::size_of::<Header>()
         + n_writers * std::mem::size_of::<WriterEntry>()
-        + n_slots * std::mem::size_of::<Slot>();
+        + n_slots * std::mem::size_of::<Slot>()
+        + crate::scopes::N_SCOPES * std::mem::size_of::<crate::scopes::Scope>()
+        + n_slots * crate::scopes::PENDING_PER_SLOT * std::mem::size_of::<crate::scopes::Pending>();
     (n_writers, n_slots, size)
 }
 
@@ -157,7 +161,7 @@ unsafe extern "C-unwind" fn shmem_request() {
             prev();
         }
         pg_sys::RequestAddinShmemSpace(layout().2);
-        pg_sys::RequestNamedLWLockTranche(TRANCHE.as_ptr(), 1);
+        pg_sys::RequestNamedLWLockTranche(TRANCHE.as_ptr(), 2);
     }
 }
 
@@ -182,7 +186,9 @@ unsafe extern "C-unwind" fn shmem_startup() {
         let header = pg_sys::ShmemInitStruct(SHMEM_NAME.as_ptr(), size, &mut found) as *mut Header;
         if !found {
             std::ptr::write_bytes(header as *mut u8, 0, size);
-            (*header).lock = &mut (*pg_sys::GetNamedLWLockTranche(TRANCHE.as_ptr())).lock;
+            let locks = pg_sys::GetNamedLWLockTranche(TRANCHE.as_ptr());
+            (*header).lock = &mut (*locks).lock;
+            (*header).scope_lock = &mut (*locks.add(1)).lock;
             (*header).n_writers = n_writers;
             (*header).n_slots = n_slots;
             for i in 0..n_writers {
@@ -235,6 +241,36 @@ pub fn slot(i: usize) -> &'static Slot {
         let first = writer_ptr(header(), n_writers()) as *mut Slot;
         &*first.add(i)
     }
+}
+
+/// The scope counters, N_SCOPES of them, after the slots.
+pub fn scopes() -> &'static [crate::scopes::Scope] {
+    // SAFETY: in bounds of the segment laid out by `layout`; zeroed at creation, which
+    // is a valid state of every field (all atomics).
+    unsafe {
+        let first = (writer_ptr(header(), n_writers()) as *mut Slot).add(n_slots())
+            as *const crate::scopes::Scope;
+        std::slice::from_raw_parts(first, crate::scopes::N_SCOPES)
+    }
+}
+
+/// The pending counter changes published by backend `procno` (see scopes.rs).
+pub fn pending(procno: usize) -> &'static [crate::scopes::Pending] {
+    assert!(procno < n_slots());
+    // SAFETY: in bounds of the segment laid out by `layout`; zeroed at creation.
+    unsafe {
+        let first = scopes().as_ptr().add(crate::scopes::N_SCOPES) as *const crate::scopes::Pending;
+        std::slice::from_raw_parts(
+            first.add(procno * crate::scopes::PENDING_PER_SLOT),
+            crate::scopes::PENDING_PER_SLOT,
+        )
+    }
+}
+
+/// The scope counters' LWLock.
+pub fn scope_lock() -> *mut pg_sys::LWLock {
+    // SAFETY: set at startup.
+    unsafe { (*header()).scope_lock }
 }
 
 /// Holds the writer-table LWLock; released on drop, including during an unwind.

@@ -759,12 +759,18 @@ fn process(batch: Vec<usize>) {
         // SAFETY: single-threaded worker state, read by the exit callback.
         unsafe { BATCH_XID = pg_sys::InvalidTransactionId };
         let outcome = PgTryBuilder::new(|| {
-            in_transaction(|| {
-                handle_batch(&group);
+            let overflow = in_transaction(|| {
+                let changes = handle_batch(&group);
                 // SAFETY: the transaction id our writes got, if any; the exit callback
                 // asks the commit log about it.
                 unsafe { BATCH_XID = pg_sys::GetTopTransactionIdIfAny() };
+                // Published before the commit, applied after it (see scopes.rs).
+                crate::scopes::publish(&changes)
             });
+            // Before anyone is answered: a caller that no longer counts its request as
+            // in flight must find it in the counter.
+            crate::scopes::apply_mine(true);
+            crate::scopes::invalidate(&overflow);
             Ok(())
         })
         .catch_others(|e| Err(caught_error(e)))
@@ -778,6 +784,7 @@ fn process(batch: Vec<usize>) {
                     pg_sys::AbortCurrentTransaction();
                     BATCH_XID = pg_sys::InvalidTransactionId;
                 }
+                crate::scopes::apply_mine(false);
                 let cancelled = code == PgSqlErrorCode::ERRCODE_QUERY_CANCELED as i32;
                 if cancelled && retries < MAX_CANCEL_RETRIES {
                     QUEUED.with_borrow_mut(|q| q.extend(&group));
@@ -854,7 +861,7 @@ fn set_error(i: usize, code: i32, msg: &str) {
 /// Decides every request of the batch and records the admitted ones. Runs inside the
 /// batch transaction; the writer is the only process that inserts, so counts taken
 /// here plus this batch's own admissions are exact (I1).
-fn handle_batch(batch: &[usize]) {
+fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
     let reader = Reader::open();
     let rels = reader.rels;
     // SAFETY: plain clock read.
@@ -880,21 +887,20 @@ fn handle_batch(batch: &[usize]) {
         })
         .collect();
 
-    // Count each role once, and only what its requests are limited by.
+    // Count each role once, from its scope counter (see scopes.rs), and only what its
+    // requests are limited by. The counter is exact for us: we are the only process
+    // that adds admissions to it, right after each commit.
     let counted: HashMap<u32, Counted> = batch::needs(&breqs)
         .into_iter()
         .map(|(role, needs)| {
             let oid = pg_sys::Oid::from(role);
-            let active = needs
-                .active_cap
-                .map_or(0, |cap| counts::active(&rels, &snap, oid, Some(cap)));
-            let rows = (!needs.retentions.is_empty()).then(|| counts::rows(&rels, &snap, oid));
+            let (active, rows) = counts::scope(&reader, &snap, oid);
             let retained = needs
                 .retentions
                 .iter()
                 .map(|&ret| {
                     let cutoff = crate::admission::cutoff(now, ret);
-                    (ret, rows.unwrap_or(0) - counts::expired(&rels, &snap, oid, cutoff))
+                    (ret, rows - counts::expired(&rels, &snap, oid, cutoff))
                 })
                 .collect();
             (role, Counted { active, retained })
@@ -926,7 +932,7 @@ fn handle_batch(batch: &[usize]) {
                 // with different settings, get here: callers count in-flight requests.
                 let cutoff = crate::admission::cutoff(now, req.retention_secs);
                 let (full, next) = crate::admission::refusal_numbers(
-                    &rels,
+                    &reader,
                     &snap,
                     role,
                     cutoff,
@@ -944,7 +950,7 @@ fn handle_batch(batch: &[usize]) {
     }
     drop(snap);
     if admitted.is_empty() {
-        return;
+        return Vec::new();
     }
     // `reader` stays until the end: its locks keep the indexes chosen above from being
     // dropped (REINDEX or DROP INDEX CONCURRENTLY waits for the tables' lockers).
@@ -971,11 +977,13 @@ fn handle_batch(batch: &[usize]) {
     }
     let ledger = OpenRel::open(rels.ledger, "ledger", counts::COL_ID);
     let mut delta: Vec<(pg_sys::Oid, i64)> = Vec::new();
+    let mut changes = Vec::new();
     for (&role, &n) in &pending {
         let oid = pg_sys::Oid::from(role);
         let cutoff = crate::admission::cutoff(now, longest[&role]);
         let purged = delete_where(&ledger, &rels, &[Key::OidEq(oid), Key::TsLess(cutoff)]);
         delta.push((oid, n - purged));
+        changes.push((oid, n, n - purged));
     }
     record(&ledger, now, &admitted);
     drop(ledger);
@@ -986,6 +994,7 @@ fn handle_batch(batch: &[usize]) {
     }
     drop(summary);
     drop(reader);
+    changes
 }
 
 /// Every quota.retention configured in pg_db_role_setting that applies in this
@@ -1261,6 +1270,7 @@ fn purge_dropped_roles() {
     for tid in tids {
         summary.delete(tid);
     }
+    crate::scopes::forget(shmem::my_db(), Some(&gone));
     log!(
         "pg_quota ledger writer: removed the tickets of {} dropped role(s)",
         gone.len()
@@ -1340,9 +1350,11 @@ unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
         pg_sys::LWLockReleaseAll();
         let db = shmem::my_db();
         release_twin_guard(db);
-        let _lock = shmem::TableLock::acquire();
         let committed =
             BATCH_XID != pg_sys::InvalidTransactionId && pg_sys::TransactionIdDidCommit(BATCH_XID);
+        // Before the table lock: the scope lock is never taken while holding it.
+        crate::scopes::apply_mine(committed);
+        let _lock = shmem::TableLock::acquire();
         let hand_back = |i: usize, done: bool| {
             let s = shmem::slot(i);
             let to = if done { SLOT_DONE } else { SLOT_PENDING };

@@ -178,6 +178,12 @@ pub fn get(
     // The snapshot is taken under the exclusive lock: no change is applied until we
     // are done, and every change that S sees committed was published before that.
     let snap = Latest::take();
+    // Count as every other backend sees the ledger: without this transaction's own
+    // uncommitted changes. A ticket it finished is still active until it commits, and
+    // its finish is applied then (it is published only at commit, so no rebuild can
+    // absorb it); counting it as ended here would count that finish twice.
+    // SAFETY: `take` registered a private copy of the snapshot.
+    unsafe { (*snap.0).curcid = pg_sys::FirstCommandId };
     let (active, rows) = count(&snap);
     for procno in 0..shmem::n_slots() {
         for p in shmem::pending(procno) {

@@ -60,3 +60,22 @@ SELECT quota.finish(:'t2');
 ROLLBACK;
 SELECT quota.try_start('after rollback') IS NULL AS still_refused;
 RESET ROLE;
+
+-- A counter rebuilt inside a transaction that already finished a ticket counts that
+-- ticket as still active (as every other session sees it), so that the finish, applied
+-- when the transaction commits, is counted once. TRUNCATE quota.summary gives the
+-- summary a new relfilenode, which makes the next reader rebuild the counter.
+SELECT id AS t3 FROM quota.ledger
+ WHERE role = 'quota_subx'::regrole AND ended_at IS NULL \gset
+BEGIN;
+SET LOCAL ROLE quota_subx;
+SELECT quota.finish(:'t3');
+RESET ROLE;
+TRUNCATE quota.summary;
+SET LOCAL ROLE quota_subx;
+SELECT quota.try_start('rebuilt inside') IS NULL AS refused_before_commit;
+COMMIT;
+SET ROLE quota_subx;
+SELECT count(*) AS admitted_after_commit FROM generate_series(1, 3) i
+ WHERE quota.try_start('after rebuild ' || i) IS NOT NULL;
+RESET ROLE;

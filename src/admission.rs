@@ -254,9 +254,11 @@ fn admit_under_lock(
     {
         let reader = Reader::open();
         let snap = Latest::take();
-        if let Decision::Refuse(r) =
-            decide(limits, usage_for(&reader, &snap, role, cutoff, limits), false)
-        {
+        if let Decision::Refuse(r) = decide(
+            limits,
+            usage_for(&reader, &snap, role, cutoff, limits),
+            false,
+        ) {
             return refuse(&reader, &snap, r.kind);
         }
     }

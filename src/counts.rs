@@ -110,7 +110,11 @@ pub fn lock_bounded(relid: pg_sys::Oid, mode: u32) {
     // the lock manager when it starts to wait; restored right after the wait.
     let session = unsafe { pg_sys::LockTimeout };
     let bound = LOCK_WAIT.as_millis() as i32;
-    let limit = if session > 0 { session.min(bound) } else { bound };
+    let limit = if session > 0 {
+        session.min(bound)
+    } else {
+        bound
+    };
     let _restore = Restore(session);
     // SAFETY: as above.
     unsafe { pg_sys::LockTimeout = limit };
@@ -253,7 +257,10 @@ fn find_index(heap: pg_sys::Relation, keys: &[usize]) -> Option<pg_sys::Oid> {
                 && ix.indisready
                 && ix.indislive
                 && nkeys >= keys.len()
-                && keys.iter().enumerate().all(|(k, &col)| key(k) == col && plain_order(k))
+                && keys
+                    .iter()
+                    .enumerate()
+                    .all(|(k, &col)| key(k) == col && plain_order(k))
                 && pg_sys::RelationGetIndexExpressions(idx).is_null()
                 && pg_sys::RelationGetIndexPredicate(idx).is_null();
             pg_sys::index_close(idx, pg_sys::NoLock as i32);
@@ -309,7 +316,9 @@ fn discover() -> Rels {
         let missing = |table: &str, cols: &str| -> ! {
             raise(QuotaError::BadShape {
                 relation: format!("quota.{table}"),
-                why: format!("It has no valid btree index on ({cols}), which pg_quota created and needs"),
+                why: format!(
+                    "It has no valid btree index on ({cols}), which pg_quota created and needs"
+                ),
             })
         };
         Rels {

@@ -89,7 +89,10 @@ fn note_dropped_role() {
 }
 
 #[pg_guard]
-unsafe extern "C-unwind" fn xact_event(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+unsafe extern "C-unwind" fn xact_event(
+    event: pg_sys::XactEvent::Type,
+    _arg: *mut std::ffi::c_void,
+) {
     // SAFETY: single-threaded backend state; the shared counter is atomic.
     unsafe {
         if !DROPPED_ROLE_IN_XACT {
@@ -181,12 +184,14 @@ fn is_template(db: pg_sys::Oid) -> bool {
     // SAFETY: a syscache lookup; the tuple is released before we return, and its
     // fixed-size part is FormData_pg_database.
     unsafe {
-        let tup = pg_sys::SearchSysCache1(pg_sys::SysCacheIdentifier::DATABASEOID as i32, db.into());
+        let tup =
+            pg_sys::SearchSysCache1(pg_sys::SysCacheIdentifier::DATABASEOID as i32, db.into());
         if tup.is_null() {
             return false;
         }
         let data = (*tup).t_data;
-        let form = (data as *const u8).add((*data).t_hoff as usize) as *const pg_sys::FormData_pg_database;
+        let form =
+            (data as *const u8).add((*data).t_hoff as usize) as *const pg_sys::FormData_pg_database;
         let t = (*form).datistemplate;
         pg_sys::ReleaseSysCache(tup);
         t
@@ -197,7 +202,10 @@ fn is_template(db: pg_sys::Oid) -> bool {
 ///
 /// # Safety
 /// `options` is NIL or a List of DefElem.
-unsafe fn option(options: &*mut pg_sys::List, name: &std::ffi::CStr) -> Option<*mut pg_sys::DefElem> {
+unsafe fn option(
+    options: &*mut pg_sys::List,
+    name: &std::ffi::CStr,
+) -> Option<*mut pg_sys::DefElem> {
     // SAFETY: per the contract above.
     unsafe {
         let list = *options;

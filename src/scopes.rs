@@ -105,7 +105,8 @@ impl Drop for Held {
 }
 
 fn home(db: u32, role: u32) -> usize {
-    let h = (u64::from(db).wrapping_mul(0x9E37_79B9_7F4A_7C15)) ^ u64::from(role).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    let h = (u64::from(db).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        ^ u64::from(role).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
     (h >> 17) as usize % N_SCOPES
 }
 
@@ -241,19 +242,29 @@ pub fn apply_mine(committed: bool) {
         return;
     }
     let mine = shmem::pending(shmem::my_procno());
-    if mine.iter().all(|p| p.state.load(Ordering::Acquire) == PENDING_FREE) {
+    if mine
+        .iter()
+        .all(|p| p.state.load(Ordering::Acquire) == PENDING_FREE)
+    {
         return;
     }
     let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
     for p in mine {
         let set = p
             .state
-            .compare_exchange(PENDING_SET, PENDING_FREE, Ordering::AcqRel, Ordering::Acquire)
+            .compare_exchange(
+                PENDING_SET,
+                PENDING_FREE,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
             .is_ok();
         if set && committed {
             if let Some(e) = find(p.db.load(Ordering::Relaxed), p.role.load(Ordering::Relaxed)) {
-                e.active.fetch_add(p.d_active.load(Ordering::Relaxed), Ordering::AcqRel);
-                e.rows.fetch_add(p.d_rows.load(Ordering::Relaxed), Ordering::AcqRel);
+                e.active
+                    .fetch_add(p.d_active.load(Ordering::Relaxed), Ordering::AcqRel);
+                e.rows
+                    .fetch_add(p.d_rows.load(Ordering::Relaxed), Ordering::AcqRel);
             }
         }
         p.state.store(PENDING_FREE, Ordering::Release);
@@ -321,7 +332,10 @@ pub fn note_finish(role: pg_sys::Oid) {
 }
 
 #[pg_guard]
-unsafe extern "C-unwind" fn xact_event(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+unsafe extern "C-unwind" fn xact_event(
+    event: pg_sys::XactEvent::Type,
+    _arg: *mut std::ffi::c_void,
+) {
     // SAFETY: single-threaded backend state.
     unsafe {
         let finished = &mut *std::ptr::addr_of_mut!(FINISHED);

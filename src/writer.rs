@@ -104,7 +104,8 @@ pub fn enqueue(fill: impl FnOnce(&mut Request)) {
     // SAFETY: the slot is FREE and ours (indexed by our PGPROC number), so nobody
     // else reads its payload until we publish it with the Release store below.
     unsafe { fill(&mut *slot.request.get()) };
-    slot.dboid.store(u32::from(shmem::my_db()), Ordering::Relaxed);
+    slot.dboid
+        .store(u32::from(shmem::my_db()), Ordering::Relaxed);
     // SAFETY: a plain read of backend state.
     let role = unsafe { pg_sys::GetUserId() };
     slot.role.store(u32::from(role), Ordering::Relaxed);
@@ -258,9 +259,9 @@ impl Patience {
 /// Withdraws our own request if the writer has not claimed it.
 fn withdraw_mine() {
     let slot = shmem::slot(shmem::my_procno());
-    let _ = slot
-        .state
-        .compare_exchange(SLOT_PENDING, SLOT_FREE, Ordering::AcqRel, Ordering::Acquire);
+    let _ =
+        slot.state
+            .compare_exchange(SLOT_PENDING, SLOT_FREE, Ordering::AcqRel, Ordering::Acquire);
 }
 
 fn database_name(db: pg_sys::Oid) -> String {
@@ -632,7 +633,8 @@ fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64) {
         }
         let dropped = shmem::roles_dropped().load(Ordering::Acquire);
         if dropped != roles_dropped || purge_again.is_some_and(|t| Instant::now() >= t) {
-            purge_again = (dropped != roles_dropped).then(|| Instant::now() + Duration::from_secs(1));
+            purge_again =
+                (dropped != roles_dropped).then(|| Instant::now() + Duration::from_secs(1));
             roles_dropped = dropped;
             try_in_transaction("purge the tickets of dropped roles", purge_dropped_roles);
         }
@@ -910,8 +912,7 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
 
     let mut admitted: Vec<(pgrx::Uuid, pg_sys::Oid, Option<&[u8]>)> = Vec::new();
     let mut pending: HashMap<u32, i64> = HashMap::new();
-    for (((&i, req), breq), decision) in batch.iter().zip(&requests).zip(&breqs).zip(&decisions)
-    {
+    for (((&i, req), breq), decision) in batch.iter().zip(&requests).zip(&breqs).zip(&decisions) {
         // SAFETY: as above; the reply belongs to the writer while the slot is CLAIMED.
         let reply = unsafe { &mut *shmem::slot(i).reply.get() };
         let role = pg_sys::Oid::from(breq.role);
@@ -981,7 +982,12 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
     for (&role, &n) in &pending {
         let oid = pg_sys::Oid::from(role);
         let cutoff = crate::admission::cutoff(now, longest[&role]);
-        let purged = delete_where(&ledger, &rels, &[Key::OidEq(oid), Key::TsLess(cutoff)]);
+        let purged = delete_where(
+            &ledger,
+            rels.ledger_idx,
+            &[Key::OidEq(oid), Key::TsLess(cutoff)],
+            |_| true,
+        );
         delta.push((oid, n - purged));
         changes.push((oid, n, n - purged));
     }
@@ -1025,8 +1031,10 @@ fn configured_retentions() -> Vec<(pg_sys::Oid, i64)> {
                 break;
             }
             let mut isnull = false;
-            let setdb = pg_sys::Oid::from(pg_sys::heap_getattr(tup, 1, desc, &mut isnull).value() as u32);
-            let role = pg_sys::Oid::from(pg_sys::heap_getattr(tup, 2, desc, &mut isnull).value() as u32);
+            let setdb =
+                pg_sys::Oid::from(pg_sys::heap_getattr(tup, 1, desc, &mut isnull).value() as u32);
+            let role =
+                pg_sys::Oid::from(pg_sys::heap_getattr(tup, 2, desc, &mut isnull).value() as u32);
             let config = pg_sys::heap_getattr(tup, 3, desc, &mut isnull);
             if isnull || (setdb != db && setdb != pg_sys::InvalidOid) {
                 continue;
@@ -1035,12 +1043,23 @@ fn configured_retentions() -> Vec<(pg_sys::Oid, i64)> {
             let mut elems: *mut pg_sys::Datum = std::ptr::null_mut();
             let mut nulls: *mut bool = std::ptr::null_mut();
             let mut n = 0;
-            pg_sys::deconstruct_array(arr, pg_sys::TEXTOID, -1, false, b'i' as _, &mut elems, &mut nulls, &mut n);
+            pg_sys::deconstruct_array(
+                arr,
+                pg_sys::TEXTOID,
+                -1,
+                false,
+                b'i' as _,
+                &mut elems,
+                &mut nulls,
+                &mut n,
+            );
             for k in 0..n as usize {
                 if *nulls.add(k) {
                     continue;
                 }
-                let item = std::ffi::CStr::from_ptr(pg_sys::text_to_cstring((*elems.add(k)).cast_mut_ptr()));
+                let item = std::ffi::CStr::from_ptr(pg_sys::text_to_cstring(
+                    (*elems.add(k)).cast_mut_ptr(),
+                ));
                 let Some(value) = item.to_bytes().strip_prefix(b"quota.retention=") else {
                     continue;
                 };
@@ -1048,7 +1067,12 @@ fn configured_retentions() -> Vec<(pg_sys::Oid, i64)> {
                     continue;
                 };
                 let mut secs = 0;
-                if pg_sys::parse_int(value.as_ptr(), &mut secs, pg_sys::GUC_UNIT_S as i32, std::ptr::null_mut()) {
+                if pg_sys::parse_int(
+                    value.as_ptr(),
+                    &mut secs,
+                    pg_sys::GUC_UNIT_S as i32,
+                    std::ptr::null_mut(),
+                ) {
                     out.push((role, i64::from(secs)));
                 }
             }
@@ -1059,36 +1083,38 @@ fn configured_retentions() -> Vec<(pg_sys::Oid, i64)> {
     out
 }
 
-/// Deletes the ledger rows that `keys` select on the (role, ended_at) index, under
-/// the latest snapshot, directly in the heap: no SQL, so no trigger or rule a DBA
-/// added fires, as for every other write pg_quota makes. Returns how many it deleted.
-fn delete_where(ledger: &OpenRel, rels: &counts::Rels, keys: &[Key]) -> i64 {
+/// Deletes the rows of `rel` that `keys` select on its index `index` and `wanted`
+/// accepts, under the latest snapshot, directly in the heap: no SQL, so no trigger or
+/// rule a DBA added fires, as for every other write pg_quota makes. Returns how many
+/// it deleted.
+fn delete_where(
+    rel: &OpenRel,
+    index: pg_sys::Oid,
+    keys: &[Key],
+    wanted: impl Fn(*mut pg_sys::TupleTableSlot) -> bool,
+) -> i64 {
     // SAFETY: makes our earlier writes in this transaction visible to the snapshot.
     unsafe { pg_sys::CommandCounterIncrement() };
     let snap = Latest::take();
     let mut tids = Vec::new();
-    counts::scan_open(
-        ledger.heap,
-        ledger.index(rels.ledger_idx),
-        &snap,
-        keys,
-        |slot| {
-            // SAFETY: the slot holds a visible ledger tuple.
+    counts::scan_open(rel.heap, rel.index(index), &snap, keys, |slot| {
+        if wanted(slot) {
+            // SAFETY: the slot holds a visible tuple of `rel`.
             tids.push(unsafe { (*slot).tts_tid });
-            true
-        },
-    );
+        }
+        true
+    });
     drop(snap);
     let mut n = 0;
     for tid in tids {
-        match ledger.delete(tid) {
+        match rel.delete(tid) {
             pg_sys::TM_Result::TM_Ok => n += 1,
             // Changed or deleted meanwhile (a superuser's SQL, say): leave it; a
             // later purge sees its new version.
             pg_sys::TM_Result::TM_Updated
             | pg_sys::TM_Result::TM_Deleted
             | pg_sys::TM_Result::TM_SelfModified => {}
-            other => pgrx::error!("pg_quota: unexpected result {other} deleting a ledger row"),
+            other => pgrx::error!("pg_quota: unexpected result {other} deleting a row"),
         }
     }
     n
@@ -1243,33 +1269,13 @@ fn purge_dropped_roles() {
     }
     let ledger = OpenRel::open(rels.ledger, "ledger", counts::COL_ID);
     for &role in &gone {
-        delete_where(&ledger, &rels, &[Key::OidEq(role)]);
+        delete_where(&ledger, rels.ledger_idx, &[Key::OidEq(role)], |_| true);
     }
     drop(ledger);
     let summary = OpenRel::open(rels.summary, "summary", 1);
-    // SAFETY: makes the deletes above visible to the snapshot below.
-    unsafe { pg_sys::CommandCounterIncrement() };
-    let snap = Latest::take();
-    let mut tids = Vec::new();
-    counts::scan_open(
-        summary.heap,
-        summary.index(rels.summary_idx),
-        &snap,
-        &[],
-        |slot| {
-            if let Some(d) = counts::attr(slot, 1) {
-                if gone.contains(&pg_sys::Oid::from(d.value() as u32)) {
-                    // SAFETY: the slot holds a visible summary tuple.
-                    tids.push(unsafe { (*slot).tts_tid });
-                }
-            }
-            true
-        },
-    );
-    drop(snap);
-    for tid in tids {
-        summary.delete(tid);
-    }
+    delete_where(&summary, rels.summary_idx, &[], |slot| {
+        counts::attr(slot, 1).is_some_and(|d| gone.contains(&pg_sys::Oid::from(d.value() as u32)))
+    });
     crate::scopes::forget(shmem::my_db(), Some(&gone));
     log!(
         "pg_quota ledger writer: removed the tickets of {} dropped role(s)",

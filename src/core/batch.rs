@@ -46,7 +46,10 @@ pub fn needs(requests: &[BatchRequest]) -> HashMap<u32, Needs> {
     for r in requests.iter().filter(|r| !r.exempt) {
         let n = out.entry(r.role).or_default();
         if r.limits.max_active > 0 {
-            n.active_cap = Some(n.active_cap.map_or(r.limits.max_active, |c| c.max(r.limits.max_active)));
+            n.active_cap = Some(
+                n.active_cap
+                    .map_or(r.limits.max_active, |c| c.max(r.limits.max_active)),
+            );
         }
         if r.limits.max_retained > 0 && !n.retentions.contains(&r.retention_secs) {
             n.retentions.push(r.retention_secs);

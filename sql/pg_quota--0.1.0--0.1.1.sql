@@ -37,6 +37,11 @@ CREATE TRIGGER ledger_written AFTER INSERT OR UPDATE OR DELETE ON quota.ledger
     FOR EACH STATEMENT EXECUTE FUNCTION quota.ledger_written();
 CREATE TRIGGER ledger_truncated AFTER TRUNCATE ON quota.ledger
     FOR EACH STATEMENT EXECUTE FUNCTION quota.ledger_written();
+-- Fire also under session_replication_role = replica (logical replication apply,
+-- pg_restore --disable-triggers does not use it): pg_quota's counters rely on them
+-- (src/scopes.rs) and are not used while they are missing or disabled.
+ALTER TABLE quota.ledger ENABLE ALWAYS TRIGGER ledger_written;
+ALTER TABLE quota.ledger ENABLE ALWAYS TRIGGER ledger_truncated;
 
 CREATE FUNCTION quota.summary_written() RETURNS trigger
     LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$

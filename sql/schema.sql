@@ -112,6 +112,11 @@ CREATE TRIGGER ledger_written AFTER INSERT OR UPDATE OR DELETE ON quota.ledger
     FOR EACH STATEMENT EXECUTE FUNCTION quota.ledger_written();
 CREATE TRIGGER ledger_truncated AFTER TRUNCATE ON quota.ledger
     FOR EACH STATEMENT EXECUTE FUNCTION quota.ledger_written();
+-- Fire also under session_replication_role = replica (logical replication apply,
+-- pg_restore --disable-triggers does not use it): pg_quota's counters rely on them
+-- (src/scopes.rs) and are not used while they are missing or disabled.
+ALTER TABLE quota.ledger ENABLE ALWAYS TRIGGER ledger_written;
+ALTER TABLE quota.ledger ENABLE ALWAYS TRIGGER ledger_truncated;
 
 -- Summary rows come only from the writer. Rows that SQL inserts or updates (a
 -- superuser by hand, or pg_restore of a dump) are skipped; deleting them is harmless,

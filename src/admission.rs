@@ -50,9 +50,10 @@ pub fn refusal_numbers(
 ) -> (Usage, Option<pg_sys::TimestampTz>) {
     let r = &reader.rels;
     let (active, rows) = counts::scope(reader, snap, role);
+    // As in counts::usage: a snapshot that sees every purge the counter reflects.
     let usage = Usage {
         active,
-        retained: rows - counts::expired(r, snap, role, cutoff),
+        retained: rows - counts::expired(r, &Latest::take(), role, cutoff),
     };
     let next = (kind == RefusalKind::Retained)
         .then(|| counts::oldest_ended(r, snap, role, cutoff))

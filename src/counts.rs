@@ -54,6 +54,11 @@ pub struct Rels {
     pub summary: pg_sys::Oid,
     /// A valid btree index whose first column is the summary's role.
     pub summary_idx: pg_sys::Oid,
+    /// Whether the scope counters may be used: only when the triggers that mark them
+    /// stale after SQL-level writes to the ledger exist and fire always (0.1.0's schema
+    /// has none; a DBA may disable them, and session_replication_role = replica skips
+    /// triggers that are not ENABLE ALWAYS).
+    pub counters_ok: bool,
 }
 
 // Backend-local cache of `Rels`, cleared by relcache invalidations of any of them.
@@ -304,6 +309,7 @@ fn discover() -> Rels {
         );
         let ledger_pkey = find_index(l, &[COL_ID]);
         let ledger_idx = find_index(l, &[COL_ROLE, COL_ENDED_AT]);
+        let counters_ok = triggers_always(l, &[c"ledger_written", c"ledger_truncated"]);
         pg_sys::table_close(l, pg_sys::NoLock as i32);
         let s = pg_sys::table_open(summary, pg_sys::NoLock as i32);
         check_shape(
@@ -327,7 +333,25 @@ fn discover() -> Rels {
             ledger_idx: ledger_idx.unwrap_or_else(|| missing("ledger", "role, ended_at")),
             summary,
             summary_idx: summary_idx.unwrap_or_else(|| missing("summary", "role")),
+            counters_ok,
         }
+    }
+}
+
+/// Whether `rel` has every trigger in `names`, each enabled ALWAYS ('A').
+fn triggers_always(rel: pg_sys::Relation, names: &[&std::ffi::CStr]) -> bool {
+    // SAFETY: an open relation's relcache trigger descriptor, read only.
+    unsafe {
+        let td = (*rel).trigdesc;
+        if td.is_null() {
+            return false;
+        }
+        let trigs = std::slice::from_raw_parts((*td).triggers, (*td).numtriggers as usize);
+        names.iter().all(|n| {
+            trigs.iter().any(|t| {
+                std::ffi::CStr::from_ptr(t.tgname) == *n && t.tgenabled == b'A' as std::ffi::c_char
+            })
+        })
     }
 }
 
@@ -351,8 +375,9 @@ pub fn rels() -> Rels {
 /// pg_quota's relations, read-locked (bounded) until dropped.
 pub struct Reader {
     pub rels: Rels,
-    /// The relfilenodes of the ledger and the summary, which scope counters must match.
-    pub tags: crate::scopes::Tags,
+    /// The relfilenodes of the ledger and the summary, which scope counters must match;
+    /// None when counters must not be used or stored now (see `tags_of`).
+    pub tags: Option<crate::scopes::Tags>,
     _locks: Locks,
 }
 
@@ -372,15 +397,25 @@ fn filenode(rel: pg_sys::Relation) -> u32 {
     }
 }
 
-fn tags_of(rels: &Rels) -> crate::scopes::Tags {
+/// The tags scope counters must carry, or None if counters must not be used: the
+/// triggers are missing or not ENABLE ALWAYS, or this transaction gave either table a
+/// relfilenode that is not committed yet (a TRUNCATE, say), which a counter built now
+/// would carry after the transaction commits, though built without its changes.
+fn tags_of(rels: &Rels) -> Option<crate::scopes::Tags> {
+    if !rels.counters_ok {
+        return None;
+    }
     // SAFETY: both relations are locked by the caller.
     unsafe {
         let l = pg_sys::table_open(rels.ledger, pg_sys::NoLock as i32);
         let s = pg_sys::table_open(rels.summary, pg_sys::NoLock as i32);
-        let tags = crate::scopes::Tags {
+        let fresh = |r: pg_sys::Relation| {
+            (*r).rd_newRelfilenodeSubid != 0 || (*r).rd_firstRelfilenodeSubid != 0
+        };
+        let tags = (!fresh(l) && !fresh(s)).then(|| crate::scopes::Tags {
             ledger: filenode(l),
             summary: filenode(s),
-        };
+        });
         pg_sys::table_close(s, pg_sys::NoLock as i32);
         pg_sys::table_close(l, pg_sys::NoLock as i32);
         tags
@@ -710,10 +745,18 @@ pub fn next_role(r: &Rels, snap: &Latest, after: pg_sys::Oid) -> Option<pg_sys::
 /// full, counted from the ledger under `snap`.
 pub fn scope(reader: &Reader, snap: &Latest, role: pg_sys::Oid) -> (i64, i64) {
     let r = &reader.rels;
-    crate::scopes::get(crate::shmem::my_db(), role, reader.tags, |s| {
-        (active(r, s, role, None), rows(r, s, role))
-    })
-    .unwrap_or_else(|| (active(r, snap, role, None), rows(r, snap, role)))
+    reader
+        .tags
+        .and_then(|tags| {
+            crate::scopes::get(crate::shmem::my_db(), role, tags, |s| {
+                // A rebuild holds the counters' lock: never count a whole history
+                // under it. Without a summary row, count this once without a
+                // counter; the writer rebuilds the summary row meanwhile.
+                let rows = summary_rows(r, s, role)?;
+                Some((active(r, s, role, None), rows))
+            })
+        })
+        .unwrap_or_else(|| (active(r, snap, role, None), rows(r, snap, role)))
 }
 
 /// The scope's usage as admission needs it: each count only where its limit is set
@@ -733,7 +776,9 @@ pub fn usage(
     crate::core::Usage {
         active: if max_active.is_some() { active } else { 0 },
         retained: if count_retained {
-            rows - expired(&reader.rels, snap, role, cutoff)
+            // A snapshot taken after the counter was read: it sees every purge the
+            // counter already reflects, so no purged row is subtracted twice.
+            rows - expired(&reader.rels, &Latest::take(), role, cutoff)
         } else {
             0
         },

@@ -68,6 +68,7 @@ unsafe extern "C-unwind" fn object_access(
             let name = pg_sys::get_extension_name(object_id);
             if !name.is_null() && std::ffi::CStr::from_ptr(name) == c"pg_quota" {
                 crate::writer::request_exit(crate::shmem::my_db(), true);
+                crate::scopes::forget(crate::shmem::my_db(), None);
             }
         } else if class_id == pg_sys::AuthIdRelationId {
             note_dropped_role();

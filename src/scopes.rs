@@ -162,7 +162,7 @@ pub fn get(
     db: pg_sys::Oid,
     role: pg_sys::Oid,
     tags: Tags,
-    count: impl FnOnce(&Latest) -> (i64, i64),
+    count: impl FnOnce(&Latest) -> Option<(i64, i64)>,
 ) -> Option<(i64, i64)> {
     let (db, role) = (u32::from(db), u32::from(role));
     {
@@ -185,7 +185,7 @@ pub fn get(
     // absorb it); counting it as ended here would count that finish twice.
     // SAFETY: `take` registered a private copy of the snapshot.
     unsafe { (*snap.0).curcid = pg_sys::FirstCommandId };
-    let (active, rows) = count(&snap);
+    let (active, rows) = count(&snap)?;
     for procno in 0..shmem::n_slots() {
         for p in shmem::pending(procno) {
             if p.state.load(Ordering::Acquire) == PENDING_SET

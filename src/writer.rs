@@ -524,7 +524,7 @@ pub extern "C-unwind" fn pg_quota_writer_main(arg: pg_sys::Datum) {
     configure_session();
     // Before anything is admitted: tickets of roles dropped while no writer ran.
     let roles_dropped = shmem::roles_dropped().load(Ordering::Acquire);
-    try_in_transaction("purge the tickets of dropped roles", purge_dropped_roles);
+    purge_dropped_roles_and_counters();
     try_in_transaction("rebuild the summary", rebuild_summary);
     main_loop(idx, db, roles_dropped);
 }
@@ -636,7 +636,7 @@ fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64) {
             purge_again =
                 (dropped != roles_dropped).then(|| Instant::now() + Duration::from_secs(1));
             roles_dropped = dropped;
-            try_in_transaction("purge the tickets of dropped roles", purge_dropped_roles);
+            purge_dropped_roles_and_counters();
         }
         if w.rebuild_summary.swap(false, Ordering::AcqRel) {
             try_in_transaction("rebuild the summary", rebuild_summary);
@@ -677,9 +677,15 @@ fn report_stats() {
 /// database between our read of its database and the swap is handed back.
 fn claim(db: pg_sys::Oid) -> Vec<usize> {
     let mut batch = Vec::new();
+    // A batch publishes one counter change per role (see scopes.rs): at most as many
+    // roles as fit; the others wait for the next batch.
+    let mut roles: Vec<pg_sys::Oid> = Vec::new();
     for i in 0..shmem::n_slots() {
         let s = shmem::slot(i);
         if load_state(s) != SLOT_PENDING || s.dboid() != db {
+            continue;
+        }
+        if !roles.contains(&s.role()) && roles.len() == crate::scopes::PENDING_PER_SLOT {
             continue;
         }
         if s.state
@@ -703,6 +709,9 @@ fn claim(db: pg_sys::Oid) -> Vec<usize> {
                 }
             }
             continue;
+        }
+        if !roles.contains(&s.role()) {
+            roles.push(s.role());
         }
         batch.push(i);
         if batch.len() == MAX_BATCH {
@@ -1195,6 +1204,23 @@ fn add_to_summary(rels: &counts::Rels, summary: &OpenRel, role: pg_sys::Oid, n: 
     }
 }
 
+thread_local! {
+    /// Roles whose tickets the last purge deleted; their counters are forgotten once
+    /// that purge has committed (a rebuild before would count the deleted rows).
+    static DROPPED: std::cell::RefCell<Vec<pg_sys::Oid>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `purge_dropped_roles` in a transaction of its own, then forgets the counters of the
+/// roles it purged.
+fn purge_dropped_roles_and_counters() {
+    DROPPED.with_borrow_mut(Vec::clear);
+    try_in_transaction("purge the tickets of dropped roles", purge_dropped_roles);
+    let gone = DROPPED.with_borrow_mut(std::mem::take);
+    if !gone.is_empty() {
+        crate::scopes::forget(shmem::my_db(), Some(&gone));
+    }
+}
+
 /// Runs `f` in a transaction of its own. A failure (a lock held too long by
 /// maintenance, say) is logged and does not stop the writer: admissions go on, and the
 /// work is tried again on the next occasion.
@@ -1276,7 +1302,7 @@ fn purge_dropped_roles() {
     delete_where(&summary, rels.summary_idx, &[], |slot| {
         counts::attr(slot, 1).is_some_and(|d| gone.contains(&pg_sys::Oid::from(d.value() as u32)))
     });
-    crate::scopes::forget(shmem::my_db(), Some(&gone));
+    DROPPED.with_borrow_mut(|d| d.clone_from(&gone));
     log!(
         "pg_quota ledger writer: removed the tickets of {} dropped role(s)",
         gone.len()

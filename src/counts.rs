@@ -759,6 +759,24 @@ pub fn scope(reader: &Reader, snap: &Latest, role: pg_sys::Oid) -> (i64, i64) {
         .unwrap_or_else(|| (active(r, snap, role, None), rows(r, snap, role)))
 }
 
+/// The roles with ledger rows visible to `snap` that `keep` accepts, walking the
+/// ledger with `next_role` (one index probe per role).
+pub fn roles_where(
+    r: &Rels,
+    snap: &Latest,
+    mut keep: impl FnMut(pg_sys::Oid) -> bool,
+) -> Vec<pg_sys::Oid> {
+    let mut out = Vec::new();
+    let mut after = pg_sys::InvalidOid;
+    while let Some(role) = next_role(r, snap, after) {
+        if keep(role) {
+            out.push(role);
+        }
+        after = role;
+    }
+    out
+}
+
 /// The scope's usage as admission needs it: each count only where its limit is set
 /// (`None` means no limit, so that count is not needed to decide).
 pub fn usage(

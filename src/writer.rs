@@ -1245,14 +1245,9 @@ fn rebuild_summary() {
     let reader = Reader::open();
     let rels = reader.rels;
     let snap = Latest::take();
-    let mut missing = Vec::new();
-    let mut after = pg_sys::InvalidOid;
-    while let Some(role) = counts::next_role(&rels, &snap, after) {
-        if counts::summary_rows(&rels, &snap, role).is_none() {
-            missing.push(role);
-        }
-        after = role;
-    }
+    let missing = counts::roles_where(&rels, &snap, |role| {
+        counts::summary_rows(&rels, &snap, role).is_none()
+    });
     drop(snap);
     if missing.is_empty() {
         return;
@@ -1270,14 +1265,7 @@ fn purge_dropped_roles() {
     let reader = Reader::open();
     let rels = reader.rels;
     let snap = Latest::take();
-    let mut gone = Vec::new();
-    let mut after = pg_sys::InvalidOid;
-    while let Some(role) = counts::next_role(&rels, &snap, after) {
-        if !role_exists(role) {
-            gone.push(role);
-        }
-        after = role;
-    }
+    let mut gone = counts::roles_where(&rels, &snap, |role| !role_exists(role));
     // Roles whose summary row outlived their tickets.
     counts::scan(rels.summary, rels.summary_idx, &snap, &[], |slot| {
         if let Some(d) = counts::attr(slot, 1) {

@@ -14,16 +14,6 @@ all_indexes() {
   sql -c "SELECT indexrelid::regclass FROM pg_index
            WHERE indrelid IN ('quota.ledger'::regclass, 'quota.summary'::regclass) ORDER BY 1"
 }
-# summary_matches_ledger: every summary row equals its role's ledger rows (a role
-# without a summary row is counted from the ledger, so a missing row is fine); prints
-# the roles that are off.
-summary_matches_ledger() {
-  local off
-  off=$(sql -c "SELECT s.role::regrole || ': summary ' || s.tickets || ', ledger ' || coalesce(l.n, 0)
-                  FROM quota.summary s LEFT JOIN (SELECT role, count(*) AS n FROM quota.ledger GROUP BY role) l USING (role)
-                 WHERE s.tickets IS DISTINCT FROM coalesce(l.n, 0)")
-  [ -z "$off" ] || { echo "# $off" | tr '\n' ' '; echo; return 1; }
-}
 
 sql -c "CREATE EXTENSION pg_quota" -c "CREATE EXTENSION amcheck" \
     -c "CREATE ROLE ci_tenant LOGIN" -c "CREATE ROLE ci_fresh LOGIN" \

@@ -12,16 +12,6 @@ sqlstate() {  # sqlstate USER SQL: the SQLSTATE that SQL ends with, as USER
   timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -h "$CL" -p "$PORT" -U "$1" -d postgres \
     -c "$2" -c '\echo SQLSTATE=:SQLSTATE' 2>>"$CL/errors" | sed -n 's/^SQLSTATE=//p'
 }
-# summary_matches_ledger: every summary row equals its role's ledger rows (a role
-# without a summary row is counted from the ledger, so a missing row is fine); prints
-# the roles that are off.
-summary_matches_ledger() {
-  local off
-  off=$(sql -c "SELECT s.role::regrole || ': summary ' || s.tickets || ', ledger ' || coalesce(l.n, 0)
-                  FROM quota.summary s LEFT JOIN (SELECT role, count(*) AS n FROM quota.ledger GROUP BY role) l USING (role)
-                 WHERE s.tickets IS DISTINCT FROM coalesce(l.n, 0)")
-  [ -z "$off" ] || { echo "# $off" | tr '\n' ' '; echo; return 1; }
-}
 
 sql -c "CREATE EXTENSION pg_quota" \
     -c "CREATE ROLE uo_a LOGIN" -c "CREATE ROLE uo_b LOGIN" -c "CREATE ROLE uo_p LOGIN"

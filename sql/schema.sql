@@ -62,6 +62,10 @@ $guard$;
 -- quota.finish() updates, acting as the owner. Nobody else has any privilege on it (I5).
 -- "role" is a regrole, so that pg_dump writes role names and a restore into another
 -- cluster, where roles have other OIDs, keeps each charge with its role.
+-- From 0.2.0: lease_until (the ticket stops being active then; NULL = never),
+-- idempotency_key (a repeated start() with it returns this ticket), and pid (the
+-- starting backend). An expired ticket is written down by the ledger writer with
+-- ended_at = lease_until and outcome 'expired'.
 CREATE TABLE quota.ledger (
     id          uuid        PRIMARY KEY,
     role        regrole     NOT NULL,
@@ -69,15 +73,24 @@ CREATE TABLE quota.ledger (
     started_at  timestamptz NOT NULL,
     ended_at    timestamptz,
     outcome     text,
+    lease_until     timestamptz,
+    idempotency_key text,
+    pid             integer,
     CONSTRAINT ledger_outcome_check
-        CHECK (outcome IN ('succeeded', 'failed', 'cancelled')),
+        CHECK (outcome IN ('succeeded', 'failed', 'cancelled', 'expired')),
     CONSTRAINT ledger_ended_has_outcome
         CHECK ((ended_at IS NULL) = (outcome IS NULL))
 );
 
--- Serves both counts admission needs: active tickets (ended_at IS NULL, which btree
--- keeps together at the end of each role's range) and ended tickets past the cutoff.
-CREATE INDEX ledger_role_ended_idx ON quota.ledger (role, ended_at);
+-- Serves every count admission needs for one role: active tickets (ended_at IS NULL,
+-- which btree keeps together at the end of each role's range), among them those whose
+-- lease ran out (ordered by lease_until), and ended tickets past the cutoff.
+CREATE INDEX ledger_role_ended_idx ON quota.ledger (role, ended_at, lease_until);
+-- The database's active tickets (quota.max_active_per_database) and its leases that
+-- ran out (the writer's expiry sweep), without walking every role.
+CREATE INDEX ledger_open_idx ON quota.ledger (ended_at, lease_until);
+-- Idempotent starts: a role's tickets by key.
+CREATE INDEX ledger_role_key_idx ON quota.ledger (role, idempotency_key);
 
 -- One row per role: how many ledger rows it has. Kept by the writer in the same
 -- transaction as each insert and purge, so admission never scans a role's history.
@@ -135,23 +148,57 @@ GRANT USAGE ON SCHEMA quota TO PUBLIC;
 
 -- Usage per role, for the roles that have retained tickets. Superusers see every row,
 -- other roles their own. "retained" uses the quota.retention of the reading session.
+-- A ticket whose lease ran out counts as ended at its lease_until, whether or not the
+-- ledger writer has written that down yet.
 CREATE VIEW quota.usage WITH (security_barrier) AS
 WITH params AS (
-    SELECT pg_catalog.current_setting('quota.retention')::pg_catalog.interval AS retention
-)
-SELECT l.role                                                        AS role,
-       pg_catalog.count(*) FILTER (WHERE l.ended_at IS NULL)         AS active,
-       pg_catalog.count(*)                                           AS retained,
-       (pg_catalog.min(l.ended_at) OPERATOR(pg_catalog.+) p.retention) AS next_ageout
-  FROM quota.ledger l, params p
- WHERE (l.ended_at IS NULL
-        OR l.ended_at OPERATOR(pg_catalog.>=)
-           (pg_catalog.now() OPERATOR(pg_catalog.-) p.retention))
-   AND (l.role::pg_catalog.oid OPERATOR(pg_catalog.=)
-          (SELECT r.oid FROM pg_catalog.pg_roles r
-            WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER)
+    SELECT pg_catalog.current_setting('quota.retention')::pg_catalog.interval AS retention,
+           pg_catalog.now() AS now
+), tickets AS (
+    SELECT l.role,
+           CASE WHEN l.ended_at IS NULL AND l.lease_until OPERATOR(pg_catalog.<=) p.now
+                THEN l.lease_until ELSE l.ended_at END AS ended_at,
+           p.retention,
+           p.now
+      FROM quota.ledger l, params p
+     WHERE l.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+             (SELECT r.oid FROM pg_catalog.pg_roles r
+               WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER)
         OR (SELECT r.rolsuper FROM pg_catalog.pg_roles r
-             WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER))
- GROUP BY l.role, p.retention;
+             WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER)
+)
+SELECT t.role                                                        AS role,
+       pg_catalog.count(*) FILTER (WHERE t.ended_at IS NULL)         AS active,
+       pg_catalog.count(*)                                           AS retained,
+       (pg_catalog.min(t.ended_at) OPERATOR(pg_catalog.+) t.retention) AS next_ageout
+  FROM tickets t
+ WHERE t.ended_at IS NULL
+    OR t.ended_at OPERATOR(pg_catalog.>=) (t.now OPERATOR(pg_catalog.-) t.retention)
+ GROUP BY t.role, t.retention;
 
 GRANT SELECT ON quota.usage TO PUBLIC;
+
+-- The holders: one row per ticket in the ledger. Roles see their own tickets,
+-- superusers all; a role can find its orphans here (after a cancelled start() or a
+-- lost client) and finish them. pid is the backend that started the ticket. A
+-- ticket whose lease ran out shows as ended at lease_until with outcome 'expired'.
+CREATE VIEW quota.tickets WITH (security_barrier) AS
+SELECT l.id,
+       l.role,
+       l.label,
+       l.started_at,
+       l.lease_until,
+       CASE WHEN l.ended_at IS NULL AND l.lease_until OPERATOR(pg_catalog.<=) pg_catalog.now()
+            THEN l.lease_until ELSE l.ended_at END AS ended_at,
+       CASE WHEN l.ended_at IS NULL AND l.lease_until OPERATOR(pg_catalog.<=) pg_catalog.now()
+            THEN 'expired'::pg_catalog.text ELSE l.outcome END AS outcome,
+       l.idempotency_key,
+       l.pid
+  FROM quota.ledger l
+ WHERE l.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+         (SELECT r.oid FROM pg_catalog.pg_roles r
+           WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER)
+    OR (SELECT r.rolsuper FROM pg_catalog.pg_roles r
+         WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER);
+
+GRANT SELECT ON quota.tickets TO PUBLIC;

@@ -3,7 +3,9 @@
 
 use pgrx::pg_sys;
 
-use crate::core::{check_label, decide, Decision, Limits, QuotaError, Refusal, RefusalKind, Usage};
+use crate::core::{
+    check_key, check_label, decide, Decision, Limits, QuotaError, Refusal, RefusalKind, Usage,
+};
 use crate::counts::{self, Latest, Reader};
 use crate::error::raise;
 use crate::writer::{self, Answer};
@@ -31,11 +33,36 @@ pub fn usage_for(
     r: &Reader,
     snap: &Latest,
     role: pg_sys::Oid,
+    now: pg_sys::TimestampTz,
     cutoff: pg_sys::TimestampTz,
     limits: Limits,
 ) -> Usage {
     let max_active = (limits.max_active > 0).then_some(limits.max_active);
-    counts::usage(r, snap, role, cutoff, max_active, limits.max_retained > 0)
+    let mut u = counts::usage(r, snap, role, now, cutoff, max_active, limits.max_retained > 0);
+    if limits.max_db > 0 {
+        u.db_active = counts::db_active(&r.rels, snap, now, limits.max_db);
+    }
+    u
+}
+
+/// The ticket of `role` with idempotency key `key` (bytes in the server encoding)
+/// that is still retained for a caller whose retention starts at `cutoff`, if any.
+pub fn retained_with_key(
+    rels: &counts::Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    key: &[u8],
+    now: pg_sys::TimestampTz,
+    cutoff: pg_sys::TimestampTz,
+) -> Option<[u8; 16]> {
+    // SAFETY: copies the bytes into a palloc'd text datum.
+    let datum = pg_sys::Datum::from(unsafe {
+        pg_sys::cstring_to_text_with_len(key.as_ptr().cast(), key.len() as i32)
+    });
+    counts::with_key(rels, snap, role, datum)
+        .into_iter()
+        .find(|&(_, ended, lease)| crate::core::lease::is_retained(ended, lease, now, cutoff))
+        .map(|(id, _, _)| id)
 }
 
 /// The full numbers for a refusal's message, and when capacity returns if the
@@ -44,19 +71,30 @@ pub fn refusal_numbers(
     reader: &Reader,
     snap: &Latest,
     role: pg_sys::Oid,
+    now: pg_sys::TimestampTz,
     cutoff: pg_sys::TimestampTz,
     retention_secs: i64,
     kind: RefusalKind,
 ) -> (Usage, Option<pg_sys::TimestampTz>) {
     let r = &reader.rels;
     let (active, rows) = counts::scope(reader, snap, role);
-    // As in counts::usage: a snapshot that sees every purge the counter reflects.
+    // As in counts::usage: a snapshot that sees every purge and sweep the counter
+    // reflects.
+    let after = Latest::take();
+    let lapsed = counts::lapsed(r, &after, role, now, cutoff);
     let usage = Usage {
-        active,
-        retained: rows - counts::expired(r, &Latest::take(), role, cutoff),
+        active: active - lapsed.expired,
+        retained: rows - counts::expired(r, &after, role, cutoff) - lapsed.aged_out,
+        ..Usage::default()
     };
     let next = (kind == RefusalKind::Retained)
-        .then(|| counts::oldest_ended(r, snap, role, cutoff))
+        .then(|| {
+            let ended = counts::oldest_ended(r, snap, role, cutoff);
+            match (ended, lapsed.oldest_retained) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            }
+        })
         .flatten()
         .map(|t| t.saturating_add(retention_secs.saturating_mul(1_000_000)));
     (usage, next)
@@ -151,6 +189,18 @@ pub fn role_name(role: pg_sys::Oid) -> String {
     }
 }
 
+fn database_name() -> String {
+    // SAFETY: a syscache lookup of our own database, which exists while we are in it.
+    unsafe {
+        let p = pg_sys::get_database_name(shmem::my_db());
+        if p.is_null() {
+            u32::from(shmem::my_db()).to_string()
+        } else {
+            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    }
+}
+
 fn format_ts(ts: pg_sys::TimestampTz) -> String {
     // SAFETY: timestamptz_to_str formats into a static buffer that we copy at once.
     unsafe {
@@ -168,6 +218,7 @@ fn refusal(
 ) -> QuotaError {
     QuotaError::Refused {
         role: role_name(role),
+        database: database_name(),
         refusal: Refusal {
             kind,
             usage,
@@ -177,13 +228,103 @@ fn refusal(
     }
 }
 
+/// What a start() call asks for, beyond the caller's settings.
+pub struct StartArgs<'a> {
+    /// Text in the server encoding, passed through as bytes: a LATIN1 or SQL_ASCII
+    /// database has labels that are not UTF-8, and its characters are counted by the
+    /// server's rules. The same holds for the idempotency key.
+    pub label: Option<&'a [u8]>,
+    pub key: Option<&'a [u8]>,
+    /// An interval datum; None means quota.default_lease.
+    pub lease: Option<pg_sys::Datum>,
+    /// An interval datum: how long to wait for capacity; None means not at all.
+    pub wait: Option<pg_sys::Datum>,
+}
+
+impl StartArgs<'_> {
+    /// The arguments of 0.1.x's start(label).
+    pub fn label_only(label: Option<&[u8]>) -> StartArgs<'_> {
+        StartArgs {
+            label,
+            key: None,
+            lease: None,
+            wait: None,
+        }
+    }
+}
+
+/// `ts + interval`, as PostgreSQL computes `timestamptz + interval` in this session
+/// (months and days follow the calendar in the session's time zone).
+pub fn plus(ts: pg_sys::TimestampTz, interval: pg_sys::Datum) -> pg_sys::TimestampTz {
+    // SAFETY: timestamptz_pl_interval takes a timestamptz and an interval datum, and
+    // raises 22008 when the result is out of range.
+    unsafe {
+        pgrx::fcinfo::direct_function_call_as_datum(
+            pg_sys::timestamptz_pl_interval,
+            &[Some(ts.into()), Some(interval)],
+        )
+        .expect("timestamptz + interval is not null")
+        .value() as i64
+    }
+}
+
+/// The interval's text, for error messages.
+pub fn interval_text(interval: pg_sys::Datum) -> String {
+    // SAFETY: interval_out returns a palloc'd C string.
+    unsafe {
+        let p = pgrx::fcinfo::direct_function_call_as_datum(pg_sys::interval_out, &[Some(interval)])
+            .expect("interval_out is not null");
+        std::ffi::CStr::from_ptr(p.cast_mut_ptr()).to_string_lossy().into_owned()
+    }
+}
+
+/// When the lease of a ticket started at `now` runs out: `now + lease`, or, without
+/// one, `now + quota.default_lease` (None when that is 0: the ticket never expires).
+/// A lease must be longer than zero.
+pub fn lease_until(
+    now: pg_sys::TimestampTz,
+    lease: Option<pg_sys::Datum>,
+) -> Result<Option<pg_sys::TimestampTz>, QuotaError> {
+    match lease {
+        Some(l) => {
+            let until = plus(now, l);
+            if until <= now {
+                return Err(QuotaError::InvalidInterval {
+                    what: "lease",
+                    value: interval_text(l),
+                });
+            }
+            Ok(Some(until))
+        }
+        None => Ok(match gucs::default_lease_secs() {
+            0 => None,
+            secs => Some(now.saturating_add(secs.saturating_mul(1_000_000))),
+        }),
+    }
+}
+
+/// Counts the characters of `bytes` in the server encoding.
+fn chars(bytes: &[u8]) -> usize {
+    // SAFETY: the length is that of a text datum, which fits in an int.
+    unsafe { pg_sys::pg_mbstrlen_with_len(bytes.as_ptr().cast(), bytes.len() as i32) as usize }
+}
+
+/// A refusal as the start path carries it, made into an error at the end.
+struct Refused {
+    kind: RefusalKind,
+    usage: Usage,
+    next: Option<pg_sys::TimestampTz>,
+}
+
 /// Admits one ticket for `current_user`, or returns the refusal (53400) as an error
 /// value so that try_start can turn it into NULL. Every other error raises.
 ///
-/// `label` is text in the server encoding, passed through as bytes: a LATIN1 or
-/// SQL_ASCII database has labels that are not UTF-8, and its characters are counted
-/// by the server's rules.
-pub fn start(label: Option<&[u8]>, name: &std::ffi::CStr) -> Result<pgrx::Uuid, QuotaError> {
+/// With a wait, a refused start takes a place in line (see waiters.rs) and looks again
+/// whenever a finish() of its scope or database commits, when the next lease in its
+/// way runs out, and at least every waiters::POLL_MS, until it is admitted or its time
+/// is up. The wait sleeps on the latch, so statement_timeout and pg_cancel_backend end
+/// it; nothing is charged for a wait that ends so.
+pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, QuotaError> {
     require_callable(name);
     // A standby or a read-only transaction refuses with 25006, as nextval() does:
     // the charge is a write, even though it is not the caller's own.
@@ -192,75 +333,197 @@ pub fn start(label: Option<&[u8]>, name: &std::ffi::CStr) -> Result<pgrx::Uuid, 
         pg_sys::PreventCommandDuringRecovery(name.as_ptr());
         pg_sys::PreventCommandIfReadOnly(name.as_ptr());
     }
-    if let Some(l) = label {
-        // SAFETY: counts the characters of `l` in the server encoding; the length is
-        // that of a text datum, which fits in an int.
-        let chars = unsafe { pg_sys::pg_mbstrlen_with_len(l.as_ptr().cast(), l.len() as i32) };
-        check_label(chars as usize, l.len())?;
+    if let Some(l) = args.label {
+        check_label(chars(l), l.len())?;
     }
-    // SAFETY: plain reads of backend state.
-    let (role, exempt) = unsafe {
+    if let Some(k) = args.key {
+        check_key(chars(k), k.len())?;
+    }
+    // SAFETY: plain reads of backend state and the clock.
+    let (role, exempt, now) = unsafe {
         let role = pg_sys::GetUserId();
-        (role, pg_sys::superuser_arg(role))
+        (role, pg_sys::superuser_arg(role), pg_sys::GetCurrentTimestamp())
     };
     let limits = gucs::limits();
+    let rels = counts::rels();
+    if !rels.v2() {
+        // The library is newer than the database's schema: 0.1.x's calls work as
+        // they did; what needs 0.2.0's columns says how to get them.
+        if limits.max_db > 0 && !exempt {
+            rels.require_v2("quota.max_active_per_database");
+        }
+        if args.key.is_some() {
+            rels.require_v2("an idempotency key");
+        }
+        if args.lease.is_some() {
+            rels.require_v2("a lease");
+        }
+    }
+    // Check the lease now, so that a bad one fails before any wait.
+    lease_until(now, args.lease)?;
+    let deadline = match args.wait {
+        None => now,
+        Some(w) => {
+            let d = plus(now, w);
+            if d < now {
+                return Err(QuotaError::InvalidInterval {
+                    what: "wait",
+                    value: interval_text(w),
+                });
+            }
+            d
+        }
+    };
+
+    let mut place: Option<crate::waiters::Place> = None;
+    loop {
+        let seq = place.as_ref().map_or(u64::MAX, |p| p.seq);
+        let r = match attempt(args, role, exempt, limits, seq)? {
+            Ok(id) => return Ok(id),
+            Err(r) => r,
+        };
+        // SAFETY: plain clock read.
+        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        if now >= deadline {
+            return Err(refusal(role, r.kind, r.usage, r.next));
+        }
+        let Some(p) = &place else {
+            // Take a place in line, then look again at once: a finish() that
+            // committed before we were in line could not wake us.
+            place = Some(crate::waiters::Place::take(role, r.kind));
+            continue;
+        };
+        p.refused_by(r.kind);
+        if p.woken() {
+            continue;
+        }
+        // The next change that could admit us without anyone finishing: a lease in our
+        // way running out, or, at the retained limit, the oldest ticket ageing out.
+        let next = {
+            let reader = Reader::open();
+            let snap = Latest::take();
+            let scope = (r.kind != RefusalKind::Database).then_some(role);
+            let expiry = counts::next_expiry(&reader.rels, &snap, scope, now);
+            match (expiry, r.next) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            }
+        };
+        writer::nap(crate::core::lease::wait_ms(
+            now,
+            deadline,
+            next,
+            crate::waiters::POLL_MS,
+        ));
+    }
+}
+
+/// One try at admission for a caller at place `seq` in line (u64::MAX if it is not
+/// waiting). The outer Result carries errors, the inner one refusals.
+fn attempt(
+    args: &StartArgs,
+    role: pg_sys::Oid,
+    exempt: bool,
+    limits: Limits,
+    seq: u64,
+) -> Result<Result<pgrx::Uuid, Refused>, QuotaError> {
+    // SAFETY: plain clock read.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let retention = gucs::retention_secs();
+    let cutoff = cutoff(now, retention);
+    // An idempotent repeat is answered here, whatever the limits say: it charges
+    // nothing. The writer checks again, for requests racing with the same key.
+    if let Some(key) = args.key {
+        let reader = Reader::open();
+        let snap = Latest::take();
+        if let Some(id) = retained_with_key(&reader.rels, &snap, role, key, now, cutoff) {
+            return Ok(Ok(pgrx::Uuid::from_bytes(id)));
+        }
+    }
+    let lease_until = lease_until(now, args.lease)?;
+    // SAFETY: a plain read of backend state.
+    let pid = unsafe { pg_sys::MyProcPid };
     let fill = |r: &mut shmem::Request| {
         r.exempt = exempt;
         r.max_active = limits.max_active;
         r.max_retained = limits.max_retained;
+        r.max_db = limits.max_db;
         r.retention_secs = retention;
-        r.has_label = label.is_some();
-        let bytes = label.unwrap_or(b"");
+        r.has_label = args.label.is_some();
+        let bytes = args.label.unwrap_or(b"");
         r.label[..bytes.len()].copy_from_slice(bytes);
         r.label_len = bytes.len();
+        r.has_key = args.key.is_some();
+        let key = args.key.unwrap_or(b"");
+        r.key[..key.len()].copy_from_slice(key);
+        r.key_len = key.len();
+        r.lease_until = lease_until;
+        r.pid = pid;
     };
 
-    let unlimited = limits.max_active == 0 && limits.max_retained == 0;
+    let unlimited = limits.max_active == 0 && limits.max_retained == 0 && limits.max_db == 0;
     let answer = if exempt || unlimited {
         // I7: superusers are never refused; the writer still records their ticket.
-        // With both limits off there is nothing to count either.
+        // With every limit off there is nothing to count either.
         writer::enqueue(fill);
         writer::wait()
     } else {
-        match admit_under_lock(role, limits, retention, fill) {
-            Ok(()) => writer::wait(),
-            Err(refused) => return Err(refused),
+        match admit_under_lock(args, role, limits, now, retention, seq, fill) {
+            Ok(Ok(())) => writer::wait(),
+            Ok(Err(refused)) => return Ok(Err(refused)),
+            Err(id) => return Ok(Ok(id)),
         }
     };
-    match answer {
+    Ok(match answer {
         Answer::Admitted(id) => Ok(pgrx::Uuid::from_bytes(id)),
-        Answer::Refused(kind, usage, next) => Err(refusal(role, kind, usage, next)),
-    }
+        Answer::Refused(kind, usage, next) => Err(Refused { kind, usage, next }),
+    })
 }
 
 /// The limited path of start(): refuses from the committed state without a lock, or
-/// hands the request to the writer under the scope lock once it surely fits.
+/// hands the request to the writer under the scope lock once it surely fits. Err
+/// carries the ticket of an idempotent repeat found meanwhile.
 fn admit_under_lock(
+    args: &StartArgs,
     role: pg_sys::Oid,
     limits: Limits,
+    now: pg_sys::TimestampTz,
     retention: i64,
+    seq: u64,
     fill: impl FnOnce(&mut shmem::Request),
-) -> Result<(), QuotaError> {
-    // SAFETY: plain clock read.
-    let cutoff = cutoff(unsafe { pg_sys::GetCurrentTimestamp() }, retention);
-    let refuse = |reader: &Reader, snap: &Latest, kind| {
-        let (usage, next) = refusal_numbers(reader, snap, role, cutoff, retention, kind);
-        Err(refusal(role, kind, usage, next))
+) -> Result<Result<(), Refused>, pgrx::Uuid> {
+    let cutoff = cutoff(now, retention);
+    let refuse = |reader: &Reader, snap: &Latest, kind, ahead: (i64, i64), db_active| {
+        let (mut usage, next) =
+            refusal_numbers(reader, snap, role, now, cutoff, retention, kind);
+        usage.db_active = db_active;
+        if kind == RefusalKind::Database {
+            usage.ahead = ahead.1;
+        } else {
+            usage.active += ahead.0;
+            usage.retained += ahead.0;
+            usage.ahead = ahead.0;
+        }
+        Ok(Err(Refused { kind, usage, next }))
+    };
+    // Starts waiting ahead of this one take the next free slots (see waiters.rs).
+    let with_ahead = |u: Usage, (of_role, of_db): (i64, i64)| Usage {
+        active: u.active + of_role,
+        retained: u.retained + of_role,
+        db_active: u.db_active + of_db,
+        ahead: of_role + of_db,
     };
 
     // Refusals need no lock: a committed count at the limit is a correct answer at
     // the moment of the snapshot. This keeps a role hammering at its limit from
     // queueing on its own scope lock. The Reader's table locks end with the reads.
     {
+        let ahead = crate::waiters::ahead(role, seq);
         let reader = Reader::open();
         let snap = Latest::take();
-        if let Decision::Refuse(r) = decide(
-            limits,
-            usage_for(&reader, &snap, role, cutoff, limits),
-            false,
-        ) {
-            return refuse(&reader, &snap, r.kind);
+        let usage = usage_for(&reader, &snap, role, now, cutoff, limits);
+        if let Decision::Refuse(r) = decide(limits, with_ahead(usage, ahead), false) {
+            return refuse(&reader, &snap, r.kind, ahead, r.usage.db_active);
         }
     }
 
@@ -269,7 +532,8 @@ fn admit_under_lock(
     // fit. The lock makes count-and-enqueue atomic per scope, so the decision here is
     // exact; it is released before we wait for the writer, so one role's starts share
     // the writer's commits. The writer checks again in any case (it is the single
-    // authority), so this only keeps refusals off the writer.
+    // authority: for the database cap, which spans scopes, it is the only exact
+    // check), so this only keeps refusals off the writer.
     let _lock = ScopeLock::acquire(role);
     let mut waited = writer::Patience::new();
     loop {
@@ -277,15 +541,25 @@ fn admit_under_lock(
         // writer commits in between is then counted twice (we wait and count again),
         // never missed. The other order could miss it in both places.
         let inflight = writer::inflight(role);
+        let inflight_db = if limits.max_db > 0 { writer::inflight_db() } else { 0 };
+        let ahead = crate::waiters::ahead(role, seq);
         let reader = Reader::open();
         let snap = Latest::take();
-        let usage = usage_for(&reader, &snap, role, cutoff, limits);
+        if let Some(key) = args.key {
+            // A request with our key, committed while we waited for in-flight ones.
+            if let Some(id) = retained_with_key(&reader.rels, &snap, role, key, now, cutoff) {
+                return Err(pgrx::Uuid::from_bytes(id));
+            }
+        }
+        let usage = with_ahead(usage_for(&reader, &snap, role, now, cutoff, limits), ahead);
         if let Decision::Refuse(r) = decide(limits, usage, false) {
-            return refuse(&reader, &snap, r.kind);
+            return refuse(&reader, &snap, r.kind, ahead, r.usage.db_active);
         }
         let with_inflight = Usage {
             active: usage.active + inflight,
             retained: usage.retained + inflight,
+            db_active: usage.db_active + inflight_db,
+            ahead: usage.ahead,
         };
         if decide(limits, with_inflight, false) == Decision::Admit {
             break;
@@ -299,5 +573,5 @@ fn admit_under_lock(
         waited.check_writer();
     }
     writer::enqueue(fill);
-    Ok(())
+    Ok(Ok(()))
 }

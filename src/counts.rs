@@ -35,7 +35,13 @@ pub const COL_LABEL: usize = 3;
 pub const COL_STARTED_AT: usize = 4;
 pub const COL_ENDED_AT: usize = 5;
 pub const COL_OUTCOME: usize = 6;
-pub const NCOLS: usize = 6;
+/// Columns added by 0.2.0 (sql/pg_quota--0.1.1--0.2.0.sql appends them).
+pub const COL_LEASE_UNTIL: usize = 7;
+pub const COL_KEY: usize = 8;
+pub const COL_PID: usize = 9;
+/// The ledger's columns in the schemas of 0.1.x and of 0.2.0.
+pub const NCOLS_V1: usize = 6;
+pub const NCOLS_V2: usize = 9;
 
 /// How long a caller waits for a lock on one of pg_quota's relations before it gives
 /// up with 55P03 (or the session's lock_timeout, if shorter).
@@ -49,8 +55,20 @@ pub struct Rels {
     pub ledger: pg_sys::Oid,
     /// A valid btree index whose first column is the ledger's id.
     pub ledger_pkey: pg_sys::Oid,
-    /// A valid btree index on (role, ended_at, …).
+    /// A valid btree index on (role, ended_at, …); from 0.2.0 on (role, ended_at,
+    /// lease_until, …), so that a role's active tickets whose lease ran out are one
+    /// probe away.
     pub ledger_idx: pg_sys::Oid,
+    /// 0.2.0: a valid btree index on (ended_at, lease_until, …): the database's active
+    /// tickets (the database cap) and its leases that ran out (the expiry sweep).
+    /// InvalidOid with an older schema.
+    pub ledger_open_idx: pg_sys::Oid,
+    /// 0.2.0: a valid btree index on (role, idempotency_key, …). InvalidOid with an
+    /// older schema.
+    pub ledger_key_idx: pg_sys::Oid,
+    /// The ledger's column count: NCOLS_V1 (0.1.x's schema, still in place until
+    /// ALTER EXTENSION pg_quota UPDATE) or NCOLS_V2.
+    pub ncols: usize,
     pub summary: pg_sys::Oid,
     /// A valid btree index whose first column is the summary's role.
     pub summary_idx: pg_sys::Oid,
@@ -59,6 +77,23 @@ pub struct Rels {
     /// has none; a DBA may disable them, and session_replication_role = replica skips
     /// triggers that are not ENABLE ALWAYS).
     pub counters_ok: bool,
+}
+
+impl Rels {
+    /// Whether the database has 0.2.0's schema (leases, idempotency keys, pids).
+    pub fn v2(&self) -> bool {
+        self.ncols == NCOLS_V2
+    }
+
+    /// Raises the clear error of a 0.2.0 feature used on an older schema.
+    pub fn require_v2(&self, feature: &'static str) {
+        if !self.v2() {
+            raise(QuotaError::NeedsUpdate {
+                feature,
+                needs: "0.2.0",
+            });
+        }
+    }
 }
 
 // Backend-local cache of `Rels`, cleared by relcache invalidations of any of them.
@@ -75,6 +110,8 @@ unsafe extern "C-unwind" fn relcache_changed(_arg: pg_sys::Datum, relid: pg_sys:
                 r.ledger,
                 r.ledger_pkey,
                 r.ledger_idx,
+                r.ledger_open_idx,
+                r.ledger_key_idx,
                 r.summary,
                 r.summary_idx,
             ];
@@ -194,8 +231,15 @@ fn relid(ns: pg_sys::Oid, name: &std::ffi::CStr, ext: pg_sys::Oid) -> pg_sys::Oi
 }
 
 /// The column types pg_quota reads and writes, by table. `role` is `oid` in 0.1.0's
-/// schema and `regrole` from 0.1.1 on; both are the same four bytes.
-fn check_shape(rel: pg_sys::Relation, name: &str, want: &[(&str, &[pg_sys::Oid])]) {
+/// schema and `regrole` from 0.1.1 on; both are the same four bytes. `counts` are the
+/// column counts of the schemas this library runs on: the table must have one of them,
+/// and its columns must match the first that many of `want`.
+fn check_shape(
+    rel: pg_sys::Relation,
+    name: &str,
+    want: &[(&str, &[pg_sys::Oid])],
+    counts: &[usize],
+) -> usize {
     // SAFETY: an open relation's tuple descriptor.
     unsafe {
         let desc = (*rel).rd_att;
@@ -206,13 +250,13 @@ fn check_shape(rel: pg_sys::Relation, name: &str, want: &[(&str, &[pg_sys::Oid])
                 why,
             })
         };
-        if natts != want.len() {
+        if !counts.contains(&natts) {
             bad(format!(
                 "It has {natts} columns; pg_quota writes exactly {}",
                 want.len()
             ));
         }
-        for (i, (col, types)) in want.iter().enumerate() {
+        for (i, (col, types)) in want.iter().take(natts).enumerate() {
             let att = (*desc).attrs.as_ptr().add(i);
             if (*att).attisdropped {
                 bad(format!("Column {} ({col}) was dropped", i + 1));
@@ -226,6 +270,7 @@ fn check_shape(rel: pg_sys::Relation, name: &str, want: &[(&str, &[pg_sys::Oid])
                 ));
             }
         }
+        natts
     }
 }
 
@@ -295,7 +340,7 @@ fn discover() -> Rels {
         locks.take(summary, pg_sys::AccessShareLock);
         let role_types: &[pg_sys::Oid] = &[pg_sys::OIDOID, pg_sys::REGROLEOID];
         let l = pg_sys::table_open(ledger, pg_sys::NoLock as i32);
-        check_shape(
+        let ncols = check_shape(
             l,
             "ledger",
             &[
@@ -305,10 +350,21 @@ fn discover() -> Rels {
                 ("started_at", &[pg_sys::TIMESTAMPTZOID]),
                 ("ended_at", &[pg_sys::TIMESTAMPTZOID]),
                 ("outcome", &[pg_sys::TEXTOID]),
+                ("lease_until", &[pg_sys::TIMESTAMPTZOID]),
+                ("idempotency_key", &[pg_sys::TEXTOID]),
+                ("pid", &[pg_sys::INT4OID]),
             ],
+            &[NCOLS_V1, NCOLS_V2],
         );
+        let v2 = ncols == NCOLS_V2;
         let ledger_pkey = find_index(l, &[COL_ID]);
-        let ledger_idx = find_index(l, &[COL_ROLE, COL_ENDED_AT]);
+        let ledger_idx = if v2 {
+            find_index(l, &[COL_ROLE, COL_ENDED_AT, COL_LEASE_UNTIL])
+        } else {
+            find_index(l, &[COL_ROLE, COL_ENDED_AT])
+        };
+        let ledger_open_idx = v2.then(|| find_index(l, &[COL_ENDED_AT, COL_LEASE_UNTIL]));
+        let ledger_key_idx = v2.then(|| find_index(l, &[COL_ROLE, COL_KEY]));
         let counters_ok = triggers_always(l, &[c"ledger_written", c"ledger_truncated"]);
         pg_sys::table_close(l, pg_sys::NoLock as i32);
         let s = pg_sys::table_open(summary, pg_sys::NoLock as i32);
@@ -316,6 +372,7 @@ fn discover() -> Rels {
             s,
             "summary",
             &[("role", role_types), ("tickets", &[pg_sys::INT8OID])],
+            &[2],
         );
         let summary_idx = find_index(s, &[1]);
         pg_sys::table_close(s, pg_sys::NoLock as i32);
@@ -330,7 +387,23 @@ fn discover() -> Rels {
         Rels {
             ledger,
             ledger_pkey: ledger_pkey.unwrap_or_else(|| missing("ledger", "id")),
-            ledger_idx: ledger_idx.unwrap_or_else(|| missing("ledger", "role, ended_at")),
+            ledger_idx: ledger_idx.unwrap_or_else(|| {
+                missing(
+                    "ledger",
+                    if v2 {
+                        "role, ended_at, lease_until"
+                    } else {
+                        "role, ended_at"
+                    },
+                )
+            }),
+            ledger_open_idx: ledger_open_idx.map_or(pg_sys::InvalidOid, |i| {
+                i.unwrap_or_else(|| missing("ledger", "ended_at, lease_until"))
+            }),
+            ledger_key_idx: ledger_key_idx.map_or(pg_sys::InvalidOid, |i| {
+                i.unwrap_or_else(|| missing("ledger", "role, idempotency_key"))
+            }),
+            ncols,
             summary,
             summary_idx: summary_idx.unwrap_or_else(|| missing("summary", "role")),
             counters_ok,
@@ -439,6 +512,10 @@ impl Reader {
         }
         locks.take(rels.ledger_idx, pg_sys::AccessShareLock);
         locks.take(rels.ledger_pkey, pg_sys::AccessShareLock);
+        if rels.v2() {
+            locks.take(rels.ledger_open_idx, pg_sys::AccessShareLock);
+            locks.take(rels.ledger_key_idx, pg_sys::AccessShareLock);
+        }
         locks.take(rels.summary_idx, pg_sys::AccessShareLock);
         Reader {
             rels,
@@ -474,9 +551,24 @@ pub enum Key {
     IsNull,
     TsLess(pg_sys::TimestampTz),
     TsAtLeast(pg_sys::TimestampTz),
+    /// Equal text, compared with the index column's collation.
+    TextEq(pg_sys::Datum),
 }
 
-fn scankeys(keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
+/// Scan keys on the leading columns of `index_rel`, each with that column's collation
+/// (ScanKeyInit would give every key the C collation, which orders text differently
+/// from the index).
+fn scankeys(index_rel: pg_sys::Relation, keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
+    let mut sks = scankeys_c(keys);
+    for (i, sk) in sks.iter_mut().enumerate() {
+        // SAFETY: an open index has one collation per key column; i is below the
+        // number of keys, which find_index checked against the index's key columns.
+        sk.sk_collation = unsafe { *(*index_rel).rd_indcollation.add(i) };
+    }
+    sks
+}
+
+fn scankeys_c(keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
     keys.iter()
         .enumerate()
         .map(|(i, k)| {
@@ -490,6 +582,7 @@ fn scankeys(keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
                         (pg_sys::BTGreaterStrategyNumber, pg_sys::F_OIDGT, o.into())
                     }
                     Key::UuidEq(d) => (pg_sys::BTEqualStrategyNumber, pg_sys::F_UUID_EQ, d),
+                    Key::TextEq(d) => (pg_sys::BTEqualStrategyNumber, pg_sys::F_TEXTEQ, d),
                     Key::TsLess(t) => (
                         pg_sys::BTLessStrategyNumber,
                         pg_sys::F_TIMESTAMPTZ_LT,
@@ -573,7 +666,7 @@ pub fn scan_open(
     keys: &[Key],
     mut visit: impl FnMut(*mut pg_sys::TupleTableSlot) -> bool,
 ) {
-    let mut sk = scankeys(keys);
+    let mut sk = scankeys(index_rel, keys);
     let filter = serializable();
     // SAFETY: the caller holds both relations open and locked; the slot and scan are
     // released before we return, and an ERROR releases them with the transaction's
@@ -723,6 +816,164 @@ pub fn oldest_ended(
     oldest
 }
 
+/// Whether the version of a row in `slot` (visible to the scan's snapshot) is being
+/// replaced or was replaced by a transaction that has not aborted: a finish() or
+/// renew() still open, or the writer's expiry sweep. Such a ticket whose lease ran
+/// out still counts as active: a renew() that began before the lease ran out and
+/// commits later keeps it active (see finish::renew), so counting it as expired now
+/// could admit past the limit. Over-counting for that moment is allowed (I2).
+fn being_changed(slot: *mut pg_sys::TupleTableSlot) -> bool {
+    // SAFETY: the slot holds a heap tuple in a buffer it pins (a heap index scan's
+    // BufferHeapTupleTableSlot); its header is read under a share lock on the buffer,
+    // as heap visibility checks read it.
+    unsafe {
+        let bslot = slot as *mut pg_sys::BufferHeapTupleTableSlot;
+        let buffer = (*bslot).buffer;
+        let hdr = (*(*bslot).base.tuple).t_data;
+        pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
+        let mask = u32::from((*hdr).t_infomask);
+        let locked_only = mask & pg_sys::HEAP_XMAX_LOCK_ONLY != 0
+            || mask & (pg_sys::HEAP_XMAX_IS_MULTI | pg_sys::HEAP_LOCK_MASK)
+                == pg_sys::HEAP_XMAX_EXCL_LOCK;
+        let xid = if mask & pg_sys::HEAP_XMAX_INVALID != 0 || locked_only {
+            pg_sys::InvalidTransactionId
+        } else if mask & pg_sys::HEAP_XMAX_IS_MULTI != 0 {
+            pg_sys::HeapTupleGetUpdateXid(hdr)
+        } else {
+            (*hdr).t_choice.t_heap.t_xmax
+        };
+        pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_UNLOCK as i32);
+        xid != pg_sys::InvalidTransactionId
+            && (pg_sys::TransactionIdIsCurrentTransactionId(xid)
+                || pg_sys::TransactionIdIsInProgress(xid)
+                || pg_sys::TransactionIdDidCommit(xid))
+    }
+}
+
+/// A timestamp column of the tuple in `slot`.
+fn ts_attr(slot: *mut pg_sys::TupleTableSlot, col: usize) -> Option<pg_sys::TimestampTz> {
+    attr(slot, col as i32).map(|d| d.value() as i64)
+}
+
+/// A role's active tickets whose lease ran out by `now`, which its counter and its
+/// unfinished rows still include until the writer's expiry sweep ends them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Lapsed {
+    /// How many: they are not active.
+    pub expired: i64,
+    /// How many of them expired before the retention cutoff: not retained either.
+    pub aged_out: i64,
+    /// The earliest expiry at or after the cutoff: when the oldest of them ages out.
+    pub oldest_retained: Option<pg_sys::TimestampTz>,
+}
+
+/// `role`'s unfinished tickets whose lease ran out by `now` (0.2.0's schema only):
+/// one probe of (role, ended_at IS NULL, lease_until <= now), which the sweep keeps
+/// short. Take `snap` after reading the role's counter, so that it sees every
+/// sweep the counter reflects and nothing is subtracted twice.
+pub fn lapsed(
+    r: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    now: pg_sys::TimestampTz,
+    cutoff: pg_sys::TimestampTz,
+) -> Lapsed {
+    let mut out = Lapsed::default();
+    if !r.v2() {
+        return out;
+    }
+    scan(
+        r.ledger,
+        r.ledger_idx,
+        snap,
+        &[
+            Key::OidEq(role),
+            Key::IsNull,
+            Key::TsLess(now.saturating_add(1)),
+        ],
+        |slot| {
+            if being_changed(slot) {
+                return true;
+            }
+            let Some(until) = ts_attr(slot, COL_LEASE_UNTIL) else {
+                return true;
+            };
+            out.expired += 1;
+            if until < cutoff {
+                out.aged_out += 1;
+            } else if out.oldest_retained.is_none_or(|o| until < o) {
+                out.oldest_retained = Some(until);
+            }
+            true
+        },
+    );
+    out
+}
+
+/// The database's active tickets, all roles together, counting at most `stop_at`
+/// (0.2.0's schema only): the unfinished rows whose lease has not run out.
+pub fn db_active(r: &Rels, snap: &Latest, now: pg_sys::TimestampTz, stop_at: i64) -> i64 {
+    let mut n = 0;
+    scan(r.ledger, r.ledger_open_idx, snap, &[Key::IsNull], |slot| {
+        let active = ts_attr(slot, COL_LEASE_UNTIL).is_none_or(|l| l > now) || being_changed(slot);
+        if active {
+            n += 1;
+        }
+        n < stop_at
+    });
+    n
+}
+
+/// The earliest lease that runs out after `now` among the active tickets of `role`, or
+/// of the whole database when `role` is None: when a waiter should look again.
+pub fn next_expiry(
+    r: &Rels,
+    snap: &Latest,
+    role: Option<pg_sys::Oid>,
+    now: pg_sys::TimestampTz,
+) -> Option<pg_sys::TimestampTz> {
+    if !r.v2() {
+        return None;
+    }
+    let after = Key::TsAtLeast(now.saturating_add(1));
+    let (index, keys) = match role {
+        Some(role) => (r.ledger_idx, vec![Key::OidEq(role), Key::IsNull, after]),
+        None => (r.ledger_open_idx, vec![Key::IsNull, after]),
+    };
+    let mut first = None;
+    scan(r.ledger, index, snap, &keys, |slot| {
+        first = ts_attr(slot, COL_LEASE_UNTIL);
+        first.is_none()
+    });
+    first
+}
+
+/// The tickets of `role` with idempotency key `key` (a text datum), as (id, ended_at,
+/// lease_until) (0.2.0's schema only).
+pub fn with_key(
+    r: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    key: pg_sys::Datum,
+) -> Vec<([u8; 16], Option<pg_sys::TimestampTz>, Option<pg_sys::TimestampTz>)> {
+    let mut out = Vec::new();
+    scan(
+        r.ledger,
+        r.ledger_key_idx,
+        snap,
+        &[Key::OidEq(role), Key::TextEq(key)],
+        |slot| {
+            if let Some(d) = attr(slot, COL_ID as i32) {
+                // SAFETY: a uuid datum points at its 16 bytes.
+                let id = unsafe { *(d.cast_mut_ptr::<[u8; 16]>()) };
+                out.push((id, ts_attr(slot, COL_ENDED_AT), ts_attr(slot, COL_LEASE_UNTIL)));
+            }
+            true
+        },
+    );
+    out
+}
+
 /// The smallest role above `after` that has a ledger row visible to `snap`: one
 /// index probe per role, so walking every role of the ledger costs one probe each.
 pub fn next_role(r: &Rels, snap: &Latest, after: pg_sys::Oid) -> Option<pg_sys::Oid> {
@@ -778,11 +1029,13 @@ pub fn roles_where(
 }
 
 /// The scope's usage as admission needs it: each count only where its limit is set
-/// (`None` means no limit, so that count is not needed to decide).
+/// (`None` means no limit, so that count is not needed to decide). Tickets whose lease
+/// ran out by `now` are neither active nor, once past the cutoff, retained.
 pub fn usage(
     reader: &Reader,
     snap: &Latest,
     role: pg_sys::Oid,
+    now: pg_sys::TimestampTz,
     cutoff: pg_sys::TimestampTz,
     max_active: Option<i64>,
     count_retained: bool,
@@ -791,14 +1044,21 @@ pub fn usage(
         return crate::core::Usage::default();
     }
     let (active, rows) = scope(reader, snap, role);
+    // A snapshot taken after the counter was read: it sees every purge and every
+    // expiry sweep the counter already reflects, so nothing is subtracted twice.
+    let after = Latest::take();
+    let lapsed = lapsed(&reader.rels, &after, role, now, cutoff);
     crate::core::Usage {
-        active: if max_active.is_some() { active } else { 0 },
-        retained: if count_retained {
-            // A snapshot taken after the counter was read: it sees every purge the
-            // counter already reflects, so no purged row is subtracted twice.
-            rows - expired(&reader.rels, &Latest::take(), role, cutoff)
+        active: if max_active.is_some() {
+            active - lapsed.expired
         } else {
             0
         },
+        retained: if count_retained {
+            rows - expired(&reader.rels, &after, role, cutoff) - lapsed.aged_out
+        } else {
+            0
+        },
+        ..crate::core::Usage::default()
     }
 }

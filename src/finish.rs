@@ -8,26 +8,45 @@ use pgrx::pg_sys;
 use pgrx::prelude::*;
 
 use crate::admission::require_callable;
-use crate::core::{parse_outcome, Outcome, QuotaError};
+use crate::core::{parse_outcome, QuotaError};
 use crate::counts::{self, Key, Latest, Rels};
 use crate::heap::OpenRel;
 
-use crate::counts::{COL_ENDED_AT, COL_ID, COL_OUTCOME, COL_ROLE, NCOLS};
+use crate::counts::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE};
 
-/// Ends `ticket` with `outcome` (text in the server encoding). Returns true if this
-/// call ended it, false if it had already ended (so a retried finish never releases
-/// twice).
-pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool, QuotaError> {
-    require_callable(c"quota.finish()");
-    let ticket = ticket.ok_or(QuotaError::NullArgument("ticket"))?;
-    let outcome = parse_outcome(outcome.ok_or(QuotaError::NullArgument("outcome"))?)?;
+/// The checks finish() and renew() make first.
+fn begin(name: &std::ffi::CStr) {
+    require_callable(name);
     // SAFETY: both raise 25006 (on a standby, in a read-only transaction) or return.
     unsafe {
-        pg_sys::PreventCommandDuringRecovery(c"quota.finish()".as_ptr());
-        pg_sys::PreventCommandIfReadOnly(c"quota.finish()".as_ptr());
+        pg_sys::PreventCommandDuringRecovery(name.as_ptr());
+        pg_sys::PreventCommandIfReadOnly(name.as_ptr());
     }
-    // SAFETY: plain reads of backend state and the clock.
-    let (me, now) = unsafe { (pg_sys::GetUserId(), pg_sys::GetCurrentTimestamp()) };
+}
+
+/// I5: only the holder, a member of it, or a superuser (is_member_of_role says yes
+/// for them) may end or renew a ticket. The refusal does not say whose it is.
+fn check_holder(found: &Found, ticket: pgrx::Uuid) -> Result<(), QuotaError> {
+    // SAFETY: plain read of backend state, and a catalog lookup.
+    let me = unsafe { pg_sys::GetUserId() };
+    if found.holder != me && !unsafe { pg_sys::is_member_of_role(me, found.holder) } {
+        return Err(QuotaError::ForeignTicket {
+            ticket: ticket.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// Ends `ticket` with `outcome` (text in the server encoding). Returns true if this
+/// call ended it, false if it had already ended, or its lease had run out (so a
+/// retried finish never releases twice, and a late one never revives a slot that
+/// admission already counted as free).
+pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool, QuotaError> {
+    begin(c"quota.finish()");
+    let ticket = ticket.ok_or(QuotaError::NullArgument("ticket"))?;
+    let outcome = parse_outcome(outcome.ok_or(QuotaError::NullArgument("outcome"))?)?;
+    // SAFETY: plain read of the clock.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let ledger = OpenRel::open(counts::rels().ledger, "ledger", COL_ID);
     let rels = counts::rels();
 
@@ -35,18 +54,16 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
         // The latest snapshot, not the transaction's: under REPEATABLE READ a ticket
         // committed by the writer after our snapshot must still be found (I3).
         let snap = Latest::take();
-        let Some(found) = find(&ledger, &rels, &snap, ticket, outcome, now) else {
+        let Some(found) = find(&ledger, &rels, &snap, ticket, |values, nulls| {
+            values[COL_ENDED_AT - 1] = now.into();
+            nulls[COL_ENDED_AT - 1] = false;
+            values[COL_OUTCOME - 1] = outcome.as_str().into_datum().unwrap();
+            nulls[COL_OUTCOME - 1] = false;
+        }) else {
             return Err(QuotaError::UnknownTicket(ticket.to_string()));
         };
-        // I5: only the holder, a member of it, or a superuser (is_member_of_role
-        // says yes for them) may end a ticket. The refusal does not say whose it is.
-        // SAFETY: a catalog lookup.
-        if found.holder != me && !unsafe { pg_sys::is_member_of_role(me, found.holder) } {
-            return Err(QuotaError::ForeignTicket {
-                ticket: ticket.to_string(),
-            });
-        }
-        if found.ended {
+        check_holder(&found, ticket)?;
+        if found.ended.is_some() || found.lease_until.is_some_and(|l| l <= now) {
             return Ok(false);
         }
         match ledger.update(found.tid, found.new_tuple, &[COL_ENDED_AT, COL_OUTCOME]) {
@@ -66,24 +83,84 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
     }
 }
 
+/// Extends `ticket`'s lease to `lease` (an interval datum) from now, in the caller's
+/// transaction, and returns the new expiry. A ticket that has ended, or whose lease
+/// has run out, cannot be renewed (55000): admission may already have given its slot
+/// to someone else.
+///
+/// The order matters. The row is updated first, and only then is the old lease
+/// checked against the clock: from the update on, admission counts the ticket as
+/// active even past its old lease (counts::being_changed), so a renew that passes the
+/// check can never revive a slot that admission already handed out.
+pub fn renew(ticket: Option<pgrx::Uuid>, lease: pg_sys::Datum) -> Result<pg_sys::TimestampTz, QuotaError> {
+    begin(c"quota.renew()");
+    let ticket = ticket.ok_or(QuotaError::NullArgument("ticket"))?;
+    let rels = counts::rels();
+    rels.require_v2("quota.renew()");
+    // SAFETY: plain read of the clock.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let until = crate::admission::plus(now, lease);
+    if until <= now {
+        return Err(QuotaError::InvalidInterval {
+            what: "lease",
+            value: crate::admission::interval_text(lease),
+        });
+    }
+    let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
+    loop {
+        let snap = Latest::take();
+        let Some(found) = find(&ledger, &rels, &snap, ticket, |values, nulls| {
+            values[COL_LEASE_UNTIL - 1] = until.into();
+            nulls[COL_LEASE_UNTIL - 1] = false;
+        }) else {
+            return Err(QuotaError::UnknownTicket(ticket.to_string()));
+        };
+        check_holder(&found, ticket)?;
+        let ended = |expired| {
+            Err(QuotaError::TicketEnded {
+                ticket: ticket.to_string(),
+                expired,
+            })
+        };
+        if found.ended.is_some() {
+            return ended(found.outcome_expired);
+        }
+        match ledger.update(found.tid, found.new_tuple, &[COL_LEASE_UNTIL]) {
+            pg_sys::TM_Result::TM_Ok | pg_sys::TM_Result::TM_SelfModified => {}
+            pg_sys::TM_Result::TM_Updated | pg_sys::TM_Result::TM_Deleted => continue,
+            other => pgrx::error!("pg_quota: unexpected result {other} updating ticket {ticket}"),
+        }
+        // SAFETY: plain read of the clock, after the update.
+        let checked = unsafe { pg_sys::GetCurrentTimestamp() };
+        if found.lease_until.is_some_and(|l| l <= checked) {
+            // Raising aborts the update with the rest of the (sub)transaction.
+            return ended(true);
+        }
+        return Ok(until);
+    }
+}
+
 /// The ticket as found, and its replacement tuple.
 struct Found {
     tid: pg_sys::ItemPointerData,
     holder: pg_sys::Oid,
-    ended: bool,
+    ended: Option<pg_sys::TimestampTz>,
+    /// Whether it ended by its lease (outcome `expired`, written by the sweep).
+    outcome_expired: bool,
+    lease_until: Option<pg_sys::TimestampTz>,
     new_tuple: pg_sys::HeapTuple,
 }
 
-/// Finds the ticket through the primary key under `snap`, and forms the tuple that
-/// would end it.
+/// Finds the ticket through the primary key under `snap`, and forms its replacement
+/// tuple: a copy that `change` edits.
 fn find(
     ledger: &OpenRel,
     rels: &Rels,
     snap: &Latest,
     ticket: pgrx::Uuid,
-    outcome: Outcome,
-    now: pg_sys::TimestampTz,
+    change: impl Fn(&mut [pg_sys::Datum], &mut [bool]),
 ) -> Option<Found> {
+    let ncols = rels.ncols;
     let key = ticket.into_datum().unwrap();
     let mut found = None;
     counts::scan_open(
@@ -96,18 +173,21 @@ fn find(
             // copies every value into the new tuple.
             unsafe {
                 pg_sys::slot_getallattrs(slot);
-                let mut values = std::slice::from_raw_parts((*slot).tts_values, NCOLS).to_vec();
-                let mut nulls = std::slice::from_raw_parts((*slot).tts_isnull, NCOLS).to_vec();
+                let mut values = std::slice::from_raw_parts((*slot).tts_values, ncols).to_vec();
+                let mut nulls = std::slice::from_raw_parts((*slot).tts_isnull, ncols).to_vec();
                 let holder = pg_sys::Oid::from(values[COL_ROLE - 1].value() as u32);
-                let ended = !nulls[COL_ENDED_AT - 1];
-                values[COL_ENDED_AT - 1] = now.into();
-                nulls[COL_ENDED_AT - 1] = false;
-                values[COL_OUTCOME - 1] = outcome.as_str().into_datum().unwrap();
-                nulls[COL_OUTCOME - 1] = false;
+                let ts = |col: usize| (!nulls[col - 1]).then(|| values[col - 1].value() as i64);
+                let ended = ts(COL_ENDED_AT);
+                let lease_until = (ncols > COL_LEASE_UNTIL - 1).then(|| ts(COL_LEASE_UNTIL)).flatten();
+                let outcome_expired = !nulls[COL_OUTCOME - 1]
+                    && String::from_datum(values[COL_OUTCOME - 1], false).as_deref() == Some("expired");
+                change(&mut values, &mut nulls);
                 found = Some(Found {
                     tid: (*slot).tts_tid,
                     holder,
                     ended,
+                    outcome_expired,
+                    lease_until,
                     new_tuple: ledger.form(&mut values, &mut nulls),
                 });
             }

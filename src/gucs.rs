@@ -10,6 +10,8 @@ static MAX_ACTIVE_PER_ROLE: GucSetting<i32> = GucSetting::<i32>::new(100);
 static MAX_RETAINED_PER_ROLE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 static RETENTION: GucSetting<i32> = GucSetting::<i32>::new(7 * 24 * 3600);
 static WRITER_IDLE_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(10);
+static MAX_ACTIVE_PER_DATABASE: GucSetting<i32> = GucSetting::<i32>::new(0);
+static DEFAULT_LEASE: GucSetting<i32> = GucSetting::<i32>::new(24 * 3600);
 
 pub fn init() {
     // 0 turns the limit off; a million concurrent tickets for one role is far beyond
@@ -48,6 +50,28 @@ pub fn init() {
         GucContext::Suset,
         GucFlags::UNIT_S,
     );
+    // 0.2.0. The same range as the per-role limit: 0 turns the cap off.
+    GucRegistry::define_int_guc(
+        c"quota.max_active_per_database",
+        c"Maximum number of active tickets of all roles together in one database (0 = no limit).",
+        c"quota.start() refuses with SQLSTATE 53400 once the database holds this many unfinished tickets; superusers are never refused, but their tickets count.",
+        &MAX_ACTIVE_PER_DATABASE,
+        0,
+        1_000_000,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
+    // 0.2.0. Seconds, with units. 0: tickets started without a lease never expire.
+    GucRegistry::define_int_guc(
+        c"quota.default_lease",
+        c"How long a ticket started without a lease stays active unless it is finished or renewed (0 = for ever).",
+        c"When the lease runs out the ticket stops counting as active and ends with outcome expired.",
+        &DEFAULT_LEASE,
+        0,
+        i32::MAX,
+        GucContext::Suset,
+        GucFlags::UNIT_S,
+    );
     // Server-wide (SIGHUP): how long an idle ledger writer keeps its background
     // worker slot. Short enough that parallel query and other workers get the slot
     // back soon; long enough that a steady trickle of starts keeps one writer.
@@ -71,7 +95,12 @@ pub fn limits() -> Limits {
     Limits {
         max_active: i64::from(MAX_ACTIVE_PER_ROLE.get()),
         max_retained: i64::from(MAX_RETAINED_PER_ROLE.get()),
+        max_db: i64::from(MAX_ACTIVE_PER_DATABASE.get()),
     }
+}
+
+pub fn default_lease_secs() -> i64 {
+    i64::from(DEFAULT_LEASE.get())
 }
 
 pub fn retention_secs() -> i64 {

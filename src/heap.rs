@@ -138,9 +138,31 @@ impl OpenRel {
     /// differ, for the indexes' bottom-up deletion hint. Frees `new_tuple`.
     pub fn update(
         &self,
+        tid: pg_sys::ItemPointerData,
+        new_tuple: pg_sys::HeapTuple,
+        changed: &[usize],
+    ) -> pg_sys::TM_Result::Type {
+        self.update_waiting(tid, new_tuple, changed, true)
+    }
+
+    /// `update`, but returning TM_BeingModified instead of waiting when another
+    /// transaction is changing the row: for the writer, which must never wait for a
+    /// caller's open transaction.
+    pub fn update_nowait(
+        &self,
+        tid: pg_sys::ItemPointerData,
+        new_tuple: pg_sys::HeapTuple,
+        changed: &[usize],
+    ) -> pg_sys::TM_Result::Type {
+        self.update_waiting(tid, new_tuple, changed, false)
+    }
+
+    fn update_waiting(
+        &self,
         mut tid: pg_sys::ItemPointerData,
         new_tuple: pg_sys::HeapTuple,
         changed: &[usize],
+        wait: bool,
     ) -> pg_sys::TM_Result::Type {
         // SAFETY: the relation is open with RowExclusiveLock; heap_update WAL-logs the
         // change, takes the tuple lock, and checks SSI conflicts. No crosscheck
@@ -157,7 +179,7 @@ impl OpenRel {
                     new_tuple,
                     cid,
                     std::ptr::null_mut(),
-                    true,
+                    wait,
                     &mut tmfd,
                     &mut lockmode,
                 );
@@ -173,7 +195,7 @@ impl OpenRel {
                     new_tuple,
                     cid,
                     std::ptr::null_mut(),
-                    true,
+                    wait,
                     &mut tmfd,
                     &mut lockmode,
                     &mut update_indexes,

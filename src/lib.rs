@@ -17,6 +17,7 @@ mod heap;
 mod hooks;
 mod scopes;
 mod shmem;
+mod waiters;
 mod writer;
 
 ::pgrx::pg_module_magic!();

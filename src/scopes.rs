@@ -365,6 +365,15 @@ unsafe extern "C-unwind" fn xact_event(
             pg_sys::XactEvent::XACT_EVENT_COMMIT => {
                 apply_mine(true);
                 invalidate(overflow);
+                // Freed slots: starts waiting in this scope or for the database cap
+                // look again (see waiters.rs).
+                let mut woken: Vec<pg_sys::Oid> = Vec::new();
+                for &(role, _) in finished.iter() {
+                    if !woken.contains(&role) {
+                        woken.push(role);
+                        crate::waiters::wake(shmem::my_db(), role);
+                    }
+                }
                 finished.clear();
                 overflow.clear();
             }

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use pgrx::pg_sys;
 
-use crate::core::ticket::MAX_LABEL_BYTES;
+use crate::core::ticket::{MAX_KEY_BYTES, MAX_LABEL_BYTES};
 
 pub const SLOT_FREE: u32 = 0;
 pub const SLOT_PENDING: u32 = 1;
@@ -31,6 +31,22 @@ pub struct Request {
     pub has_label: bool,
     pub label_len: usize,
     pub label: [u8; MAX_LABEL_BYTES],
+    /// `quota.max_active_per_database` of the calling session; 0 = none.
+    pub max_db: i64,
+    /// When the lease runs out, if the ticket has one (0.2.0's schema).
+    pub lease_until: Option<pg_sys::TimestampTz>,
+    /// The idempotency key, in the server encoding, if any.
+    pub has_key: bool,
+    pub key_len: usize,
+    pub key: [u8; MAX_KEY_BYTES],
+    /// The starting backend's process id, recorded in the ledger (0.2.0's schema).
+    pub pid: i32,
+}
+
+impl Request {
+    pub fn key(&self) -> Option<&[u8]> {
+        self.has_key.then(|| &self.key[..self.key_len])
+    }
 }
 
 pub const REPLY_ADMITTED: u32 = 1;
@@ -44,10 +60,14 @@ pub const ERROR_TEXT_BYTES: usize = 512;
 pub struct Reply {
     pub kind: u32,
     pub ticket: [u8; 16],
-    /// For refusals: 1 = active limit, 2 = retained limit.
+    /// For refusals: 1 = active limit, 2 = retained limit, 3 = database cap.
     pub refusal_kind: u32,
     pub active: i64,
     pub retained: i64,
+    pub db_active: i64,
+    /// For admissions: the ticket already existed under the request's idempotency key,
+    /// and nothing was charged.
+    pub reused: bool,
     /// For refusals at the retained limit: when the oldest ended ticket ages out.
     pub next_ageout: Option<pg_sys::TimestampTz>,
     /// For errors: the writer's SQLSTATE (as PostgreSQL encodes it) and message.
@@ -116,6 +136,8 @@ struct Header {
     /// Bumped when a transaction that dropped a role commits; writers purge dropped
     /// roles' tickets when it moves (see hooks.rs and writer.rs).
     roles_dropped: AtomicU64,
+    /// The last place handed to a waiting start() (see waiters.rs).
+    wait_seq: AtomicU64,
 }
 
 const SHMEM_NAME: &CStr = c"pg_quota";
@@ -137,7 +159,8 @@ fn layout() -> (usize, usize, usize) {
         + n_writers * std::mem::size_of::<WriterEntry>()
         + n_slots * std::mem::size_of::<Slot>()
         + crate::scopes::N_SCOPES * std::mem::size_of::<crate::scopes::Scope>()
-        + n_slots * crate::scopes::PENDING_PER_SLOT * std::mem::size_of::<crate::scopes::Pending>();
+        + n_slots * crate::scopes::PENDING_PER_SLOT * std::mem::size_of::<crate::scopes::Pending>()
+        + n_slots * std::mem::size_of::<crate::waiters::Waiter>();
     (n_writers, n_slots, size)
 }
 
@@ -265,6 +288,24 @@ pub fn pending(procno: usize) -> &'static [crate::scopes::Pending] {
             crate::scopes::PENDING_PER_SLOT,
         )
     }
+}
+
+/// The waiting starts, one entry per backend (see waiters.rs), after the pending
+/// counter changes.
+pub fn waiters() -> &'static [crate::waiters::Waiter] {
+    // SAFETY: in bounds of the segment laid out by `layout`; zeroed at creation, which
+    // is a valid state of every field (all atomics).
+    unsafe {
+        let first = pending(0).as_ptr().add(n_slots() * crate::scopes::PENDING_PER_SLOT)
+            as *const crate::waiters::Waiter;
+        std::slice::from_raw_parts(first, n_slots())
+    }
+}
+
+/// The counter that orders waiting starts.
+pub fn wait_seq() -> &'static AtomicU64 {
+    // SAFETY: the header lives as long as the server; the field is atomic.
+    unsafe { &(*header()).wait_seq }
 }
 
 /// The scope counters' LWLock.

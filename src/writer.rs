@@ -39,6 +39,8 @@ const LIVENESS_EVERY: Duration = Duration::from_millis(500);
 const MAX_WRITER_STARTS: u32 = 3;
 /// The most requests one writer transaction commits together.
 const MAX_BATCH: usize = 256;
+/// How often the writer writes down the leases that ran out (see `sweep_expired`).
+const SWEEP_EVERY: Duration = Duration::from_millis(250);
 /// How often a batch is retried after the writer's statement was cancelled
 /// (pg_cancel_backend on the writer): the requests did nothing wrong.
 const MAX_CANCEL_RETRIES: u32 = 3;
@@ -58,6 +60,8 @@ pub const WRITER_LOCK_FIELD4: u16 = 0x5157; // "QW"
 
 /// The writer's answer to one start.
 pub enum Answer {
+    /// The ticket, and whether it already existed under the request's idempotency key
+    /// (nothing was charged).
     Admitted([u8; 16]),
     Refused(RefusalKind, Usage, Option<pg_sys::TimestampTz>),
 }
@@ -143,6 +147,20 @@ pub fn inflight(role: pg_sys::Oid) -> i64 {
             let s = shmem::slot(i);
             let st = load_state(s);
             (st == SLOT_PENDING || st == SLOT_CLAIMED) && s.dboid() == db && s.role() == role
+        })
+        .count() as i64
+}
+
+/// How many requests of any role in this database are in the writer's hands: what
+/// the database cap must count besides the committed tickets. Unlike `inflight`, no
+/// lock keeps other scopes from adding to it; the writer's check is the exact one.
+pub fn inflight_db() -> i64 {
+    let db = shmem::my_db();
+    (0..shmem::n_slots())
+        .filter(|&i| {
+            let s = shmem::slot(i);
+            let st = load_state(s);
+            (st == SLOT_PENDING || st == SLOT_CLAIMED) && s.dboid() == db
         })
         .count() as i64
 }
@@ -337,16 +355,18 @@ fn take_reply(slot: &'static Slot) -> Answer {
         match r.kind {
             REPLY_ADMITTED => Ok(Answer::Admitted(r.ticket)),
             REPLY_REFUSED => {
-                let kind = if r.refusal_kind == 1 {
-                    RefusalKind::Active
-                } else {
-                    RefusalKind::Retained
+                let kind = match r.refusal_kind {
+                    1 => RefusalKind::Active,
+                    2 => RefusalKind::Retained,
+                    _ => RefusalKind::Database,
                 };
                 Ok(Answer::Refused(
                     kind,
                     Usage {
                         active: r.active,
                         retained: r.retained,
+                        db_active: r.db_active,
+                        ahead: 0,
                     },
                     r.next_ageout,
                 ))
@@ -605,6 +625,7 @@ fn configure_session() {
 
 fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64) {
     let mut last_work = Instant::now();
+    let mut last_sweep = Instant::now() - SWEEP_EVERY;
     // A role drop is purged twice: at once, and a second later. The dropping backend
     // wakes us before it sends its catalog invalidations, so the first purge may still
     // see the role in our syscache.
@@ -640,6 +661,10 @@ fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64) {
         }
         if w.rebuild_summary.swap(false, Ordering::AcqRel) {
             try_in_transaction("rebuild the summary", rebuild_summary);
+        }
+        if last_sweep.elapsed() >= SWEEP_EVERY {
+            last_sweep = Instant::now();
+            sweep_expired_and_wake();
         }
         let batch = claim(db);
         if !batch.is_empty() {
@@ -892,68 +917,124 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
             limits: Limits {
                 max_active: r.max_active,
                 max_retained: r.max_retained,
+                max_db: if rels.v2() { r.max_db } else { 0 },
             },
             retention_secs: r.retention_secs,
             exempt: r.exempt,
         })
         .collect();
 
+    // Idempotent starts: a request whose key names a ticket its role still retains
+    // gets that ticket and is charged nothing; so does a request repeating a key
+    // admitted earlier in this batch. Only the writer inserts, and it handles one
+    // batch at a time, so eight sessions sending one key at once get one ticket.
+    let mut reused: Vec<Option<[u8; 16]>> = vec![None; batch.len()];
+    if rels.v2() {
+        for (k, req) in requests.iter().enumerate() {
+            let Some(key) = req.key() else { continue };
+            let cutoff = crate::admission::cutoff(now, req.retention_secs);
+            reused[k] = crate::admission::retained_with_key(&rels, &snap, roles[k], key, now, cutoff);
+        }
+    }
+    let fresh: Vec<usize> = (0..batch.len()).filter(|&k| reused[k].is_none()).collect();
+    let fresh_reqs: Vec<BatchRequest> = fresh.iter().map(|&k| breqs[k]).collect();
+
     // Count each role once, from its scope counter (see scopes.rs), and only what its
     // requests are limited by. The counter is exact for us: we are the only process
-    // that adds admissions to it, right after each commit.
-    let counted: HashMap<u32, Counted> = batch::needs(&breqs)
+    // that adds admissions to it, right after each commit. Leases that ran out are
+    // subtracted, under a snapshot taken after the counter was read.
+    let counted: HashMap<u32, Counted> = batch::needs(&fresh_reqs)
         .into_iter()
         .map(|(role, needs)| {
             let oid = pg_sys::Oid::from(role);
             let (active, rows) = counts::scope(&reader, &snap, oid);
+            let after = Latest::take();
+            let lapsed_now = counts::lapsed(&rels, &after, oid, now, pg_sys::TimestampTz::MIN);
             let retained = needs
                 .retentions
                 .iter()
                 .map(|&ret| {
                     let cutoff = crate::admission::cutoff(now, ret);
-                    (ret, rows - counts::expired(&rels, &snap, oid, cutoff))
+                    let lapsed = counts::lapsed(&rels, &after, oid, now, cutoff);
+                    (ret, rows - counts::expired(&rels, &after, oid, cutoff) - lapsed.aged_out)
                 })
                 .collect();
-            (role, Counted { active, retained })
+            (
+                role,
+                Counted {
+                    active: active - lapsed_now.expired,
+                    retained,
+                },
+            )
         })
         .collect();
-    let decisions = batch::decide_batch(&breqs, &counted);
+    // The database cap: every role's active tickets together, counted once.
+    let db_active = batch::db_cap(&fresh_reqs).map_or(0, |cap| counts::db_active(&rels, &snap, now, cap));
+    let fresh_decisions = batch::decide_batch(&fresh_reqs, &counted, db_active);
+    let mut decisions: Vec<Option<Decision>> = vec![None; batch.len()];
+    for (&k, d) in fresh.iter().zip(fresh_decisions) {
+        decisions[k] = Some(d);
+    }
 
-    let mut admitted: Vec<(pgrx::Uuid, pg_sys::Oid, Option<&[u8]>)> = Vec::new();
+    let mut admitted: Vec<Admitted> = Vec::new();
     let mut pending: HashMap<u32, i64> = HashMap::new();
-    for (((&i, req), breq), decision) in batch.iter().zip(&requests).zip(&breqs).zip(&decisions) {
+    for (k, ((&i, req), breq)) in batch.iter().zip(&requests).zip(&breqs).enumerate() {
         // SAFETY: as above; the reply belongs to the writer while the slot is CLAIMED.
         let reply = unsafe { &mut *shmem::slot(i).reply.get() };
         let role = pg_sys::Oid::from(breq.role);
-        match decision {
+        // A key admitted earlier in this batch, by this role.
+        let repeated = req.key().and_then(|key| {
+            admitted
+                .iter()
+                .find(|a| a.role == role && a.key == Some(key))
+                .map(|a| *a.id.as_bytes())
+        });
+        if let Some(id) = reused[k].or(repeated) {
+            reply.kind = REPLY_ADMITTED;
+            reply.ticket = id;
+            reply.reused = true;
+            continue;
+        }
+        match decisions[k].expect("decided") {
             Decision::Admit => {
                 let id = new_ticket_id(now);
-                admitted.push((
-                    pgrx::Uuid::from_bytes(id),
+                admitted.push(Admitted {
+                    id: pgrx::Uuid::from_bytes(id),
                     role,
-                    req.has_label.then(|| &req.label[..req.label_len]),
-                ));
+                    label: req.has_label.then(|| &req.label[..req.label_len]),
+                    key: req.key(),
+                    lease_until: req.lease_until,
+                    pid: req.pid,
+                });
                 *pending.entry(breq.role).or_default() += 1;
                 reply.kind = REPLY_ADMITTED;
                 reply.ticket = id;
+                reply.reused = false;
             }
             Decision::Refuse(r) => {
-                // Only a caller cancelled after handing over its request, or sessions
-                // with different settings, get here: callers count in-flight requests.
+                // Only a caller cancelled after handing over its request, sessions
+                // with different settings, or roles racing for the database cap get
+                // here: callers count their own scope's in-flight requests.
                 let cutoff = crate::admission::cutoff(now, req.retention_secs);
                 let (full, next) = crate::admission::refusal_numbers(
                     &reader,
                     &snap,
                     role,
+                    now,
                     cutoff,
                     req.retention_secs,
                     r.kind,
                 );
                 let p = pending.get(&breq.role).copied().unwrap_or(0);
                 reply.kind = REPLY_REFUSED;
-                reply.refusal_kind = if r.kind == RefusalKind::Active { 1 } else { 2 };
+                reply.refusal_kind = match r.kind {
+                    RefusalKind::Active => 1,
+                    RefusalKind::Retained => 2,
+                    RefusalKind::Database => 3,
+                };
                 reply.active = full.active + p;
                 reply.retained = full.retained + p;
+                reply.db_active = r.usage.db_active;
                 reply.next_ageout = next;
             }
         }
@@ -1000,7 +1081,7 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
         delta.push((oid, n - purged));
         changes.push((oid, n, n - purged));
     }
-    record(&ledger, now, &admitted);
+    record(&ledger, rels.ncols, now, &admitted);
     drop(ledger);
 
     let summary = OpenRel::open(rels.summary, "summary", 1);
@@ -1129,31 +1210,47 @@ fn delete_where(
     n
 }
 
-/// Inserts the admitted tickets. Labels are stored as the caller's bytes in the
-/// database encoding, which is also the writer's: no conversion, so every encoding
-/// works.
-fn record(
-    ledger: &OpenRel,
-    now: pg_sys::TimestampTz,
-    admitted: &[(pgrx::Uuid, pg_sys::Oid, Option<&[u8]>)],
-) {
-    for &(id, role, label) in admitted {
-        let mut values = [pg_sys::Datum::from(0); counts::NCOLS];
-        let mut nulls = [false; counts::NCOLS];
-        values[counts::COL_ID - 1] = id.into_datum().unwrap();
-        values[counts::COL_ROLE - 1] = role.into();
-        match label {
-            // SAFETY: copies the bytes into a palloc'd text datum.
-            Some(l) => {
-                values[counts::COL_LABEL - 1] = pg_sys::Datum::from(unsafe {
-                    pg_sys::cstring_to_text_with_len(l.as_ptr().cast(), l.len() as i32)
-                })
+/// A ticket the batch admits.
+struct Admitted<'a> {
+    id: pgrx::Uuid,
+    role: pg_sys::Oid,
+    label: Option<&'a [u8]>,
+    key: Option<&'a [u8]>,
+    lease_until: Option<pg_sys::TimestampTz>,
+    pid: i32,
+}
+
+/// Inserts the admitted tickets. Labels and keys are stored as the caller's bytes in
+/// the database encoding, which is also the writer's: no conversion, so every encoding
+/// works. With 0.1.x's schema (`ncols` = NCOLS_V1) leases, keys and pids have no
+/// columns and are not recorded.
+fn record(ledger: &OpenRel, ncols: usize, now: pg_sys::TimestampTz, admitted: &[Admitted]) {
+    let text = |bytes: Option<&[u8]>| {
+        // SAFETY: copies the bytes into a palloc'd text datum.
+        bytes.map(|b| {
+            pg_sys::Datum::from(unsafe {
+                pg_sys::cstring_to_text_with_len(b.as_ptr().cast(), b.len() as i32)
+            })
+        })
+    };
+    for a in admitted {
+        let mut values = vec![pg_sys::Datum::from(0); ncols];
+        let mut nulls = vec![true; ncols];
+        let mut set = |col: usize, v: Option<pg_sys::Datum>| {
+            if let Some(v) = v {
+                values[col - 1] = v;
+                nulls[col - 1] = false;
             }
-            None => nulls[counts::COL_LABEL - 1] = true,
+        };
+        set(counts::COL_ID, a.id.into_datum());
+        set(counts::COL_ROLE, Some(a.role.into()));
+        set(counts::COL_LABEL, text(a.label));
+        set(counts::COL_STARTED_AT, Some(now.into()));
+        if ncols == counts::NCOLS_V2 {
+            set(counts::COL_LEASE_UNTIL, a.lease_until.map(pg_sys::Datum::from));
+            set(counts::COL_KEY, text(a.key));
+            set(counts::COL_PID, Some(a.pid.into()));
         }
-        values[counts::COL_STARTED_AT - 1] = now.into();
-        nulls[counts::COL_ENDED_AT - 1] = true;
-        nulls[counts::COL_OUTCOME - 1] = true;
         ledger.insert(&mut values, &mut nulls);
     }
 }
@@ -1205,6 +1302,132 @@ fn add_to_summary(rels: &counts::Rels, summary: &OpenRel, role: pg_sys::Oid, n: 
 }
 
 thread_local! {
+    /// Roles whose tickets the last expiry sweep ended, and how many each.
+    static SWEPT: std::cell::RefCell<Vec<(pg_sys::Oid, i64, i64)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `sweep_expired` in a transaction of its own; then the scope counters drop by what it
+/// ended, and the starts waiting in those scopes look again.
+fn sweep_expired_and_wake() {
+    SWEPT.with_borrow_mut(Vec::clear);
+    OVERFLOWED.with_borrow_mut(Vec::clear);
+    let committed = try_in_transaction("end expired tickets", sweep_expired);
+    crate::scopes::apply_mine(committed);
+    let swept = SWEPT.with_borrow_mut(std::mem::take);
+    if !committed {
+        return;
+    }
+    crate::scopes::invalidate(&OVERFLOWED.with_borrow_mut(std::mem::take));
+    for (role, _, _) in swept {
+        crate::waiters::wake(shmem::my_db(), role);
+    }
+}
+
+/// Writes down the leases that ran out: each unfinished ticket whose lease_until has
+/// passed ends at its lease_until with outcome `expired`. Counting does not wait for
+/// this (admission subtracts such tickets as soon as their lease runs out, see
+/// counts::lapsed); the sweep keeps that set short, so that admission stays one
+/// probe, gives the scope counters their true active count, and lets the retention
+/// purge find the tickets. A ticket that a finish() or renew() is changing right now
+/// is left for a later sweep: the writer never waits for a caller's transaction.
+fn sweep_expired() {
+    let rels = counts::rels();
+    if !rels.v2() {
+        return;
+    }
+    let reader = Reader::open();
+    // SAFETY: plain clock read.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let snap = Latest::take();
+    let mut due: Vec<(pg_sys::ItemPointerData, pg_sys::Oid, pg_sys::TimestampTz)> = Vec::new();
+    counts::scan(
+        rels.ledger,
+        rels.ledger_open_idx,
+        &snap,
+        &[Key::IsNull, Key::TsLess(now.saturating_add(1))],
+        |slot| {
+            let role = counts::attr(slot, counts::COL_ROLE as i32)
+                .map(|d| pg_sys::Oid::from(d.value() as u32));
+            let until = counts::attr(slot, counts::COL_LEASE_UNTIL as i32).map(|d| d.value() as i64);
+            if let (Some(role), Some(until)) = (role, until) {
+                // SAFETY: the slot holds a visible ledger tuple.
+                due.push((unsafe { (*slot).tts_tid }, role, until));
+            }
+            due.len() < MAX_BATCH * 4
+        },
+    );
+    drop(snap);
+    if due.is_empty() {
+        return;
+    }
+    let ledger = OpenRel::open(rels.ledger, "ledger", counts::COL_ID);
+    let mut ended: Vec<(pg_sys::Oid, i64, i64)> = Vec::new();
+    for (tid, role, until) in due {
+        let Some(tuple) = expired_version(&ledger, rels.ncols, tid, until) else {
+            continue;
+        };
+        if ledger.update_nowait(tid, tuple, &[counts::COL_ENDED_AT, counts::COL_OUTCOME])
+            == pg_sys::TM_Result::TM_Ok
+        {
+            match ended.iter_mut().find(|(r, _, _)| *r == role) {
+                Some(e) => e.1 -= 1,
+                None => ended.push((role, -1, 0)),
+            }
+        }
+    }
+    drop(ledger);
+    drop(reader);
+    // Published before the commit, applied after it (see scopes.rs).
+    let overflow = crate::scopes::publish(&ended);
+    // The counters of roles that did not fit are rebuilt from the ledger instead.
+    OVERFLOWED.with_borrow_mut(|o| *o = overflow);
+    SWEPT.with_borrow_mut(|s| *s = ended);
+}
+
+thread_local! {
+    static OVERFLOWED: std::cell::RefCell<Vec<pg_sys::Oid>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The version of the ticket at `tid` that ends it at `until` with outcome
+/// `expired`, formed from the row as it is now; None if it is no longer unfinished.
+fn expired_version(
+    ledger: &OpenRel,
+    ncols: usize,
+    tid: pg_sys::ItemPointerData,
+    until: pg_sys::TimestampTz,
+) -> Option<pg_sys::HeapTuple> {
+    // SAFETY: fetches the version at `tid` under SnapshotAny into a palloc'd copy that
+    // we deform at once; the row is then replaced under heap_update's own checks.
+    unsafe {
+        let mut tuple: pg_sys::HeapTupleData = std::mem::zeroed();
+        tuple.t_self = tid;
+        let mut buffer: pg_sys::Buffer = 0;
+        if !pg_sys::heap_fetch(
+            ledger.heap,
+            std::ptr::addr_of_mut!(pg_sys::SnapshotAnyData),
+            &mut tuple,
+            &mut buffer,
+            false,
+        ) {
+            return None;
+        }
+        let mut values = vec![pg_sys::Datum::from(0); ncols];
+        let mut nulls = vec![false; ncols];
+        pg_sys::heap_deform_tuple(&mut tuple, (*ledger.heap).rd_att, values.as_mut_ptr(), nulls.as_mut_ptr());
+        let unfinished = nulls[counts::COL_ENDED_AT - 1];
+        let out = unfinished.then(|| {
+            values[counts::COL_ENDED_AT - 1] = until.into();
+            nulls[counts::COL_ENDED_AT - 1] = false;
+            values[counts::COL_OUTCOME - 1] = "expired".into_datum().unwrap();
+            nulls[counts::COL_OUTCOME - 1] = false;
+            ledger.form(&mut values, &mut nulls)
+        });
+        pg_sys::ReleaseBuffer(buffer);
+        out
+    }
+}
+
+thread_local! {
     /// Roles whose tickets the last purge deleted; their counters are forgotten once
     /// that purge has committed (a rebuild before would count the deleted rows).
     static DROPPED: std::cell::RefCell<Vec<pg_sys::Oid>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -1224,7 +1447,9 @@ fn purge_dropped_roles_and_counters() {
 /// Runs `f` in a transaction of its own. A failure (a lock held too long by
 /// maintenance, say) is logged and does not stop the writer: admissions go on, and the
 /// work is tried again on the next occasion.
-fn try_in_transaction(what: &str, f: fn()) {
+/// Runs `f` in a transaction of its own; returns whether it committed. A failure is
+/// logged as a warning, and the writer goes on.
+fn try_in_transaction(what: &str, f: fn()) -> bool {
     let failed = PgTryBuilder::new(|| {
         in_transaction(f);
         None
@@ -1235,7 +1460,9 @@ fn try_in_transaction(what: &str, f: fn()) {
         // SAFETY: pgrx flushed the error state; abort the failed transaction.
         unsafe { pg_sys::AbortCurrentTransaction() };
         pgrx::warning!("pg_quota ledger writer: could not {what}: {msg}");
+        return false;
     }
+    true
 }
 
 /// Gives every role that has ledger rows but no summary row (after SQL-level writes to

@@ -58,15 +58,35 @@ pub fn needs(requests: &[BatchRequest]) -> HashMap<u32, Needs> {
     out
 }
 
+/// The highest database cap among the batch's limited requests: the database's active
+/// tickets must be counted up to it. `None` when no request is limited by one.
+pub fn db_cap(requests: &[BatchRequest]) -> Option<i64> {
+    requests
+        .iter()
+        .filter(|r| !r.exempt && r.limits.max_db > 0)
+        .map(|r| r.limits.max_db)
+        .max()
+}
+
 /// Decides every request in order. Each admission adds one active and one retained
 /// ticket to its role's counts (for every retention), so later requests of the same
-/// role in the batch count it, whatever their own settings.
-pub fn decide_batch(requests: &[BatchRequest], counted: &HashMap<u32, Counted>) -> Vec<Decision> {
+/// role in the batch count it, whatever their own settings; and one active ticket to
+/// the database's count (`db_active`, the committed count of every role), which every
+/// later request limited by `quota.max_active_per_database` counts, whatever its role.
+/// Exempt (superuser) requests are always admitted, and their tickets count towards
+/// the database's total too.
+pub fn decide_batch(
+    requests: &[BatchRequest],
+    counted: &HashMap<u32, Counted>,
+    db_active: i64,
+) -> Vec<Decision> {
     let mut state = counted.clone();
+    let mut db_active = db_active;
     requests
         .iter()
         .map(|r| {
             if r.exempt {
+                db_active += 1;
                 return Decision::Admit;
             }
             let c = state.entry(r.role).or_default();
@@ -77,6 +97,8 @@ pub fn decide_batch(requests: &[BatchRequest], counted: &HashMap<u32, Counted>) 
                     .iter()
                     .find(|(ret, _)| *ret == r.retention_secs)
                     .map_or(0, |(_, n)| *n),
+                db_active,
+                ahead: 0,
             };
             let d = decide(r.limits, usage, false);
             if d == Decision::Admit {
@@ -84,6 +106,7 @@ pub fn decide_batch(requests: &[BatchRequest], counted: &HashMap<u32, Counted>) 
                 for (_, n) in c.retained.iter_mut() {
                     *n += 1;
                 }
+                db_active += 1;
             }
             d
         })
@@ -101,6 +124,7 @@ mod tests {
             limits: Limits {
                 max_active,
                 max_retained,
+                max_db: 0,
             },
             retention_secs,
             exempt: false,
@@ -115,7 +139,7 @@ mod tests {
     fn one_role_with_two_retentions_shares_its_last_slot() {
         let reqs = [req(10, 1, 0, 3600), req(10, 1, 0, 7200)];
         let counted = HashMap::from([(10, Counted::default())]);
-        assert_eq!(admitted(&decide_batch(&reqs, &counted)), 1);
+        assert_eq!(admitted(&decide_batch(&reqs, &counted, 0)), 1);
     }
 
     #[test]
@@ -132,7 +156,7 @@ mod tests {
         )]);
         // The first admission fills the 1h window (1 + 1 = 2); the 60 s window then has
         // 1 and admits; the 1h window is full.
-        let ds = decide_batch(&reqs, &counted);
+        let ds = decide_batch(&reqs, &counted, 0);
         assert_eq!(ds[0], Decision::Admit);
         assert_eq!(ds[1], Decision::Admit);
         assert!(matches!(ds[2], Decision::Refuse(_)));
@@ -145,6 +169,26 @@ mod tests {
         let n = needs(&[req(10, 2, 0, 1), req(10, 5, 0, 9), su]);
         assert_eq!(n[&10].active_cap, Some(5));
         assert!(n[&10].retentions.is_empty());
+    }
+
+    /// Two roles race the database's last slot in one batch: only the first gets it,
+    /// and a superuser's ticket takes a slot of the cap without being refused.
+    #[test]
+    fn database_cap_spans_roles_and_counts_superusers() {
+        let mut a = req(10, 5, 0, 1);
+        a.limits.max_db = 3;
+        let mut b = req(11, 5, 0, 1);
+        b.limits.max_db = 3;
+        let mut su = req(12, 0, 0, 1);
+        su.exempt = true;
+        assert_eq!(db_cap(&[a, b, su]), Some(3));
+        assert_eq!(db_cap(&[req(10, 5, 0, 1), su]), None);
+        let ds = decide_batch(&[a, b], &HashMap::new(), 2);
+        assert_eq!(ds[0], Decision::Admit);
+        assert!(matches!(ds[1], Decision::Refuse(r) if r.kind == crate::core::RefusalKind::Database));
+        let ds = decide_batch(&[su, a], &HashMap::new(), 2);
+        assert_eq!(ds[0], Decision::Admit);
+        assert!(matches!(ds[1], Decision::Refuse(r) if r.usage.db_active == 3));
     }
 
     proptest! {
@@ -168,7 +212,7 @@ mod tests {
                     retained: n.retentions.iter().map(|&ret| (ret, a)).collect(),
                 })
             }).collect();
-            let ds = decide_batch(&reqs, &counted);
+            let ds = decide_batch(&reqs, &counted, 0);
             let mut held = start_active.clone();
             for (r, d) in reqs.iter().zip(&ds) {
                 let h = held[r.role as usize];

@@ -2,12 +2,15 @@
 //! [`decide`], so they can never disagree about what "at the limit" means.
 
 /// The limits in force for one request: the calling session's `quota.*` settings.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Limits {
     /// `quota.max_active_per_role`; 0 means no limit.
     pub max_active: i64,
     /// `quota.max_retained_per_role`; 0 means no limit.
     pub max_retained: i64,
+    /// `quota.max_active_per_database`: active tickets of every role of the database
+    /// together; 0 means no limit.
+    pub max_db: i64,
 }
 
 /// What the ledger holds for one scope, read with the latest committed snapshot.
@@ -17,12 +20,19 @@ pub struct Usage {
     pub active: i64,
     /// Active tickets plus tickets that ended less than `quota.retention` ago.
     pub retained: i64,
+    /// Active tickets of every role in the database (counted only when `max_db` is set).
+    pub db_active: i64,
+    /// How many of the counts above are starts still waiting ahead of this one (see
+    /// waiters.rs): they take the next free slots.
+    pub ahead: i64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RefusalKind {
     Active,
     Retained,
+    /// `quota.max_active_per_database`.
+    Database,
 }
 
 /// Why a start was refused, with the numbers the error report needs.
@@ -46,8 +56,8 @@ fn at_limit(count: i64, limit: i64) -> bool {
 /// Decides one start. `exempt` is true for superusers (I7): they are never refused, but
 /// their tickets are still recorded and counted against their own scope.
 ///
-/// The active limit is checked first because it is the one a caller can fix right away,
-/// by finishing a ticket.
+/// The role's active limit is checked first because it is the one a caller can fix right
+/// away, by finishing a ticket; the database's cap last, because other roles hold it.
 pub fn decide(limits: Limits, usage: Usage, exempt: bool) -> Decision {
     if exempt {
         return Decision::Admit;
@@ -56,6 +66,8 @@ pub fn decide(limits: Limits, usage: Usage, exempt: bool) -> Decision {
         RefusalKind::Active
     } else if at_limit(usage.retained, limits.max_retained) {
         RefusalKind::Retained
+    } else if at_limit(usage.db_active, limits.max_db) {
+        RefusalKind::Database
     } else {
         return Decision::Admit;
     };
@@ -74,10 +86,15 @@ mod tests {
     const LIMITS: Limits = Limits {
         max_active: 3,
         max_retained: 5,
+        max_db: 0,
     };
 
     fn usage(active: i64, retained: i64) -> Usage {
-        Usage { active, retained }
+        Usage {
+            active,
+            retained,
+            ..Usage::default()
+        }
     }
 
     #[test]
@@ -111,10 +128,7 @@ mod tests {
 
     #[test]
     fn zero_means_no_limit() {
-        let none = Limits {
-            max_active: 0,
-            max_retained: 0,
-        };
+        let none = Limits::default();
         assert_eq!(
             decide(none, usage(1_000_000, 100_000_000), false),
             Decision::Admit
@@ -124,6 +138,32 @@ mod tests {
     #[test]
     fn superuser_is_exempt() {
         assert_eq!(decide(LIMITS, usage(100, 100), true), Decision::Admit);
+    }
+
+    #[test]
+    fn refuses_at_database_cap_after_role_limits() {
+        let limits = Limits {
+            max_db: 4,
+            ..LIMITS
+        };
+        let at_cap = Usage {
+            db_active: 4,
+            ..usage(1, 1)
+        };
+        match decide(limits, at_cap, false) {
+            Decision::Refuse(r) => assert_eq!(r.kind, RefusalKind::Database),
+            d => panic!("expected refusal, got {d:?}"),
+        }
+        assert_eq!(
+            decide(limits, Usage { db_active: 3, ..at_cap }, false),
+            Decision::Admit
+        );
+        // The role's own limit is reported first: the caller can fix that one.
+        match decide(limits, Usage { db_active: 9, ..usage(3, 3) }, false) {
+            Decision::Refuse(r) => assert_eq!(r.kind, RefusalKind::Active),
+            d => panic!("expected refusal, got {d:?}"),
+        }
+        assert_eq!(decide(limits, at_cap, true), Decision::Admit);
     }
 
     /// The model: a role may hold `n` active and `r` retained tickets where each limit
@@ -141,7 +181,7 @@ mod tests {
             active in 0i64..10,
             extra in 0i64..10,
         ) {
-            let limits = Limits { max_active, max_retained };
+            let limits = Limits { max_active, max_retained, max_db: 0 };
             let u = usage(active, active + extra);
             let admitted = decide(limits, u, false) == Decision::Admit;
             prop_assert_eq!(admitted, model_admits(limits, u));
@@ -162,7 +202,7 @@ mod tests {
             retention in 1i64..20,
             ops in proptest::collection::vec((0u8..4, 0usize..8, 1i64..6), 0..80),
         ) {
-            let limits = Limits { max_active, max_retained };
+            let limits = Limits { max_active, max_retained, max_db: 0 };
             let mut now = 0i64;
             let mut ended_at: Vec<Option<i64>> = Vec::new();
             let active = |t: &[Option<i64>]| t.iter().filter(|e| e.is_none()).count() as i64;
@@ -174,7 +214,7 @@ mod tests {
                     // start
                     0 | 1 => {
                         let (a, r) = (active(&ended_at), retained(&ended_at, now));
-                        match decide(limits, Usage { active: a, retained: r }, false) {
+                        match decide(limits, Usage { active: a, retained: r, ..Usage::default() }, false) {
                             Decision::Admit => ended_at.push(None),
                             Decision::Refuse(refusal) => {
                                 let active_full = max_active > 0 && a + 1 > max_active;

@@ -49,15 +49,31 @@ impl Sqlstate {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum QuotaError {
     /// I8: a start refused at a limit.
-    #[error("{}", refusal_message(.role, .refusal))]
+    #[error("{}", refusal_message(.role, .database, .refusal))]
     Refused {
         role: String,
+        /// The database, named in refusals at quota.max_active_per_database.
+        database: String,
         refusal: Refusal,
         /// When the oldest retained, ended ticket ages out, already formatted, if any.
         next_ageout: Option<String>,
     },
     #[error("label is too long")]
     LabelTooLong { chars: usize },
+    #[error("idempotency key is too long")]
+    KeyTooLong { chars: usize },
+    /// A lease or wait that is not a positive (lease) or non-negative (wait) interval.
+    #[error("invalid {what} \"{value}\"")]
+    InvalidInterval { what: &'static str, value: String },
+    /// renew() of a ticket that has ended: finished, or its lease ran out.
+    #[error("ticket {ticket} has {}", if *.expired { "expired" } else { "already ended" })]
+    TicketEnded { ticket: String, expired: bool },
+    /// A 0.2.0 feature used while the database still has an older pg_quota schema.
+    #[error("{feature} needs the schema of pg_quota {needs} or later")]
+    NeedsUpdate {
+        feature: &'static str,
+        needs: &'static str,
+    },
     #[error("{0} must not be null")]
     NullArgument(&'static str),
     #[error("invalid outcome \"{0}\"")]
@@ -102,10 +118,17 @@ fn tickets(n: i64) -> &'static str {
     }
 }
 
-fn refusal_message(role: &str, r: &Refusal) -> String {
+fn refusal_message(role: &str, database: &str, r: &Refusal) -> String {
     let (n, what, guc) = match r.kind {
         RefusalKind::Active => (r.usage.active, "active", "quota.max_active_per_role"),
         RefusalKind::Retained => (r.usage.retained, "retained", "quota.max_retained_per_role"),
+        RefusalKind::Database => {
+            let n = r.usage.db_active;
+            return format!(
+                "database \"{database}\" has {n} active {}, the limit set by quota.max_active_per_database",
+                tickets(n)
+            );
+        }
     };
     format!(
         "role \"{role}\" has {n} {what} {}, the limit set by {guc}",
@@ -125,7 +148,13 @@ impl QuotaError {
     pub fn sqlstate(&self) -> Sqlstate {
         match self {
             QuotaError::Refused { .. } => Sqlstate::ConfigurationLimitExceeded,
-            QuotaError::LabelTooLong { .. } => Sqlstate::StringDataRightTruncation,
+            QuotaError::LabelTooLong { .. } | QuotaError::KeyTooLong { .. } => {
+                Sqlstate::StringDataRightTruncation
+            }
+            QuotaError::InvalidInterval { .. } => Sqlstate::InvalidParameterValue,
+            QuotaError::TicketEnded { .. } | QuotaError::NeedsUpdate { .. } => {
+                Sqlstate::ObjectNotInPrerequisiteState
+            }
             QuotaError::NullArgument(_) => Sqlstate::NullValueNotAllowed,
             QuotaError::InvalidOutcome(_) | QuotaError::UnknownTicket(_) => {
                 Sqlstate::InvalidParameterValue
@@ -144,16 +173,46 @@ impl QuotaError {
 
     pub fn detail(&self) -> Option<String> {
         match self {
-            QuotaError::Refused { refusal: r, .. } => Some(format!(
-                "Active tickets: {} of {}. Retained tickets: {} of {}.",
-                r.usage.active,
-                limit_text(r.limits.max_active),
-                r.usage.retained,
-                limit_text(r.limits.max_retained),
-            )),
+            QuotaError::Refused { refusal: r, .. } => {
+                let counts = if r.kind == RefusalKind::Database {
+                    format!(
+                        "Active tickets in the database, all roles together: {} of {}. Active tickets of this role: {}.",
+                        r.usage.db_active, r.limits.max_db, r.usage.active,
+                    )
+                } else {
+                    format!(
+                        "Active tickets: {} of {}. Retained tickets: {} of {}.",
+                        r.usage.active,
+                        limit_text(r.limits.max_active),
+                        r.usage.retained,
+                        limit_text(r.limits.max_retained),
+                    )
+                };
+                Some(match r.usage.ahead {
+                    0 => counts,
+                    n => format!(
+                        "{counts} The counts include {n} earlier {} still waiting for capacity, which {} first.",
+                        if n == 1 { "start()" } else { "starts" },
+                        if n == 1 { "goes" } else { "go" },
+                    ),
+                })
+            }
             QuotaError::LabelTooLong { chars } => Some(format!(
                 "The label has {chars} characters; at most {MAX_LABEL_CHARS} are allowed."
             )),
+            QuotaError::KeyTooLong { chars } => Some(format!(
+                "The key has {chars} characters; at most {} are allowed.",
+                super::ticket::MAX_KEY_CHARS
+            )),
+            QuotaError::InvalidInterval { what, .. } => Some(if *what == "lease" {
+                "A lease must be longer than zero.".to_string()
+            } else {
+                "A wait must not be negative.".to_string()
+            }),
+            QuotaError::TicketEnded { expired: true, .. } => Some(
+                "Its lease ran out before it was renewed; it no longer counts as active."
+                    .to_string(),
+            ),
             QuotaError::ForeignTicket { .. } => {
                 Some("The ticket belongs to another role.".to_string())
             }
@@ -183,6 +242,7 @@ impl QuotaError {
                 next_ageout,
                 ..
             } => Some(match (refusal.kind, next_ageout) {
+                (RefusalKind::Database, _) => "Capacity returns when any role of the database finishes a ticket or a lease expires; a superuser can raise quota.max_active_per_database.".to_string(),
                 (RefusalKind::Active, _) => "Finish a ticket with quota.finish(), or ask a superuser to raise quota.max_active_per_role.".to_string(),
                 (RefusalKind::Retained, Some(at)) => format!(
                     "Capacity returns at {at}, when the oldest retained ticket ages out; a superuser can raise quota.max_retained_per_role or shorten quota.retention."
@@ -193,8 +253,14 @@ impl QuotaError {
                 Some("Valid outcomes are succeeded, failed and cancelled.".to_string())
             }
             QuotaError::ForeignTicket { .. } => Some(
-                "Only the role that started a ticket, a member of that role, or a superuser can finish it."
+                "Only the role that started a ticket, a member of that role, or a superuser can finish or renew it."
                     .to_string(),
+            ),
+            QuotaError::TicketEnded { .. } => {
+                Some("Start a new ticket with quota.start().".to_string())
+            }
+            QuotaError::NeedsUpdate { .. } => Some(
+                "This database still has the schema of an older pg_quota. Run ALTER EXTENSION pg_quota UPDATE in it.".to_string(),
             ),
             QuotaError::NotPreloaded => Some(
                 "Add pg_quota to shared_preload_libraries in postgresql.conf and restart the server."
@@ -237,10 +303,13 @@ mod tests {
             usage: Usage {
                 active: 3,
                 retained: 7,
+                db_active: 9,
+                ahead: 0,
             },
             limits: Limits {
                 max_active: 3,
                 max_retained: 0,
+                max_db: 9,
             },
         }
     }
@@ -249,6 +318,7 @@ mod tests {
     fn refusal_names_role_count_and_guc() {
         let e = QuotaError::Refused {
             role: "alice".into(),
+            database: "app".into(),
             refusal: refusal(RefusalKind::Active),
             next_ageout: None,
         };
@@ -270,6 +340,7 @@ mod tests {
         r.usage.active = 1;
         let e = QuotaError::Refused {
             role: "carol".into(),
+            database: "app".into(),
             refusal: r,
             next_ageout: None,
         };
@@ -280,6 +351,7 @@ mod tests {
     fn retained_refusal_hint_says_when_capacity_returns() {
         let e = QuotaError::Refused {
             role: "bob".into(),
+            database: "app".into(),
             refusal: refusal(RefusalKind::Retained),
             next_ageout: Some("2026-12-01 10:00:00+00".into()),
         };
@@ -288,9 +360,57 @@ mod tests {
     }
 
     #[test]
+    fn database_cap_refusal_names_database_count_and_guc() {
+        let e = QuotaError::Refused {
+            role: "dave".into(),
+            database: "app".into(),
+            refusal: refusal(RefusalKind::Database),
+            next_ageout: None,
+        };
+        assert_eq!(e.sqlstate().code(), "53400");
+        assert_eq!(
+            e.to_string(),
+            "database \"app\" has 9 active tickets, the limit set by quota.max_active_per_database"
+        );
+        assert_eq!(
+            e.detail().unwrap(),
+            "Active tickets in the database, all roles together: 9 of 9. Active tickets of this role: 3."
+        );
+        assert!(e.hint().unwrap().contains("quota.max_active_per_database"));
+    }
+
+    #[test]
+    fn refusal_counting_waiters_says_so() {
+        let mut r = refusal(RefusalKind::Active);
+        r.usage.ahead = 1;
+        let e = QuotaError::Refused {
+            role: "erin".into(),
+            database: "app".into(),
+            refusal: r,
+            next_ageout: None,
+        };
+        assert!(e.detail().unwrap().ends_with(
+            "The counts include 1 earlier start() still waiting for capacity, which goes first."
+        ));
+    }
+
+    #[test]
     fn messages_are_lowercase_postgres_style() {
         let all = [
             QuotaError::LabelTooLong { chars: 201 },
+            QuotaError::KeyTooLong { chars: 201 },
+            QuotaError::InvalidInterval {
+                what: "lease",
+                value: "-1 days".into(),
+            },
+            QuotaError::TicketEnded {
+                ticket: "x".into(),
+                expired: true,
+            },
+            QuotaError::NeedsUpdate {
+                feature: "quota.max_active_per_database",
+                needs: "0.2.0",
+            },
             QuotaError::NullArgument("ticket"),
             QuotaError::InvalidOutcome("done".into()),
             QuotaError::UnknownTicket("x".into()),

@@ -5,8 +5,9 @@
 pub mod batch;
 pub mod decision;
 pub mod errors;
+pub mod lease;
 pub mod ticket;
 
 pub use decision::{decide, Decision, Limits, Refusal, RefusalKind, Usage};
 pub use errors::{QuotaError, Sqlstate};
-pub use ticket::{check_label, parse_outcome, uuid_v7, Outcome, MAX_LABEL_CHARS};
+pub use ticket::{check_key, check_label, parse_outcome, uuid_v7, Outcome, MAX_LABEL_CHARS};

@@ -29,6 +29,21 @@ pub fn check_label(chars: usize, bytes: usize) -> Result<(), QuotaError> {
     Ok(())
 }
 
+/// Idempotency keys: like labels, at most 200 characters in the server encoding.
+pub const MAX_KEY_CHARS: usize = 200;
+pub const MAX_KEY_BYTES: usize = MAX_KEY_CHARS * MAX_CHAR_BYTES;
+
+/// Checks an idempotency key of `chars` characters in `bytes` bytes, as `check_label`.
+pub fn check_key(chars: usize, bytes: usize) -> Result<(), QuotaError> {
+    if chars > MAX_KEY_CHARS {
+        return Err(QuotaError::KeyTooLong { chars });
+    }
+    if bytes > MAX_KEY_BYTES {
+        return Err(QuotaError::KeyTooLong { chars: bytes });
+    }
+    Ok(())
+}
+
 /// How a ticket ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
@@ -151,6 +166,7 @@ mod tests {
 
     #[test]
     fn unknown_outcome_is_22023() {
+        // "expired" is an outcome only the lease clock gives (see core::lease).
         for bad in [&b""[..], b"Succeeded", b"expired", b"done", b"d\xf6n"] {
             let e = parse_outcome(bad).unwrap_err();
             assert_eq!(e.sqlstate().code(), "22023");
@@ -225,5 +241,14 @@ mod tests {
                 prev = Some(id);
             }
         }
+    }
+
+    #[test]
+    fn keys_are_limited_like_labels() {
+        assert!(check_key(200, 800).is_ok());
+        let e = check_key(201, 201).unwrap_err();
+        assert_eq!(e.sqlstate().code(), "22001");
+        assert_eq!(e.detail().unwrap(), "The key has 201 characters; at most 200 are allowed.");
+        assert!(check_key(10, 801).is_err());
     }
 }

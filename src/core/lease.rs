@@ -1,0 +1,112 @@
+//! Leases: when a ticket stops being active by itself.
+//!
+//! A ticket started with a lease (or under `quota.default_lease`) has a `lease_until`.
+//! From that instant on it is no longer active, whether or not anyone has written that
+//! down yet: it has ended, with outcome `expired`, at `lease_until`, and it stays
+//! retained for `quota.retention` from then, like a ticket finished at that instant.
+//! The ledger writer later writes the outcome into the row (the expiry sweep), but
+//! counting never waits for it. Times are PostgreSQL timestamps (microseconds).
+
+/// When a ticket ended as of `now`: when it was finished, or when its lease ran out if
+/// that is already past; `None` while it is active.
+pub fn effective_end(ended_at: Option<i64>, lease_until: Option<i64>, now: i64) -> Option<i64> {
+    ended_at.or(lease_until.filter(|&l| l <= now))
+}
+
+/// Whether a ticket is active at `now`.
+pub fn is_active(ended_at: Option<i64>, lease_until: Option<i64>, now: i64) -> bool {
+    effective_end(ended_at, lease_until, now).is_none()
+}
+
+/// Whether a ticket is retained at `now` for tickets that ended at or after `cutoff`.
+pub fn is_retained(ended_at: Option<i64>, lease_until: Option<i64>, now: i64, cutoff: i64) -> bool {
+    effective_end(ended_at, lease_until, now).is_none_or(|end| end >= cutoff)
+}
+
+/// What a ticket looks like to a reader at `now`: the outcome `expired` for a lease
+/// that ran out before anyone finished the ticket.
+pub fn shown_outcome<'a>(
+    outcome: Option<&'a str>,
+    ended_at: Option<i64>,
+    lease_until: Option<i64>,
+    now: i64,
+) -> Option<&'a str> {
+    match (ended_at, effective_end(ended_at, lease_until, now)) {
+        (None, Some(_)) => Some("expired"),
+        _ => outcome,
+    }
+}
+
+/// How long a waiting start() sleeps before it looks again, in milliseconds: until
+/// its deadline, or until the earliest lease in its way runs out (plus one
+/// millisecond, so that the lease is past when it looks), whichever comes first, and
+/// never longer than `poll_ms`, so that a wake-up that was missed costs at most that.
+/// A finish() that frees a slot wakes the waiter at once in any case.
+pub fn wait_ms(now: i64, deadline: i64, next_expiry: Option<i64>, poll_ms: i64) -> i64 {
+    let until = next_expiry.map_or(deadline, |e| deadline.min(e.saturating_add(1000)));
+    let ms = (until.saturating_sub(now) + 999) / 1000;
+    ms.clamp(0, poll_ms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_lease_in_the_future_keeps_the_ticket_active() {
+        assert!(is_active(None, Some(100), 99));
+        assert!(is_active(None, None, i64::MAX));
+    }
+
+    #[test]
+    fn a_lease_that_ran_out_ends_the_ticket_at_its_expiry() {
+        assert!(!is_active(None, Some(100), 100));
+        assert_eq!(effective_end(None, Some(100), 500), Some(100));
+        assert_eq!(shown_outcome(None, None, Some(100), 100), Some("expired"));
+        assert_eq!(shown_outcome(None, None, Some(100), 99), None);
+    }
+
+    #[test]
+    fn a_finished_ticket_keeps_its_own_end_and_outcome() {
+        assert_eq!(effective_end(Some(50), Some(100), 500), Some(50));
+        assert_eq!(shown_outcome(Some("failed"), Some(50), Some(10), 500), Some("failed"));
+    }
+
+    #[test]
+    fn an_expired_ticket_stays_retained_for_the_retention_from_its_expiry() {
+        // Expired at 100; retention 50: retained while the cutoff (now - 50) <= 100.
+        assert!(is_retained(None, Some(100), 150, 100));
+        assert!(!is_retained(None, Some(100), 151, 101));
+    }
+
+    #[test]
+    fn waits_stop_at_the_deadline_or_just_after_the_next_expiry() {
+        assert_eq!(wait_ms(0, 5_000_000, None, 1000), 1000);
+        assert_eq!(wait_ms(0, 300_000, None, 1000), 300);
+        assert_eq!(wait_ms(0, 5_000_000, Some(200_000), 1000), 201);
+        assert_eq!(wait_ms(0, 100_000, Some(200_000), 1000), 100);
+        assert_eq!(wait_ms(10, 5, None, 1000), 0);
+        assert_eq!(wait_ms(0, 1, None, 1000), 1);
+    }
+
+    proptest! {
+        /// Active and "ended at or after the cutoff" partition the retained tickets.
+        #[test]
+        fn retained_is_active_or_ended_recently(
+            ended in proptest::option::of(0i64..100),
+            lease in proptest::option::of(0i64..100),
+            now in 0i64..200,
+            ret in 0i64..100,
+        ) {
+            let cutoff = now - ret;
+            let end = effective_end(ended, lease, now);
+            prop_assert_eq!(is_retained(ended, lease, now, cutoff),
+                is_active(ended, lease, now) || end.is_some_and(|e| e >= cutoff));
+            // Time only ever ends tickets.
+            if !is_active(ended, lease, now) {
+                prop_assert!(!is_active(ended, lease, now + 1));
+            }
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! Starts that wait for capacity (`start(…, wait => interval)`), and their order.
+//!
+//! A waiting start() takes a place in line: a number from one cluster-wide counter,
+//! kept in its backend's entry with its database, its role and the limit that refused
+//! it. While it waits, every other start() of its scope (or, for the database cap, of
+//! its database) that arrives later counts it as if its ticket were already active:
+//! a stream of newcomers cannot take each freed slot before it, so it is not starved.
+//! Among themselves, waiters go in the order of their places.
+//!
+//! A finish() that frees a slot wakes the waiters of its scope and database when its
+//! transaction commits, as does the writer's expiry sweep; a waiter also looks again
+//! when the next lease in its way runs out, and at least every POLL_MS. The entry is
+//! cleared when the start() returns or raises (a Drop guard), and at backend exit
+//! (before_shmem_exit: FATAL runs no destructor).
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+
+use pgrx::pg_sys;
+
+use crate::core::RefusalKind;
+use crate::shmem;
+
+/// The longest a waiter sleeps without looking again, in milliseconds: it bounds the
+/// cost of a wake-up that arrives while it is busy elsewhere.
+pub const POLL_MS: i64 = 200;
+
+const KIND_ROLE: u32 = 1;
+const KIND_DATABASE: u32 = 2;
+
+#[repr(C)]
+pub struct Waiter {
+    /// Its place in line; 0 when this backend is not waiting.
+    seq: AtomicU64,
+    db: AtomicU32,
+    role: AtomicU32,
+    /// KIND_ROLE (a role limit refused it) or KIND_DATABASE (the database cap).
+    kind: AtomicU32,
+    /// Set by `wake`; the waiter looks again before it sleeps.
+    woken: AtomicBool,
+}
+
+fn mine() -> &'static Waiter {
+    &shmem::waiters()[shmem::my_procno()]
+}
+
+// Single-threaded backend state.
+static mut EXIT_CALLBACK_REGISTERED: bool = false;
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn leave_at_exit(_code: i32, _arg: pg_sys::Datum) {
+    if shmem::available() && shmem::my_procno() < shmem::n_slots() {
+        leave();
+    }
+}
+
+/// This backend's place in line while a start() waits; leaves the line when dropped.
+pub struct Place {
+    pub seq: u64,
+}
+
+impl Place {
+    /// Takes a place in line for `role` of this database, refused by `kind`.
+    pub fn take(role: pg_sys::Oid, kind: RefusalKind) -> Place {
+        // SAFETY: single-threaded backend state; the callback is registered once.
+        unsafe {
+            if !EXIT_CALLBACK_REGISTERED {
+                pg_sys::before_shmem_exit(Some(leave_at_exit), pg_sys::Datum::from(0));
+                EXIT_CALLBACK_REGISTERED = true;
+            }
+        }
+        let w = mine();
+        w.db.store(u32::from(shmem::my_db()), Ordering::Relaxed);
+        w.role.store(u32::from(role), Ordering::Relaxed);
+        w.kind.store(kind_of(kind), Ordering::Relaxed);
+        let seq = shmem::wait_seq().fetch_add(1, Ordering::AcqRel) + 1;
+        w.seq.store(seq, Ordering::Release);
+        Place { seq }
+    }
+
+    /// Records the limit that refused the waiter last.
+    pub fn refused_by(&self, kind: RefusalKind) {
+        mine().kind.store(kind_of(kind), Ordering::Release);
+    }
+
+    /// Whether someone woke this waiter since it last asked; clears the mark.
+    pub fn woken(&self) -> bool {
+        mine().woken.swap(false, Ordering::AcqRel)
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        leave();
+    }
+}
+
+fn kind_of(kind: RefusalKind) -> u32 {
+    if kind == RefusalKind::Database {
+        KIND_DATABASE
+    } else {
+        KIND_ROLE
+    }
+}
+
+fn leave() {
+    let w = mine();
+    let was = w.seq.swap(0, Ordering::AcqRel);
+    w.woken.store(false, Ordering::Release);
+    if was != 0 {
+        // Those behind us counted us as ahead of them: let them look again.
+        let (db, role) = (
+            pg_sys::Oid::from(w.db.load(Ordering::Relaxed)),
+            pg_sys::Oid::from(w.role.load(Ordering::Relaxed)),
+        );
+        wake(db, role);
+    }
+}
+
+/// The starts waiting ahead of place `seq` (u64::MAX for a start that is not
+/// waiting) in this database: (those of `role` refused by a role limit, those of any
+/// role refused by the database cap).
+pub fn ahead(role: pg_sys::Oid, seq: u64) -> (i64, i64) {
+    let db = u32::from(shmem::my_db());
+    let role = u32::from(role);
+    let (mut of_role, mut of_db) = (0, 0);
+    for w in shmem::waiters() {
+        let s = w.seq.load(Ordering::Acquire);
+        if s == 0 || s >= seq || w.db.load(Ordering::Relaxed) != db {
+            continue;
+        }
+        match w.kind.load(Ordering::Relaxed) {
+            KIND_DATABASE => of_db += 1,
+            _ if w.role.load(Ordering::Relaxed) == role => of_role += 1,
+            _ => {}
+        }
+    }
+    (of_role, of_db)
+}
+
+/// Wakes the starts waiting in database `db` for `role`, and those waiting for the
+/// database cap: a slot of theirs may have freed. Never raises: it runs at commit.
+pub fn wake(db: pg_sys::Oid, role: pg_sys::Oid) {
+    if !shmem::available() {
+        return;
+    }
+    let (db, role) = (u32::from(db), u32::from(role));
+    for (procno, w) in shmem::waiters().iter().enumerate() {
+        if w.seq.load(Ordering::Acquire) == 0 || w.db.load(Ordering::Relaxed) != db {
+            continue;
+        }
+        if w.kind.load(Ordering::Relaxed) == KIND_DATABASE || w.role.load(Ordering::Relaxed) == role {
+            w.woken.store(true, Ordering::Release);
+            shmem::wake(procno);
+        }
+    }
+}

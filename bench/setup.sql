@@ -98,3 +98,86 @@ SELECT format('ALTER ROLE bench_snap_refused_%s_%s SET quota.max_active_per_role
   FROM generate_series(0, 2) r, generate_series(0, 1) h \gexec
 SELECT format('ALTER ROLE bench_snap_refused_%s_%s SET quota.max_retained_per_role = 0', r, h)
   FROM generate_series(0, 2) r, generate_series(0, 1) h \gexec
+
+-- Idempotent retries: bench_idem's 16 keys each hold a ticket (bench/run.py starts them),
+-- which is its limit, so a repeat that charged would be refused. 16 is IDEM_CLIENTS there.
+CREATE ROLE bench_idem LOGIN;
+ALTER ROLE bench_idem SET quota.max_active_per_role = 16;
+ALTER ROLE bench_idem SET quota.max_retained_per_role = 0;
+
+-- Wake latency: bench_wake may hold one ticket at a time.
+CREATE ROLE bench_wake LOGIN;
+ALTER ROLE bench_wake SET quota.max_active_per_role = 1;
+ALTER ROLE bench_wake SET quota.max_retained_per_role = 0;
+
+-- Measures how soon a start() waiting for bench_wake's one slot returns once the slot
+-- frees. Two dblink sessions of bench_wake: h holds the ticket, w calls
+-- start(wait => '30 s'). Once w sleeps in line (wait event Extension), either h
+-- finishes its ticket in a transaction of its own (how = 'finish': measured from just
+-- before COMMIT), or h's ticket, started with `lease`, runs out (how = 'lease':
+-- measured from its lease_until). Both ends are clock_timestamp() on this server; w's
+-- is taken right after its start() returned. One row per sample, after a first one
+-- that warms up: wake_ms (NULL if w was not yet waiting when the lease ran out) and,
+-- for 'finish', how long the COMMIT took. Superuser only (dblink_connect_u).
+CREATE FUNCTION bench.wake_latency(samples int, how text, lease interval DEFAULT '250 ms')
+RETURNS TABLE (wake_ms float8, commit_ms float8)
+LANGUAGE plpgsql SET search_path = pg_catalog, public AS $$
+DECLARE
+  conn text := (SELECT connstr FROM bench.config) || ' user=bench_wake';
+  wpid int; held uuid; got uuid; freed timestamptz; committed timestamptz;
+  sent timestamptz; waiting timestamptz; back timestamptz;
+BEGIN
+  IF how NOT IN ('finish', 'lease') THEN
+    RAISE EXCEPTION 'how must be finish or lease, not %', how;
+  END IF;
+  PERFORM dblink_connect_u('wake_h', conn);
+  PERFORM dblink_connect_u('wake_w', conn);
+  SELECT pid INTO wpid FROM dblink('wake_w', 'SELECT pg_backend_pid()') AS r(pid int);
+  FOR i IN 0 .. samples LOOP
+    IF how = 'finish' THEN
+      SELECT t INTO held FROM dblink('wake_h', 'SELECT quota.start()') AS r(t uuid);
+    ELSE
+      SELECT t INTO held FROM dblink('wake_h', format('SELECT quota.start(lease => %L)', lease)) AS r(t uuid);
+      SELECT lease_until INTO freed FROM quota.tickets WHERE id = held;
+    END IF;
+    sent := clock_timestamp();
+    PERFORM dblink_send_query('wake_w',
+      'SELECT t, clock_timestamp() FROM quota.start(wait => ''30 s'') t');
+    -- Until w sleeps in line. pg_stat_activity is read once per transaction unless
+    -- the snapshot is cleared.
+    LOOP
+      PERFORM pg_stat_clear_snapshot();
+      EXIT WHEN dblink_is_busy('wake_w') = 0 OR EXISTS (
+        SELECT FROM pg_stat_activity
+         WHERE pid = wpid AND state = 'active' AND wait_event_type = 'Extension');
+      IF clock_timestamp() > sent + interval '30 s' THEN
+        RAISE EXCEPTION 'the waiter never waited';
+      END IF;
+      PERFORM pg_sleep(0.001);
+    END LOOP;
+    waiting := clock_timestamp();
+    committed := NULL;
+    IF how = 'finish' THEN
+      IF dblink_is_busy('wake_w') = 0 THEN
+        RAISE EXCEPTION 'the waiter got a ticket while the holder still held the only one';
+      END IF;
+      PERFORM dblink_exec('wake_h', 'BEGIN');
+      PERFORM dblink_exec('wake_h', format('SELECT quota.finish(%L)', held));
+      freed := clock_timestamp();
+      PERFORM dblink_exec('wake_h', 'COMMIT');
+      committed := clock_timestamp();
+    END IF;
+    SELECT t, at INTO got, back FROM dblink_get_result('wake_w') AS r(t uuid, at timestamptz);
+    -- The empty result that frees the connection for the next query.
+    PERFORM FROM dblink_get_result('wake_w') AS r(t uuid, at timestamptz);
+    PERFORM dblink_exec('wake_h', format('SELECT quota.finish(%L)', got));
+    IF i > 0 THEN
+      wake_ms := CASE WHEN waiting < freed
+                      THEN extract(epoch FROM back - freed) * 1000 END;
+      commit_ms := extract(epoch FROM committed - freed) * 1000;
+      RETURN NEXT;
+    END IF;
+  END LOOP;
+  PERFORM dblink_disconnect('wake_h');
+  PERFORM dblink_disconnect('wake_w');
+END $$;

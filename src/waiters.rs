@@ -118,14 +118,19 @@ fn leave() {
 
 /// The starts waiting ahead of place `seq` (u64::MAX for a start that is not
 /// waiting) in this database: (those of `role` refused by a role limit, those of any
-/// role refused by the database cap).
+/// role refused by the database cap). A waiter whose request is in the writer's hands
+/// right now is not counted: callers count requests in flight already.
 pub fn ahead(role: pg_sys::Oid, seq: u64) -> (i64, i64) {
     let db = u32::from(shmem::my_db());
     let role = u32::from(role);
     let (mut of_role, mut of_db) = (0, 0);
-    for w in shmem::waiters() {
+    for (procno, w) in shmem::waiters().iter().enumerate() {
         let s = w.seq.load(Ordering::Acquire);
         if s == 0 || s >= seq || w.db.load(Ordering::Relaxed) != db {
+            continue;
+        }
+        let st = shmem::load_state(shmem::slot(procno));
+        if st == shmem::SLOT_PENDING || st == shmem::SLOT_CLAIMED {
             continue;
         }
         match w.kind.load(Ordering::Relaxed) {

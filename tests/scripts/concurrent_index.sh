@@ -132,7 +132,7 @@ wait_done() {  # wait_done N: until the clients have finished N more tickets (8 
   timeout 8 bash -c "until [ \"\$(cat '$CL'/load_out.* | grep -c '^t$')\" -ge $want ]; do sleep 0.1; done" || true
 }
 wait_done 50
-for idx in ledger_pkey ledger_role_ended_idx summary_pkey ledger_pkey ledger_role_ended_idx summary_pkey; do
+for idx in ledger_pkey ledger_role_ended_idx ledger_open_idx ledger_role_key_idx summary_pkey ledger_pkey ledger_role_ended_idx ledger_open_idx ledger_role_key_idx summary_pkey; do
   before=$(done_count)
   out=$(timeout 40 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$CL" -p "$PORT" -U postgres \
           -d postgres -c "REINDEX INDEX CONCURRENTLY quota.$idx" 2>&1) && rc=0 || rc=$?
@@ -146,8 +146,8 @@ done_total=$(done_count)
 check "the clients finished tickets during the rebuilds ($done_total)" test "$done_total" -gt 150
 errors=$(cat "$CL"/load_err.* | grep -E 'ERROR|FATAL' || true)
 check "the clients saw no error${errors:+: $(sort <<<"$errors" | uniq -c | sort -rn | head -n3 | tr '\n' ' ')}" test -z "$errors"
-expect_eq "pg_quota's tables have their three indexes, valid and ready, and no leftover" \
-  "ledger_pkey ledger_role_ended_idx summary_pkey" \
+expect_eq "pg_quota's tables have their five indexes, valid and ready, and no leftover" \
+  "ledger_open_idx ledger_pkey ledger_role_ended_idx ledger_role_key_idx summary_pkey" \
   "$(sql -c "SELECT string_agg(c.relname || CASE WHEN i.indisvalid AND i.indisready THEN '' ELSE ' (invalid)' END,
                                ' ' ORDER BY c.relname) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
               WHERE i.indrelid IN ('quota.ledger'::regclass, 'quota.summary'::regclass)")"

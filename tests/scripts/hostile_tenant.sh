@@ -108,8 +108,8 @@ refused "DROP SCHEMA quota is refused" 42501 $T "DROP SCHEMA quota CASCADE"
 refused "CREATE FUNCTION in schema quota is refused" 42501 $T "CREATE FUNCTION quota.helper() RETURNS int LANGUAGE sql AS 'SELECT 1'"
 refused "CREATE TABLE in schema quota is refused" 42501 $T "CREATE TABLE quota.evil (x int)"
 refused "replacing quota.start is refused" 42501 $T \
-  "CREATE OR REPLACE FUNCTION quota.start(label text DEFAULT NULL) RETURNS uuid LANGUAGE sql AS 'SELECT gen_random_uuid()'"
-refused "ALTER FUNCTION quota.start SECURITY DEFINER is refused" 42501 $T "ALTER FUNCTION quota.start(text) SECURITY DEFINER"
+  "CREATE OR REPLACE FUNCTION quota.start(label text DEFAULT NULL, lease interval DEFAULT NULL, idempotency_key text DEFAULT NULL, wait interval DEFAULT '0') RETURNS uuid LANGUAGE sql AS 'SELECT gen_random_uuid()'"
+refused "ALTER FUNCTION quota.start SECURITY DEFINER is refused" 42501 $T "ALTER FUNCTION quota.start(text, interval, text, interval) SECURITY DEFINER"
 refused "ALTER FUNCTION quota.finish OWNER TO the tenant is refused" 42501 $T "ALTER FUNCTION quota.finish(uuid, text) OWNER TO ht_tenant"
 expect_eq "the ledger and the summary are unchanged after the writes" "$before" "$(fingerprint)"
 
@@ -352,11 +352,11 @@ expect_eq "the trigger functions are not executable by PUBLIC" "false false" \
   "$(sql -c "SELECT string_agg(has_function_privilege('ht_tenant', p.oid, 'EXECUTE')::text, ' ')
               FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace AND p.prorettype = 'trigger'::regtype")"
 refused "a tenant cannot call a trigger function" 42501 $T "SELECT quota.ledger_written()"
-expect_eq "schema quota has exactly finish, start, try_start and the two trigger functions" \
-  "quota.ledger_written(), quota.summary_written(), quota.finish(uuid,text), quota.start(text), quota.try_start(text)" \
+expect_eq "schema quota has exactly finish, renew, start, try_start and the two trigger functions" \
+  "quota.ledger_written(), quota.summary_written(), quota.finish(uuid,text), quota.renew(uuid,interval), quota.start(text,interval,text,interval), quota.try_start(text,interval,text,interval)" \
   "$(sql -c "SELECT string_agg(p.oid::regprocedure::text, ', ' ORDER BY 1) FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace")"
 expect_eq "the extension owns no other function anywhere" \
-  "quota.ledger_written(), quota.summary_written(), quota.finish(uuid,text), quota.start(text), quota.try_start(text)" \
+  "quota.ledger_written(), quota.summary_written(), quota.finish(uuid,text), quota.renew(uuid,interval), quota.start(text,interval,text,interval), quota.try_start(text,interval,text,interval)" \
   "$(sql -c "SELECT string_agg(objid::regprocedure::text, ', ' ORDER BY 1) FROM pg_depend
               WHERE classid = 'pg_proc'::regclass AND refclassid = 'pg_extension'::regclass
                 AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'pg_quota')")"

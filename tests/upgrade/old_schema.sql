@@ -99,6 +99,23 @@ SELECT expect('the ledger holds each ticket under its role, label and outcome',
 SELECT expect('t1''s ticket is still active after t2''s refused finish',
     (SELECT ended_at IS NULL FROM quota.ledger WHERE id = :'c'));
 SELECT expect('the superuser can finish anyone''s ticket', quota.finish(:'c', 'cancelled'));
+-- A 0.2.0 setting on an old schema is not silently ignored: the database cap needs the
+-- 0.2.0 schema, and a limited start() says to update (a superuser is never refused).
+-- Skipped once the schema under test is itself 0.2.0 or later.
+SELECT :'version' LIKE '0.1.%' AS old_schema \gset
+\if :old_schema
+ALTER ROLE t1 IN DATABASE :"DBNAME" SET quota.max_active_per_database = 5;
+\connect - t1
+SELECT expect_error('with quota.max_active_per_database set, start() on the old schema raises 55000 and says to update',
+                    'SELECT quota.start()', '55000',
+                    'quota.max_active_per_database needs the schema of pg_quota 0.2.0 or later');
+SELECT expect_error('... and so does try_start()',
+                    'SELECT quota.try_start()', '55000', '%0.2.0 or later');
+\connect - postgres
+SELECT expect('a superuser is still admitted (never refused)', quota.start('su') IS NOT NULL);
+ALTER ROLE t1 IN DATABASE :"DBNAME" RESET quota.max_active_per_database;
+\endif
+
 SELECT expect('the extension is still at version ' || :'version',
               (SELECT extversion FROM pg_extension WHERE extname = 'pg_quota') = :'version');
 DROP FUNCTION public.expect_error(text, text, text, text);

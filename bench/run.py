@@ -6,7 +6,8 @@ the server. Standard library only.
 Every figure is measured side by side in one run: each round runs every system once
 for each configuration, interleaved (A B A B ...), so ratios survive a noisy machine.
 Workloads are data (THROUGHPUT, the refusal pair, HISTORY); a new feature adds a
-pgbench script under bench/scripts and an entry here, not a new harness.
+pgbench script under bench/scripts and an entry here, not a new harness. Wake latency
+is not a pgbench workload: bench.wake_latency (bench/setup.sql) samples it server-side.
 """
 import argparse
 import contextlib
@@ -49,6 +50,11 @@ SECONDS = 3 if QUICK else 10
 ROUNDS = 1 if QUICK else 3
 CLIENTS = [1, 16] if QUICK else [1, 4, 16, 64]
 HISTORY = [0, 1000, 10000]
+# Idempotent repeats: clients on bench_idem, whose limit in bench/setup.sql is this.
+IDEM_CLIENTS = 16
+# Wake-latency samples per way of freeing the slot, spread over the rounds.
+WAKE_SAMPLES = 40 if QUICK else 200
+WAKE_LEASE = "250 ms"
 
 
 def psql(sql, user="postgres"):
@@ -158,6 +164,25 @@ class HeldSnapshot:
         self.proc.wait(timeout=30)
 
 
+def ledger_rows(role):
+    return int(psql(f"SELECT count(*) FROM quota.ledger WHERE role = '{role}'::regrole"))
+
+
+def start_idempotency_keys():
+    """Starts the ticket of each idempotent client's key ('k' || pgbench's client_id)."""
+    psql(f"SELECT quota.start(idempotency_key => 'k' || i) FROM generate_series(0, {IDEM_CLIENTS - 1}) i",
+         user="bench_idem")
+
+
+def wake_latency(samples, how):
+    """Samples of bench.wake_latency (bench/setup.sql), as (wake, commit) in µs like
+    pgbench's latencies; wake is None where the waiter did not wait in time."""
+    out = psql(f"SELECT wake_ms, commit_ms FROM bench.wake_latency({samples}, '{how}', '{WAKE_LEASE}')")
+    def us(v):
+        return round(float(v) * 1000) if v else None
+    return [tuple(us(v) for v in line.split("|")) for line in out.splitlines()]
+
+
 def wal_lsn():
     return psql("SELECT pg_current_wal_insert_lsn()")
 
@@ -174,6 +199,9 @@ def main():
     history = {n: [] for n in HISTORY}
     # (workload, held) -> list of runs: admission with an old snapshot open vs none.
     snapshot = {}
+    idem = {"runs": [], "wal": [], "rows": []}
+    wake = {"finish": [], "lease": []}   # (wake_us, commit_us) samples
+    start_idempotency_keys()
 
     for rnd in range(ROUNDS):
         print(f"round {rnd + 1} of {ROUNDS}", flush=True)
@@ -219,8 +247,25 @@ def main():
             start_ms = next((v for k, v in r["stmt"].items() if "quota.start" in k), float("nan"))
             history[n].append(start_ms)
             print(f"  start() with {n:5} retained: {start_ms:.3f} ms", flush=True)
+        # Idempotent repeats, each returning a ticket its key holds already, against
+        # start+finish at the same client count above. The role's ledger rows are
+        # counted on both sides: a repeat charges nothing.
+        a, rows = wal_lsn(), ledger_rows("bench_idem")
+        r = run("idem.sql", IDEM_CLIENTS, "one", logdir, "idem", role="bench_idem")
+        idem["wal"].append(wal_bytes(a, wal_lsn()))
+        idem["rows"].append((rows, ledger_rows("bench_idem")))
+        idem["runs"].append(r)
+        print(f"  idempotent repeats {IDEM_CLIENTS} clients: {r['tps']:9.1f} calls/s;"
+              f" ledger rows {rows} -> {idem['rows'][-1][1]}", flush=True)
+        # How soon a waiting start() gets a slot that a finish() or a lease frees.
+        for how in wake:
+            got = wake_latency(max(1, WAKE_SAMPLES // ROUNDS), how)
+            wake[how] += got
+            p50 = pct(sorted(w for w, _ in got if w is not None), 0.5)
+            print(f"  wake after {how:6}: {len(got)} samples, p50 {p50:.2f} ms", flush=True)
 
-    write_report(through, refusal, history, snapshot)
+    write_report(through, refusal, history, snapshot, idem, wake)
+
     shutil.rmtree(logdir, ignore_errors=True)
 
 
@@ -233,7 +278,7 @@ def lat_pcts(through, system, mode, clients):
     return pct(lat, 0.5), pct(lat, 0.99)
 
 
-def write_report(through, refusal, history, snapshot):
+def write_report(through, refusal, history, snapshot, idem, wake):
     lines = []
     add = lines.append
     add(f"# pg_quota benchmark results ({'quick' if QUICK else 'full'} run)")
@@ -298,6 +343,65 @@ def write_report(through, refusal, history, snapshot):
     for name, label in (("cycle", "start + finish"), ("refuse", "`try_start()` refused")):
         a, b = snap_tps(name, False), snap_tps(name, True)
         add(f"| {label} | {a:.0f} | {b:.0f} | {b / a if a else float('nan'):.2f}x |")
+    add("")
+
+    add("## Wake latency")
+    add("")
+    add("bench_wake may hold one ticket. One session holds it; another calls "
+        "`quota.start(wait => '30 s')`. Once the waiter sleeps in line (pg_stat_activity "
+        "shows it active with wait event type Extension), the holder runs `BEGIN; SELECT "
+        "quota.finish(t); COMMIT`, and the latency runs from just before the COMMIT to the "
+        "waiter's `start()` returning. In the lease case the holder's ticket was started with "
+        f"`lease => '{WAKE_LEASE}'` and nobody finishes it; the latency runs from its "
+        "lease_until. Both ends are `clock_timestamp()` on the server, the waiter's read right "
+        "after its `start()` returned (both sessions driven through dblink by "
+        "`bench.wake_latency` in bench/setup.sql). The figures include the waiter's admission "
+        "and the writer's commit of its ticket. A waiter left to its 200 ms poll would show "
+        "tens to 200 ms.")
+    add("")
+    add("| slot freed by | samples | p50 ms | p90 ms | p99 ms | max ms |")
+    add("|---|---:|---:|---:|---:|---:|")
+    for how, label in (("finish", "`finish()` committed (from before COMMIT)"),
+                       ("lease", "the holder's lease ran out (from lease_until)")):
+        lat = sorted(w for w, _ in wake[how] if w is not None)
+        add(f"| {label} | {len(lat)} | {pct(lat, .5):.2f} | {pct(lat, .9):.2f} | "
+            f"{pct(lat, .99):.2f} | {lat[-1] / 1000 if lat else float('nan'):.2f} |")
+    add("")
+    commit = sorted(c for _, c in wake["finish"] if c is not None)
+    add(f"The holder's COMMIT itself took {pct(commit, .5):.2f} ms at p50 and "
+        f"{pct(commit, .99):.2f} ms at p99 (from before it to its return, through dblink).")
+    late = sum(1 for w, _ in wake["lease"] if w is None)
+    if late:
+        add(f"{late} lease sample(s) left out: the waiter was not yet waiting when the lease ran out.")
+    add("")
+
+    idem_tps = median([r["tps"] for r in idem["runs"]])
+    cycle_tps = tps(through, "pg_quota", "one", IDEM_CLIENTS)
+    idem_calls = sum(r["tps"] * SECONDS for r in idem["runs"])
+    grew = sum(after - before for before, after in idem["rows"])
+    add("## Idempotent retries")
+    add("")
+    add(f"{IDEM_CLIENTS} clients on one role, each repeating `quota.start(idempotency_key => "
+        "'k' || client)` for a key whose ticket it started before the run, so every call "
+        f"returns that ticket and charges nothing. The role is at its limit ({IDEM_CLIENTS} "
+        "active tickets), so a call that charged would be refused. Compared with start + finish "
+        f"at {IDEM_CLIENTS} clients on one role from the throughput table (the same rounds; "
+        "there one transaction is two calls). The role's ledger rows are counted before and "
+        "after each run.")
+    add("")
+    add(f"| workload ({IDEM_CLIENTS} clients, one role) | tx/s | p50 ms | p99 ms |")
+    add("|---|---:|---:|---:|")
+    lat = sorted(x for r in idem["runs"] for x in r["lat"])
+    add(f"| `start(idempotency_key => …)`, a repeat | {idem_tps:.0f} | {pct(lat, .5):.2f} | {pct(lat, .99):.2f} |")
+    p50, p99 = lat_pcts(through, "pg_quota", "one", IDEM_CLIENTS)
+    add(f"| `start()` + `finish()` | {cycle_tps:.0f} | {p50:.2f} | {p99:.2f} |")
+    add("")
+    add(f"Repeats vs start + finish: {idem_tps / cycle_tps if cycle_tps else float('nan'):.2f}x. "
+        "Ledger rows of the role before and after each run: "
+        + ", ".join(f"{b} -> {a}" for b, a in idem["rows"])
+        + (" (no charge)." if grew == 0 else f" (GREW by {grew}: repeats charged)."))
+    add(f"WAL written during the runs: {sum(idem['wal'])} bytes for {idem_calls:.0f} repeats "
+        f"({sum(idem['wal']) / max(1.0, idem_calls):.4f} bytes per repeat).")
     add("")
 
     def ratio(a, b):

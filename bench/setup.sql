@@ -162,7 +162,7 @@ BEGIN
         RAISE EXCEPTION 'the waiter got a ticket while the holder still held the only one';
       END IF;
       PERFORM dblink_exec('wake_h', 'BEGIN');
-      PERFORM dblink_exec('wake_h', format('SELECT quota.finish(%L)', held));
+      PERFORM FROM dblink('wake_h', format('SELECT quota.finish(%L)', held)) AS r(ok boolean);
       freed := clock_timestamp();
       PERFORM dblink_exec('wake_h', 'COMMIT');
       committed := clock_timestamp();
@@ -170,7 +170,7 @@ BEGIN
     SELECT t, at INTO got, back FROM dblink_get_result('wake_w') AS r(t uuid, at timestamptz);
     -- The empty result that frees the connection for the next query.
     PERFORM FROM dblink_get_result('wake_w') AS r(t uuid, at timestamptz);
-    PERFORM dblink_exec('wake_h', format('SELECT quota.finish(%L)', got));
+    PERFORM FROM dblink('wake_h', format('SELECT quota.finish(%L)', got)) AS r(ok boolean);
     IF i > 0 THEN
       wake_ms := CASE WHEN waiting < freed
                       THEN extract(epoch FROM back - freed) * 1000 END;

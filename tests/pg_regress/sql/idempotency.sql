@@ -101,6 +101,7 @@ SET ROLE idem_a;
 SELECT quota.start('leased, new', idempotency_key => 'job-lease') <> :'kl' AS new_after_expiry;
 RESET ROLE;
 RESET quota.retention;
+RESET quota.max_active_per_role;
 
 -- key_length: at most 200 characters (characters, not bytes), checked before
 -- anything is charged; try_start raises too.
@@ -112,4 +113,3 @@ SELECT count(*) FILTER (WHERE length(idempotency_key) = 200) AS with_200,
        count(*) FILTER (WHERE length(idempotency_key) > 200) AS over_200
   FROM quota.tickets;
 RESET ROLE;
-RESET quota.max_active_per_role;

@@ -18,13 +18,20 @@ pub const MAX_LABEL_BYTES: usize = MAX_LABEL_CHARS * MAX_CHAR_BYTES;
 /// labels that are not UTF-8), so the caller counts characters with the server's own
 /// rules and passes both numbers.
 pub fn check_label(chars: usize, bytes: usize) -> Result<(), QuotaError> {
-    if chars > MAX_LABEL_CHARS {
-        return Err(QuotaError::LabelTooLong { chars });
+    check_text(MAX_LABEL_CHARS, chars, bytes)
+        .map_err(|chars| QuotaError::LabelTooLong { chars })
+}
+
+/// Err(the length to report) when text of `chars` characters in `bytes` bytes is
+/// longer than `max_chars` characters. The byte check can only fail on a server that
+/// reported more bytes per character than any encoding has: refuse rather than
+/// overflow a request slot.
+fn check_text(max_chars: usize, chars: usize, bytes: usize) -> Result<(), usize> {
+    if chars > max_chars {
+        return Err(chars);
     }
-    // Only a server that reported more bytes per character than any encoding has
-    // could get here; refuse rather than overflow a request slot.
-    if bytes > MAX_LABEL_BYTES {
-        return Err(QuotaError::LabelTooLong { chars: bytes });
+    if bytes > max_chars * MAX_CHAR_BYTES {
+        return Err(bytes);
     }
     Ok(())
 }
@@ -35,13 +42,7 @@ pub const MAX_KEY_BYTES: usize = MAX_KEY_CHARS * MAX_CHAR_BYTES;
 
 /// Checks an idempotency key of `chars` characters in `bytes` bytes, as `check_label`.
 pub fn check_key(chars: usize, bytes: usize) -> Result<(), QuotaError> {
-    if chars > MAX_KEY_CHARS {
-        return Err(QuotaError::KeyTooLong { chars });
-    }
-    if bytes > MAX_KEY_BYTES {
-        return Err(QuotaError::KeyTooLong { chars: bytes });
-    }
-    Ok(())
+    check_text(MAX_KEY_CHARS, chars, bytes).map_err(|chars| QuotaError::KeyTooLong { chars })
 }
 
 /// How a ticket ended.

@@ -110,7 +110,7 @@ RESET ROLE;
 -- The writer is terminated first, so nothing can sweep the row in between.
 SET quota.max_active_per_role = 1;
 SET ROLE lease_x;
-SELECT quota.start('short', lease => '300 ms') AS tx \gset
+SELECT quota.start('short', lease => '600 ms') AS tx \gset
 SELECT quota.try_start('while the lease runs') IS NULL AS refused_while_leased;
 RESET ROLE;
 SELECT count(*) FILTER (WHERE NOT pg_terminate_backend(pid, 5000)) AS writers_left
@@ -183,19 +183,19 @@ SELECT next_ageout = (SELECT lease_until + interval '1 hour' FROM quota.tickets 
        AS next_ageout_from_lease_until
   FROM quota.usage;
 -- A short retention: retention 0 ages the expired ticket out at once; then, with
--- retention 1 s, a ticket with a 500 ms lease still blocks 1.2 s after its start
--- (counted from started_at it would have aged out at 1 s) and ages out at
--- lease_until + 1 s.
+-- retention 1 s, a ticket with a 1 s lease still blocks 1.5 s after its start
+-- (counted from started_at it would have aged out at 1 s; from lease_until it ages
+-- out at 2 s) and is gone at lease_until + 1 s.
 RESET ROLE;
 SET quota.retention = 0;
 SET ROLE lease_r;
-SELECT quota.start('retention 0', lease => '500 ms') AS ts \gset
+SELECT quota.start('retention 0', lease => '1 s') AS ts \gset
 RESET ROLE;
 SET quota.retention = '1s';
 SET ROLE lease_r;
 SELECT started_at AS ts_started, lease_until AS ts_lease_until FROM quota.tickets WHERE id = :'ts' \gset
-SELECT pg_sleep_until(:'ts_started'::timestamptz + interval '1.2 s');
-SELECT quota.try_start('at 1.2 s') IS NULL AS refused_before_ageout;
+SELECT pg_sleep_until(:'ts_started'::timestamptz + interval '1.5 s');
+SELECT quota.try_start('at 1.5 s') IS NULL AS refused_before_ageout;
 SELECT pg_sleep_until(:'ts_lease_until'::timestamptz + interval '1.05 s');
 SELECT quota.try_start('after lease_until + retention') IS NOT NULL AS admitted_after_ageout;
 RESET ROLE;

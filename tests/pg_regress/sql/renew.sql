@@ -45,12 +45,12 @@ SELECT lease_until = :'new_until'::timestamptz AS returned_is_lease_until,
   FROM quota.tickets WHERE id = :'t1';
 SELECT quota.finish(:'t1');
 
--- renew_keeps_ticket_active: at a limit of 1, a ticket with a 300 ms lease renewed for
+-- renew_keeps_ticket_active: at a limit of 1, a ticket with a 600 ms lease renewed for
 -- a minute is still active, and still blocks, after its old lease has run out.
 RESET ROLE;
 SET quota.max_active_per_role = 1;
 SET ROLE renew_a;
-SELECT quota.start('about to expire', lease => '300 ms') AS t2 \gset
+SELECT quota.start('about to expire', lease => '600 ms') AS t2 \gset
 SELECT lease_until AS t2_old_until FROM quota.tickets WHERE id = :'t2' \gset
 SELECT quota.renew(:'t2', '1 min') - now() BETWEEN interval '55 s' AND interval '65 s' AS renewed;
 SELECT pg_sleep_until(:'t2_old_until'::timestamptz + interval '100 ms');
@@ -59,10 +59,10 @@ SELECT ended_at IS NULL AS still_active, outcome IS NULL AS no_outcome
 SELECT active FROM quota.usage;
 SELECT quota.try_start('over the limit') IS NULL AS refused_still_at_limit;
 
--- renew_rolled_back: the old lease stays. Renew to 400 ms (a renew may also shorten a
+-- renew_rolled_back: the old lease stays. Renew to 600 ms (a renew may also shorten a
 -- lease: lease_until = now + lease), then renew for an hour and roll that back: the
--- ticket expires 400 ms after the first renew.
-SELECT quota.renew(:'t2', '400 ms') AS short_until \gset
+-- ticket expires 600 ms after the first renew.
+SELECT quota.renew(:'t2', '600 ms') AS short_until \gset
 BEGIN;
 SELECT quota.renew(:'t2', '1 hour') - now() BETWEEN interval '59 min 55 s' AND interval '1 h 5 s'
        AS renewed_in_transaction;

@@ -357,7 +357,7 @@ def write_report(through, refusal, history, snapshot, idem, wake):
         "after its `start()` returned (both sessions driven through dblink by "
         "`bench.wake_latency` in bench/setup.sql). The figures include the waiter's admission "
         "and the writer's commit of its ticket. A waiter left to its 200 ms poll would show "
-        "tens to 200 ms.")
+        "tens to 200 ms. The samples are split evenly over the rounds and pooled.")
     add("")
     add("| slot freed by | samples | p50 ms | p90 ms | p99 ms | max ms |")
     add("|---|---:|---:|---:|---:|---:|")

@@ -59,10 +59,13 @@ pub fn retained_with_key(
     let datum = pg_sys::Datum::from(unsafe {
         pg_sys::cstring_to_text_with_len(key.as_ptr().cast(), key.len() as i32)
     });
+    // Sessions of one role may run with different retentions, so more than one ticket
+    // with the key may be retained here: the newest is the one a retry should get.
     counts::with_key(rels, snap, role, datum)
         .into_iter()
-        .find(|&(_, ended, lease)| crate::core::lease::is_retained(ended, lease, now, cutoff))
-        .map(|(id, _, _)| id)
+        .filter(|k| crate::core::lease::is_retained(k.ended_at, k.lease_until, now, cutoff))
+        .max_by_key(|k| k.started_at)
+        .map(|k| k.id)
 }
 
 /// The full numbers for a refusal's message, and when capacity returns if the
@@ -364,14 +367,15 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
     let deadline = match args.wait {
         None => now,
         Some(w) => {
-            let d = plus(now, w);
-            if d < now {
+            // SAFETY: an interval datum points at its Interval.
+            let i = unsafe { &*w.cast_mut_ptr::<pg_sys::Interval>() };
+            let Some(us) = crate::core::lease::wait_micros(i.month, i.day, i.time) else {
                 return Err(QuotaError::InvalidInterval {
                     what: "wait",
                     value: interval_text(w),
                 });
-            }
-            d
+            };
+            now.saturating_add(us)
         }
     };
 

@@ -948,14 +948,17 @@ pub fn next_expiry(
     first
 }
 
-/// The tickets of `role` with idempotency key `key` (a text datum), as (id, ended_at,
-/// lease_until) (0.2.0's schema only).
-pub fn with_key(
-    r: &Rels,
-    snap: &Latest,
-    role: pg_sys::Oid,
-    key: pg_sys::Datum,
-) -> Vec<([u8; 16], Option<pg_sys::TimestampTz>, Option<pg_sys::TimestampTz>)> {
+/// A ticket found by its idempotency key.
+pub struct Keyed {
+    pub id: [u8; 16],
+    pub started_at: pg_sys::TimestampTz,
+    pub ended_at: Option<pg_sys::TimestampTz>,
+    pub lease_until: Option<pg_sys::TimestampTz>,
+}
+
+/// The tickets of `role` with idempotency key `key` (a text datum) (0.2.0's schema
+/// only).
+pub fn with_key(r: &Rels, snap: &Latest, role: pg_sys::Oid, key: pg_sys::Datum) -> Vec<Keyed> {
     let mut out = Vec::new();
     scan(
         r.ledger,
@@ -963,10 +966,14 @@ pub fn with_key(
         snap,
         &[Key::OidEq(role), Key::TextEq(key)],
         |slot| {
-            if let Some(d) = attr(slot, COL_ID as i32) {
-                // SAFETY: a uuid datum points at its 16 bytes.
-                let id = unsafe { *(d.cast_mut_ptr::<[u8; 16]>()) };
-                out.push((id, ts_attr(slot, COL_ENDED_AT), ts_attr(slot, COL_LEASE_UNTIL)));
+            if let (Some(d), Some(started_at)) = (attr(slot, COL_ID as i32), ts_attr(slot, COL_STARTED_AT)) {
+                out.push(Keyed {
+                    // SAFETY: a uuid datum points at its 16 bytes.
+                    id: unsafe { *(d.cast_mut_ptr::<[u8; 16]>()) },
+                    started_at,
+                    ended_at: ts_attr(slot, COL_ENDED_AT),
+                    lease_until: ts_attr(slot, COL_LEASE_UNTIL),
+                });
             }
             true
         },

@@ -26,12 +26,13 @@ fn begin(name: &std::ffi::CStr) {
 
 /// I5: only the holder, a member of it, or a superuser (is_member_of_role says yes
 /// for them) may end or renew a ticket. The refusal does not say whose it is.
-fn check_holder(found: &Found, ticket: pgrx::Uuid) -> Result<(), QuotaError> {
+fn check_holder(found: &Found, ticket: pgrx::Uuid, action: &'static str) -> Result<(), QuotaError> {
     // SAFETY: plain read of backend state, and a catalog lookup.
     let me = unsafe { pg_sys::GetUserId() };
     if found.holder != me && !unsafe { pg_sys::is_member_of_role(me, found.holder) } {
         return Err(QuotaError::ForeignTicket {
             ticket: ticket.to_string(),
+            action,
         });
     }
     Ok(())
@@ -62,7 +63,7 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
         }) else {
             return Err(QuotaError::UnknownTicket(ticket.to_string()));
         };
-        check_holder(&found, ticket)?;
+        check_holder(&found, ticket, "finish")?;
         if found.ended.is_some() || found.lease_until.is_some_and(|l| l <= now) {
             return Ok(false);
         }
@@ -115,7 +116,7 @@ pub fn renew(ticket: Option<pgrx::Uuid>, lease: pg_sys::Datum) -> Result<pg_sys:
         }) else {
             return Err(QuotaError::UnknownTicket(ticket.to_string()));
         };
-        check_holder(&found, ticket)?;
+        check_holder(&found, ticket, "renew")?;
         let ended = |expired| {
             Err(QuotaError::TicketEnded {
                 ticket: ticket.to_string(),

@@ -82,8 +82,12 @@ pub enum QuotaError {
     UnknownTicket(String),
     /// The message and its detail never name the ticket's owner: holding a uuid
     /// must not tell anyone which role it belongs to.
-    #[error("permission denied to finish ticket {ticket}")]
-    ForeignTicket { ticket: String },
+    #[error("permission denied to {action} ticket {ticket}")]
+    ForeignTicket {
+        ticket: String,
+        /// "finish" or "renew".
+        action: &'static str,
+    },
     #[error("pg_quota must be loaded via shared_preload_libraries")]
     NotPreloaded,
     #[error("could not start the pg_quota ledger writer")]
@@ -414,7 +418,10 @@ mod tests {
             QuotaError::NullArgument("ticket"),
             QuotaError::InvalidOutcome("done".into()),
             QuotaError::UnknownTicket("x".into()),
-            QuotaError::ForeignTicket { ticket: "x".into() },
+            QuotaError::ForeignTicket {
+                ticket: "x".into(),
+                action: "finish",
+            },
             QuotaError::NotPreloaded,
             QuotaError::NoWorkerSlot,
             QuotaError::WriterGone,
@@ -465,7 +472,10 @@ mod tests {
             QuotaError::InvalidOutcome("x".into()).sqlstate().code(),
             "22023"
         );
-        let foreign = QuotaError::ForeignTicket { ticket: "x".into() };
+        let foreign = QuotaError::ForeignTicket {
+                ticket: "x".into(),
+                action: "finish",
+            };
         assert_eq!(foreign.sqlstate().code(), "42501");
         assert_eq!(
             QuotaError::LockTimeout {
@@ -483,7 +493,9 @@ mod tests {
     fn foreign_ticket_refusal_does_not_name_the_owner() {
         let e = QuotaError::ForeignTicket {
             ticket: "0192".into(),
+            action: "renew",
         };
+        assert_eq!(e.to_string(), "permission denied to renew ticket 0192");
         let all = format!("{e} {:?} {:?}", e.detail(), e.hint());
         assert_eq!(e.detail().unwrap(), "The ticket belongs to another role.");
         assert!(!all.contains("role \""), "{all}");

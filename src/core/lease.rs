@@ -48,6 +48,16 @@ pub fn wait_ms(now: i64, deadline: i64, next_expiry: Option<i64>, poll_ms: i64) 
     ms.clamp(0, poll_ms)
 }
 
+/// An interval as a wait in microseconds: months count 30 days and days 24 hours, as
+/// PostgreSQL's `interval` comparisons count them (a wait does not follow the
+/// calendar), saturating instead of overflowing, so that a wait of any size works.
+/// None when it is negative.
+pub fn wait_micros(months: i32, days: i32, micros: i64) -> Option<i64> {
+    const DAY: i128 = 86_400_000_000;
+    let total = i128::from(months) * 30 * DAY + i128::from(days) * DAY + i128::from(micros);
+    (total >= 0).then(|| total.min(i128::from(i64::MAX)) as i64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -88,6 +98,15 @@ mod tests {
         assert_eq!(wait_ms(0, 100_000, Some(200_000), 1000), 100);
         assert_eq!(wait_ms(10, 5, None, 1000), 0);
         assert_eq!(wait_ms(0, 1, None, 1000), 1);
+    }
+
+    #[test]
+    fn waits_count_months_as_30_days_and_saturate() {
+        assert_eq!(wait_micros(0, 0, 1_500_000), Some(1_500_000));
+        assert_eq!(wait_micros(1, 1, 0), Some(31 * 86_400_000_000));
+        assert_eq!(wait_micros(0, 0, -1), None);
+        assert_eq!(wait_micros(0, 1, -3_600_000_000), Some(23 * 3_600_000_000));
+        assert_eq!(wait_micros(i32::MAX, i32::MAX, i64::MAX), Some(i64::MAX));
     }
 
     proptest! {

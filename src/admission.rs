@@ -498,6 +498,14 @@ fn admit_under_lock(
 ) -> Result<Result<(), Refused>, pgrx::Uuid> {
     let cutoff = cutoff(now, retention);
     let refuse = |reader: &Reader, snap: &Latest, kind, ahead: (i64, i64), db_active| {
+        if let Some(key) = args.key {
+            // A start with our key may have committed after our last look, and the
+            // counts we refuse on may include its ticket: look again, under a snapshot
+            // taken after those counts, before refusing a repeat.
+            if let Some(id) = retained_with_key(&reader.rels, &Latest::take(), role, key, now, cutoff) {
+                return Err(pgrx::Uuid::from_bytes(id));
+            }
+        }
         let (mut usage, next) =
             refusal_numbers(reader, snap, role, now, cutoff, retention, kind);
         usage.db_active = db_active;

@@ -914,6 +914,9 @@ pub fn lapsed(
 /// (0.2.0's schema only): the unfinished rows whose lease has not run out.
 pub fn db_active(r: &Rels, snap: &Latest, now: pg_sys::TimestampTz, stop_at: i64) -> i64 {
     let mut n = 0;
+    if !r.v2() {
+        return n;
+    }
     scan(r.ledger, r.ledger_open_idx, snap, &[Key::IsNull], |slot| {
         let active = ts_attr(slot, COL_LEASE_UNTIL).is_none_or(|l| l > now) || being_changed(slot);
         if active {

@@ -118,8 +118,9 @@ fn leave() {
 
 /// The starts waiting ahead of place `seq` (u64::MAX for a start that is not
 /// waiting) in this database: (those of `role` refused by a role limit, those of any
-/// role refused by the database cap). A waiter whose request is in the writer's hands
-/// right now is not counted: callers count requests in flight already.
+/// role refused by the database cap). A waiter with a request in the writer's hands,
+/// or answered and not yet taken back, is not counted: callers count requests in
+/// flight already, and an admitted one is an active ticket by then.
 pub fn ahead(role: pg_sys::Oid, seq: u64) -> (i64, i64) {
     let db = u32::from(shmem::my_db());
     let role = u32::from(role);
@@ -129,8 +130,7 @@ pub fn ahead(role: pg_sys::Oid, seq: u64) -> (i64, i64) {
         if s == 0 || s >= seq || w.db.load(Ordering::Relaxed) != db {
             continue;
         }
-        let st = shmem::load_state(shmem::slot(procno));
-        if st == shmem::SLOT_PENDING || st == shmem::SLOT_CLAIMED {
+        if shmem::load_state(shmem::slot(procno)) != shmem::SLOT_FREE {
             continue;
         }
         match w.kind.load(Ordering::Relaxed) {

@@ -23,6 +23,7 @@ use pgrx::prelude::*;
 
 use std::collections::HashMap;
 
+use crate::compat;
 use crate::core::batch::{self, BatchRequest, Counted};
 use crate::core::{uuid_v7, Decision, Limits, QuotaError, RefusalKind, Usage};
 use crate::counts::{self, Key, Latest, Reader};
@@ -492,8 +493,8 @@ pub extern "C-unwind" fn pg_quota_writer_main(arg: pg_sys::Datum) {
     // like autovacuum. After ALTER DATABASE … ALLOW_CONNECTIONS false, sessions that
     // are still connected keep calling start(), and only a writer can answer them.
     unsafe {
-        pg_sys::pqsignal(libc::SIGTERM, Some(die));
-        pg_sys::pqsignal(libc::SIGHUP, Some(SignalHandlerForConfigReload));
+        compat::pqsignal(libc::SIGTERM, Some(die));
+        compat::pqsignal(libc::SIGHUP, Some(SignalHandlerForConfigReload));
         pg_sys::BackgroundWorkerUnblockSignals();
         pg_sys::BackgroundWorkerInitializeConnectionByOid(
             db,

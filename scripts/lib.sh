@@ -264,7 +264,7 @@ new_cluster() {
 with_cluster() {
   local name="$1"; shift
   CL="${SCRATCH:-$(make_scratch)}/$name"
-  PORT="${PORT:-5480}"
+  PORT="${PORT:-$((5480 + PORT_OFFSET))}"
   new_cluster "$CL" "$PORT" "$@"
 }
 

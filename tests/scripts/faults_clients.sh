@@ -4,7 +4,7 @@
 # and pg_cancel_backend hitting start() at random points (I1 and I2: the ledger may
 # over-count what callers received, never under-count, and never passes the limit).
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5522}"
+PORT="${PORT:-$((5522 + PORT_OFFSET))}"
 with_cluster faults_clients
 
 

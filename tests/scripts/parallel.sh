@@ -5,7 +5,7 @@
 # them into parallel workers; there they must neither charge nor end a ticket, for a
 # tenant or for a superuser, and must not fail with an internal error (XX000).
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5623}"
+PORT="${PORT:-$((5623 + PORT_OFFSET))}"
 with_cluster parallel
 
 sql <<'SQL'

@@ -50,8 +50,14 @@ pg_paths() {
 }
 
 PG_MAJOR="${PG_MAJOR:-15}"
-# PG_BIN, when set, names the installation for PG_MAJOR (kept for older callers).
-PG_BIN="${PG_BIN:-$(pg_bin_of "$PG_MAJOR")}"
+# PG_BIN, when set, names the installation for PG_MAJOR (as before there were several
+# majors): it stands for PG<PG_MAJOR>_BIN unless that is set too.
+if [ -n "${PG_BIN:-}" ]; then
+  _var="PG${PG_MAJOR}_BIN"
+  [ -n "${!_var:-}" ] || export "$_var=$PG_BIN"
+  unset _var
+fi
+PG_BIN="$(pg_bin_of "$PG_MAJOR")"
 pg_paths
 
 export PATH="$HOME/.cargo/bin:$PATH"

@@ -5,14 +5,21 @@
 //! Tested: 15 and 18. 16 and 17 are type-checked against pgrx's bindings of those
 //! majors (see README), not run.
 //!
-//! Calls whose signature and meaning are the same in 15 through 18 (checked against
-//! pgrx 0.18's bindings of each major) are made directly elsewhere; among them the
-//! hooks pg_quota installs (object_access_hook, ProcessUtility_hook,
-//! shmem_request_hook, shmem_startup_hook), before_shmem_exit, LockAcquire,
-//! GetLatestSnapshot, SPI_execute_snapshot, heap_insert, heap_delete, index_insert,
-//! table_open, RegisterDynamicBackgroundWorker and BackgroundWorkerInitializeConnectionByOid.
-//! Constants whose values changed (GUC_UNIT_S in 16, BackendState in 18) are only ever
-//! used through their names, so each build gets its own major's values.
+//! Every other pg_sys item the crate uses was compared across pgrx 0.18's bindings of
+//! 15, 16, 17 and 18: functions, hook types, structs and constants. These are the same
+//! in all four, among them the hooks pg_quota installs (object_access_hook,
+//! ProcessUtility_hook, shmem_request_hook, shmem_startup_hook) and before_shmem_exit,
+//! LockAcquire, GetLatestSnapshot, heap_insert, heap_delete, index_insert, table_open,
+//! systable_beginscan, RegisterDynamicBackgroundWorker and
+//! BackgroundWorkerInitializeConnectionByOid. These changed in ways that need no code
+//! here: GUC_UNIT_S (16) and BackendState (18, STATE_STARTING) changed values but are
+//! used only by name; BackgroundWorker.bgw_library_name grew to MAXPGPATH (17) and is
+//! filled by length; FormData_pg_database gained dathasloginevt (17) and is read by
+//! field name; DefElem.location became ParseLoc (17) and is not read; PlannedStmt
+//! gained fields (16, 18) and only its utilityStmt is read, by name; heap_form_tuple
+//! takes const pointers (17); LockTagType gained a value (16). Two facts were read in PostgreSQL 18's source: backends and background
+//! workers still have PGPROC numbers below MaxBackends (shmem.rs sizes its slots so),
+//! and AddinShmemInitLock is still MainLWLockArray[21].
 
 use pgrx::pg_sys;
 

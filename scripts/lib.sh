@@ -3,14 +3,62 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PG_MAJOR="${PG_MAJOR:-15}"
-# PG_BIN may point at another installation of the same layout, for example a relocated
-# copy of /usr/lib/postgresql/15 that carries an older pg_quota build.
-PG_BIN="${PG_BIN:-/usr/lib/postgresql/$PG_MAJOR/bin}"
-PG_CONFIG="$PG_BIN/pg_config"
-PGXS_TEST="${PG_BIN%/bin}/lib/pgxs/src/test"
 PGRX_VERSION="0.18.0"
-APT_PACKAGES=(postgresql-$PG_MAJOR postgresql-server-dev-$PG_MAJOR libclang-dev clang sudo)
+
+# --- PostgreSQL majors ------------------------------------------------------------------
+# Tested majors, in the order scripts/test runs them. Debian 12 ships 15 as a binary
+# package; every other major is built from Debian's source package into PG_CACHE/MAJOR
+# (ensure_pg). 16 and 17 have cfg paths in src/compat.rs but no server on this archive.
+TESTED_MAJORS=(15 18)
+DEBIAN_MAJOR=15
+PG_CACHE="${PG_CACHE:-/opt/pg_quota-pg}"
+
+# pg_bin_of MAJOR: the bin directory of that major's server. PG<MAJOR>_BIN (for example
+# PG15_BIN) may point at another installation of the same layout, such as a relocated
+# copy of /usr/lib/postgresql/15 that carries an older pg_quota build.
+pg_bin_of() {
+  local var="PG$1_BIN"
+  if [ -n "${!var:-}" ]; then echo "${!var}"
+  elif [ "$1" = "$DEBIAN_MAJOR" ]; then echo "/usr/lib/postgresql/$1/bin"
+  else echo "$PG_CACHE/$1/bin"
+  fi
+}
+
+# use_pg MAJOR: points PG_MAJOR, PG_BIN, PG_CONFIG, PGXS_TEST and PORT_OFFSET at that
+# major, and exports them so that child scripts use the same server.
+use_pg() {
+  PG_MAJOR="$1"
+  PG_BIN="$(pg_bin_of "$PG_MAJOR")"
+  pg_paths
+  export PG_MAJOR PG_BIN
+}
+
+# pg_paths: the paths that follow from PG_BIN. PGXS_TEST holds pg_regress and
+# pg_isolation_regress of the same major (Debian: lib/pgxs/src/test; a source build
+# whose prefix names no "postgres" or "pgsql": lib/postgresql/pgxs/src/test).
+pg_paths() {
+  PG_CONFIG="$PG_BIN/pg_config"
+  if [ -x "$PG_CONFIG" ]; then
+    PGXS_TEST="$(dirname "$(dirname "$("$PG_CONFIG" --pgxs)")")/test"
+  else
+    PGXS_TEST="${PG_BIN%/bin}/lib/pgxs/src/test"
+  fi
+  # Test clusters listen on Unix sockets in their own folders, yet each major gets its
+  # own port range (+1000 per major above 15) and QUOTA_PORT_OFFSET shifts them all, so
+  # that runs on several majors, or next to someone else's run, never share a port.
+  PORT_OFFSET=$(( (PG_MAJOR - 15) * 1000 + ${QUOTA_PORT_OFFSET:-0} ))
+}
+
+PG_MAJOR="${PG_MAJOR:-15}"
+# PG_BIN, when set, names the installation for PG_MAJOR (as before there were several
+# majors): it stands for PG<PG_MAJOR>_BIN unless that is set too.
+if [ -n "${PG_BIN:-}" ]; then
+  _var="PG${PG_MAJOR}_BIN"
+  [ -n "${!_var:-}" ] || export "$_var=$PG_BIN"
+  unset _var
+fi
+PG_BIN="$(pg_bin_of "$PG_MAJOR")"
+pg_paths
 
 export PATH="$HOME/.cargo/bin:$PATH"
 # pgrx appends a Rust backtrace to the DETAIL of errors that pass through Rust when
@@ -26,10 +74,10 @@ as_pg() {
   if [ "$(id -un)" = "$PG_USER" ]; then "$@"; else runuser -u "$PG_USER" -- "$@"; fi
 }
 
-# Installs what a fresh Debian 12 machine lacks; skips each step already done.
-ensure_deps() {
-  local missing=()
-  for p in "${APT_PACKAGES[@]}"; do
+# apt_install PACKAGE...: installs those of the packages that are missing.
+apt_install() {
+  local missing=() p
+  for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   if [ "${#missing[@]}" -gt 0 ]; then
@@ -37,17 +85,94 @@ ensure_deps() {
     apt-get update -q
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
   fi
+}
+
+# ensure_deps [MAJOR...]: installs what a fresh Debian 12 machine lacks to build and test
+# pg_quota on those majors (default: PG_MAJOR); skips each step already done.
+ensure_deps() {
+  local majors=("$@") m pkgs=(libclang-dev clang sudo)
+  [ "${#majors[@]}" -gt 0 ] || majors=("$PG_MAJOR")
+  for m in "${majors[@]}"; do
+    if [ "$m" = "$DEBIAN_MAJOR" ]; then pkgs+=("postgresql-$m" "postgresql-server-dev-$m")
+    else pkgs+=(gcc make bzip2 perl bison flex libreadline-dev zlib1g-dev)  # ensure_pg's build
+    fi
+  done
+  apt_install "${pkgs[@]}"
   if ! cargo pgrx --version 2>/dev/null | grep -q "$PGRX_VERSION"; then
     log "installing cargo-pgrx $PGRX_VERSION (takes several minutes)"
     cargo install cargo-pgrx --version "$PGRX_VERSION" --locked
   fi
-  if ! grep -qs "^pg$PG_MAJOR = " "$HOME/.pgrx/config.toml"; then
-    log "cargo pgrx init --pg$PG_MAJOR $PG_CONFIG"
-    cargo pgrx init --pg"$PG_MAJOR" "$PG_CONFIG"
-  fi
+  for m in "${majors[@]}"; do ensure_pg "$m"; done
+  pgrx_init "${majors[@]}"
+  pg_paths
 }
 
-# Builds pg_quota and installs it into the system PostgreSQL.
+# ensure_pg MAJOR: a major that Debian 12 does not ship as a binary is built once from
+# the upstream source that Debian's archive serves in the postgresql-MAJOR source
+# package of `sid`, into the cache PG_CACHE/MAJOR. Skipped when the cache has pg_config;
+# rebuilt when it is missing. The system's apt setup is not touched: a private sources
+# list, lists and cache directory under PG_CACHE/apt are passed with -o options.
+ensure_pg() {
+  local major="$1"
+  [ "$major" != "$DEBIAN_MAJOR" ] || return 0  # the apt package (ensure_deps)
+  local prefix="$PG_CACHE/$major"
+  [ -x "$prefix/bin/pg_config" ] && return 0
+  mkdir -p "$PG_CACHE"; chmod 755 "$PG_CACHE"
+  local lock
+  exec {lock}> "$PG_CACHE/.build-$major.lock"
+  flock "$lock"  # one build at a time, if two runs start together
+  if [ -x "$prefix/bin/pg_config" ]; then exec {lock}>&-; return 0; fi
+  log "building PostgreSQL $major from Debian's source package into $prefix (once; a few minutes)"
+  local apt="$PG_CACHE/apt" work src
+  mkdir -p "$apt/lists/partial" "$apt/cache/archives/partial"
+  echo "deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian sid main" \
+    > "$apt/sources.list"
+  local aptopts=(-o "Dir::Etc::SourceList=$apt/sources.list" -o Dir::Etc::SourceParts=/dev/null
+                 -o "Dir::State::Lists=$apt/lists" -o "Dir::Cache=$apt/cache" -o APT::Sandbox::User=root)
+  work="$(mktemp -d "$PG_CACHE/.build-$major.XXXXXX")"
+  apt-get "${aptopts[@]}" -q update >&2
+  (cd "$work" && apt-get "${aptopts[@]}" -q source --download-only "postgresql-$major" >&2)
+  tar -xjf "$work"/postgresql-"$major"_*.orig.tar.bz2 -C "$work"
+  src="$(find "$work" -mindepth 1 -maxdepth 1 -type d -name "postgresql-$major*" | head -n1)"
+  log "PostgreSQL $(basename "$src"): configure, make world-bin, install (log: $work/build.log)"
+  # From PostgreSQL 17 the release tarball no longer carries the generated parsers
+  # (distprep is gone), so the build needs bison and flex (ensure_deps installs them).
+  # make install-world-bin goes to a staging folder first; the cache appears only whole.
+  if ! (cd "$src" && ./configure --prefix="$prefix" --without-icu \
+        && make -j"$(nproc)" world-bin && make install-world-bin DESTDIR="$work/stage") \
+        > "$work/build.log" 2>&1; then
+    tail -n 40 "$work/build.log" >&2
+    log "building PostgreSQL $major failed; the build folder $work is kept"
+    exec {lock}>&-
+    return 1
+  fi
+  rm -rf "$prefix"
+  mv "$work/stage$prefix" "$prefix"
+  chmod -R a+rX "$prefix"  # the postgres user runs the servers
+  rm -rf "$work"
+  exec {lock}>&-
+  log "PostgreSQL $major is in $prefix"
+}
+
+# pgrx_init [MAJOR...]: registers every tested major that is installed (and the given
+# ones) with cargo pgrx, in one call, because `cargo pgrx init` keeps only what it is
+# given. Runs only when config.toml lacks a major or names another pg_config for it.
+pgrx_init() {
+  local config="${PGRX_HOME:-$HOME/.pgrx}/config.toml" m args=() stale=0
+  for m in "${TESTED_MAJORS[@]}" "$@"; do
+    [[ " ${args[*]} " == *" --pg$m "* ]] && continue
+    [ -x "$(pg_bin_of "$m")/pg_config" ] || continue
+    args+=(--pg"$m" "$(pg_bin_of "$m")/pg_config")
+  done
+  for m in "$@"; do
+    grep -qsx "pg$m = \"$(pg_bin_of "$m")/pg_config\"" "$config" || stale=1
+  done
+  [ "$stale" = 1 ] || return 0
+  log "cargo pgrx init ${args[*]}"
+  cargo pgrx init "${args[@]}" >&2
+}
+
+# Builds pg_quota and installs it into PG_MAJOR's PostgreSQL (PG_CONFIG).
 install_extension() {
   local profile=()
   [ "${1:-}" = "--release" ] && profile=(--release)
@@ -145,7 +270,7 @@ new_cluster() {
 with_cluster() {
   local name="$1"; shift
   CL="${SCRATCH:-$(make_scratch)}/$name"
-  PORT="${PORT:-5480}"
+  PORT="${PORT:-$((5480 + PORT_OFFSET))}"
   new_cluster "$CL" "$PORT" "$@"
 }
 

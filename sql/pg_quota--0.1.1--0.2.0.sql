@@ -18,17 +18,19 @@
 --    replaced, so the one-argument functions are dropped and created again; a
 --    function of yours whose body depends on them (BEGIN ATOMIC) must be dropped
 --    first and created again after the update (PostgreSQL refuses the DROP otherwise,
---    and the update changes nothing). Their privileges are PostgreSQL's defaults
---    (EXECUTE for PUBLIC), as in 0.1.x. renew() is new.
--- 4. quota.usage counts a ticket whose lease ran out as ended at its lease_until, so
---    it is dropped and created again; quota.tickets is new.
+--    and the update changes nothing). Whatever EXECUTE privileges a DBA gave or took
+--    on the old functions are carried over to the new ones. renew() is new, with
+--    PostgreSQL's default privileges.
+-- 4. quota.usage counts a ticket whose lease ran out as ended at its lease_until. Its
+--    columns do not change, so it is replaced in place (CREATE OR REPLACE VIEW): views
+--    of yours on it and its privileges stay. quota.tickets is new.
+-- 5. The old index is found by its columns, not its name, so that an index a DBA
+--    renamed (pg_quota itself finds indexes by what they index) is replaced too.
 --
 -- The result must equal a fresh 0.2.0 install (sql/schema.sql and src/api.rs);
 -- scripts/test-upgrade compares the two catalogs.
 
 \echo Use "ALTER EXTENSION pg_quota UPDATE TO '0.2.0'" to load this file. \quit
-
-DROP VIEW quota.usage;
 
 ALTER TABLE quota.ledger
     ADD COLUMN lease_until timestamptz,
@@ -38,10 +40,31 @@ ALTER TABLE quota.ledger DROP CONSTRAINT ledger_outcome_check;
 ALTER TABLE quota.ledger ADD CONSTRAINT ledger_outcome_check
     CHECK (outcome IN ('succeeded', 'failed', 'cancelled', 'expired'));
 
-DROP INDEX quota.ledger_role_ended_idx;
+DO $drop$
+DECLARE
+    idx pg_catalog.regclass;
+BEGIN
+    FOR idx IN
+        SELECT i.indexrelid::pg_catalog.regclass
+          FROM pg_catalog.pg_index i
+         WHERE i.indrelid OPERATOR(pg_catalog.=) 'quota.ledger'::pg_catalog.regclass
+           AND i.indkey::pg_catalog.text OPERATOR(pg_catalog.=) '2 5'
+           AND i.indexprs IS NULL AND i.indpred IS NULL AND NOT i.indisunique
+    LOOP
+        EXECUTE pg_catalog.format('DROP INDEX %s', idx);
+    END LOOP;
+END
+$drop$;
 CREATE INDEX ledger_role_ended_idx ON quota.ledger (role, ended_at, lease_until);
 CREATE INDEX ledger_open_idx ON quota.ledger (ended_at, lease_until);
 CREATE INDEX ledger_role_key_idx ON quota.ledger (role, idempotency_key);
+
+-- The old functions' privileges, if a DBA changed them (NULL: PostgreSQL's defaults).
+CREATE TEMPORARY TABLE pg_quota_old_acl ON COMMIT DROP AS
+SELECT p.proname, p.proacl
+  FROM pg_catalog.pg_proc p
+ WHERE p.oid OPERATOR(pg_catalog.=) ANY (ARRAY['quota.start(text)'::pg_catalog.regprocedure,
+                                               'quota.try_start(text)'::pg_catalog.regprocedure]);
 
 DROP FUNCTION quota.start(text);
 DROP FUNCTION quota.try_start(text);
@@ -66,6 +89,26 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'try_start_v2_wrapper';
 
+DO $acl$
+DECLARE
+    f record;
+    g record;
+BEGIN
+    FOR f IN SELECT o.proname, o.proacl FROM pg_quota_old_acl o WHERE o.proacl IS NOT NULL LOOP
+        EXECUTE pg_catalog.format('REVOKE ALL ON FUNCTION quota.%I(text, interval, text, interval) FROM PUBLIC', f.proname);
+        FOR g IN SELECT a.grantee, a.is_grantable FROM pg_catalog.aclexplode(f.proacl) a
+                  WHERE a.privilege_type OPERATOR(pg_catalog.=) 'EXECUTE' LOOP
+            EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION quota.%I(text, interval, text, interval) TO %s%s',
+                f.proname,
+                CASE WHEN g.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+                     ELSE g.grantee::pg_catalog.regrole::pg_catalog.text END,
+                CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+        END LOOP;
+    END LOOP;
+END
+$acl$;
+DROP TABLE pg_quota_old_acl;
+
 CREATE FUNCTION quota."renew"(
 	"ticket" uuid,
 	"lease" interval
@@ -78,7 +121,7 @@ AS 'MODULE_PATHNAME', 'renew_wrapper';
 -- other roles their own. "retained" uses the quota.retention of the reading session.
 -- A ticket whose lease ran out counts as ended at its lease_until, whether or not the
 -- ledger writer has written that down yet.
-CREATE VIEW quota.usage WITH (security_barrier) AS
+CREATE OR REPLACE VIEW quota.usage WITH (security_barrier) AS
 WITH params AS (
     SELECT pg_catalog.current_setting('quota.retention')::pg_catalog.interval AS retention,
            pg_catalog.now() AS now
@@ -104,7 +147,6 @@ SELECT t.role                                                        AS role,
     OR t.ended_at OPERATOR(pg_catalog.>=) (t.now OPERATOR(pg_catalog.-) t.retention)
  GROUP BY t.role, t.retention;
 
-GRANT SELECT ON quota.usage TO PUBLIC;
 
 -- The holders: one row per ticket in the ledger. Roles see their own tickets,
 -- superusers all; a role can find its orphans here (after a cancelled start() or a

@@ -381,6 +381,9 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
 
     let mut place: Option<crate::waiters::Place> = None;
     loop {
+        if place.is_some() {
+            writer::drop_abandoned_answer();
+        }
         let seq = place.as_ref().map_or(u64::MAX, |p| p.seq);
         let r = match attempt(args, role, exempt, limits, seq)? {
             Ok(id) => return Ok(id),
@@ -552,9 +555,11 @@ fn admit_under_lock(
         // Read the requests in flight BEFORE taking the snapshot: a request that the
         // writer commits in between is then counted twice (we wait and count again),
         // never missed. The other order could miss it in both places.
+        // Waiters ahead first: one moves from the line (slot free) into flight, never
+        // back, so read in this order it is counted at least once.
+        let ahead = crate::waiters::ahead(role, seq);
         let inflight = writer::inflight(role);
         let inflight_db = if limits.max_db > 0 { writer::inflight_db() } else { 0 };
-        let ahead = crate::waiters::ahead(role, seq);
         let reader = Reader::open();
         let snap = Latest::take();
         if let Some(key) = args.key {

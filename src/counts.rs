@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use pgrx::pg_sys;
 
+use crate::compat;
 use crate::core::QuotaError;
 use crate::error::raise;
 
@@ -257,7 +258,7 @@ fn check_shape(
             ));
         }
         for (i, (col, types)) in want.iter().take(natts).enumerate() {
-            let att = (*desc).attrs.as_ptr().add(i);
+            let att = compat::tuple_desc_attr(desc, i);
             if (*att).attisdropped {
                 bad(format!("Column {} ({col}) was dropped", i + 1));
             }
@@ -296,7 +297,7 @@ fn find_index(heap: pg_sys::Relation, keys: &[usize]) -> Option<pg_sys::Oid> {
             // DBA's index on (role DESC, …) or with another operator class would
             // return rows in another order, or compare them differently.
             let plain_order = |k: usize| {
-                let typ = (*(*(*idx).rd_att).attrs.as_ptr().add(k)).atttypid;
+                let typ = (*compat::tuple_desc_attr((*idx).rd_att, k)).atttypid;
                 let default = pg_sys::GetDefaultOpClass(typ, pg_sys::BTREE_AM_OID);
                 *(*idx).rd_indoption.add(k) == 0
                     && default != pg_sys::InvalidOid
@@ -454,22 +455,6 @@ pub struct Reader {
     _locks: Locks,
 }
 
-/// The relfilenode of an open relation.
-fn filenode(rel: pg_sys::Relation) -> u32 {
-    // SAFETY: an open relation's relcache entry.
-    unsafe {
-        #[cfg(feature = "pg15")]
-        {
-            u32::from((*rel).rd_node.relNode)
-        }
-        #[cfg(not(feature = "pg15"))]
-        {
-            // PostgreSQL 16 renamed RelFileNode to RelFileLocator.
-            u32::from((*rel).rd_locator.relNumber)
-        }
-    }
-}
-
 /// The tags scope counters must carry, or None if counters must not be used: the
 /// triggers are missing or not ENABLE ALWAYS, or this transaction gave either table a
 /// relfilenode that is not committed yet (a TRUNCATE, say), which a counter built now
@@ -482,12 +467,10 @@ fn tags_of(rels: &Rels) -> Option<crate::scopes::Tags> {
     unsafe {
         let l = pg_sys::table_open(rels.ledger, pg_sys::NoLock as i32);
         let s = pg_sys::table_open(rels.summary, pg_sys::NoLock as i32);
-        let fresh = |r: pg_sys::Relation| {
-            (*r).rd_newRelfilenodeSubid != 0 || (*r).rd_firstRelfilenodeSubid != 0
-        };
+        let fresh = |r: pg_sys::Relation| compat::has_uncommitted_relfilenode(r);
         let tags = (!fresh(l) && !fresh(s)).then(|| crate::scopes::Tags {
-            ledger: filenode(l),
-            summary: filenode(s),
+            ledger: compat::relfilenode(l),
+            summary: compat::relfilenode(s),
         });
         pg_sys::table_close(s, pg_sys::NoLock as i32);
         pg_sys::table_close(l, pg_sys::NoLock as i32);
@@ -679,7 +662,7 @@ pub fn scan_open(
         } else {
             snap.0
         };
-        let desc = pg_sys::index_beginscan(heap_rel, index_rel, scan_snap, sk.len() as i32, 0);
+        let desc = compat::index_beginscan(heap_rel, index_rel, scan_snap, sk.len() as i32);
         pg_sys::index_rescan(
             desc,
             sk.as_mut_ptr(),

@@ -53,7 +53,13 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
 
     loop {
         // The latest snapshot, not the transaction's: under REPEATABLE READ a ticket
-        // committed by the writer after our snapshot must still be found (I3).
+        // committed by the writer after our snapshot must still be found (I3). After a
+        // CommandCounterIncrement, as SPI makes between a volatile function's queries:
+        // a finish() or renew() earlier in this same statement is then seen, so
+        // `renew(t, …), finish(t)` ends the renewed ticket, and two renews of one
+        // ticket both apply, instead of hitting TM_SelfModified.
+        // SAFETY: makes this transaction's earlier writes visible to new snapshots.
+        unsafe { pg_sys::CommandCounterIncrement() };
         let snap = Latest::take();
         let Some(found) = find(&ledger, &rels, &snap, ticket, |values, nulls| {
             values[COL_ENDED_AT - 1] = now.into();
@@ -73,12 +79,13 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
                 crate::scopes::note_finish(found.holder);
                 return Ok(true);
             }
-            // Ended by an earlier call in this same statement.
-            pg_sys::TM_Result::TM_SelfModified => return Ok(false),
-            // A concurrent finish committed first (or, long after, a purge): look
-            // again with a fresh snapshot, which sees what it did. Under any isolation
+            // A concurrent finish committed first (or, long after, a purge), or this
+            // command changed the row (not seen before the next CommandCounterIncrement):
+            // look again with a fresh snapshot, which sees what it did. Under any isolation
             // level this returns false rather than a serialization failure.
-            pg_sys::TM_Result::TM_Updated | pg_sys::TM_Result::TM_Deleted => continue,
+            pg_sys::TM_Result::TM_Updated
+            | pg_sys::TM_Result::TM_Deleted
+            | pg_sys::TM_Result::TM_SelfModified => continue,
             other => pgrx::error!("pg_quota: unexpected result {other} updating ticket {ticket}"),
         }
     }
@@ -109,6 +116,9 @@ pub fn renew(ticket: Option<pgrx::Uuid>, lease: pg_sys::Datum) -> Result<pg_sys:
     }
     let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
     loop {
+        // As in finish().
+        // SAFETY: makes this transaction's earlier writes visible to new snapshots.
+        unsafe { pg_sys::CommandCounterIncrement() };
         let snap = Latest::take();
         let Some(found) = find(&ledger, &rels, &snap, ticket, |values, nulls| {
             values[COL_LEASE_UNTIL - 1] = until.into();
@@ -127,8 +137,12 @@ pub fn renew(ticket: Option<pgrx::Uuid>, lease: pg_sys::Datum) -> Result<pg_sys:
             return ended(found.outcome_expired);
         }
         match ledger.update(found.tid, found.new_tuple, &[COL_LEASE_UNTIL]) {
-            pg_sys::TM_Result::TM_Ok | pg_sys::TM_Result::TM_SelfModified => {}
-            pg_sys::TM_Result::TM_Updated | pg_sys::TM_Result::TM_Deleted => continue,
+            pg_sys::TM_Result::TM_Ok => {}
+            // Changed by another transaction that committed meanwhile, or by this
+            // command (seen after the next CommandCounterIncrement): look again.
+            pg_sys::TM_Result::TM_Updated
+            | pg_sys::TM_Result::TM_Deleted
+            | pg_sys::TM_Result::TM_SelfModified => continue,
             other => pgrx::error!("pg_quota: unexpected result {other} updating ticket {ticket}"),
         }
         // SAFETY: plain read of the clock, after the update.

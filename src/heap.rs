@@ -8,6 +8,8 @@
 
 use pgrx::pg_sys;
 
+use crate::compat::{self, IndexUpdate};
+
 /// A table opened for writing, with the indexes that take inserts; closed on drop,
 /// keeping the locks to the end of the transaction as the executor does.
 pub struct OpenRel {
@@ -104,6 +106,37 @@ impl OpenRel {
         }
     }
 
+    /// Locks the row version at `tid` for update unless another transaction holds or
+    /// awaits a conflicting lock on it (SKIP LOCKED): true if we now hold the lock, so
+    /// that `update` of that version cannot wait for anyone. heap_update itself has no
+    /// such mode (it asserts that callers wait), so the writer locks first, as
+    /// SELECT … FOR NO KEY UPDATE SKIP LOCKED does, and never waits for a caller's open
+    /// transaction. False too if the version was updated or deleted meanwhile.
+    pub fn lock_nowait(&self, tid: pg_sys::ItemPointerData) -> bool {
+        // SAFETY: the relation is open with RowExclusiveLock; heap_lock_tuple fills
+        // `tuple` and pins `buffer`, which we release.
+        unsafe {
+            let mut tuple: pg_sys::HeapTupleData = std::mem::zeroed();
+            tuple.t_self = tid;
+            let mut buffer: pg_sys::Buffer = 0;
+            let mut tmfd: pg_sys::TM_FailureData = std::mem::zeroed();
+            let r = pg_sys::heap_lock_tuple(
+                self.heap,
+                &mut tuple,
+                pg_sys::GetCurrentCommandId(true),
+                pg_sys::LockTupleMode::LockTupleNoKeyExclusive,
+                pg_sys::LockWaitPolicy::LockWaitSkip,
+                false,
+                &mut buffer,
+                &mut tmfd,
+            );
+            if buffer != 0 {
+                pg_sys::ReleaseBuffer(buffer);
+            }
+            r == pg_sys::TM_Result::TM_Ok
+        }
+    }
+
     /// Forms a tuple of this table from `values` and `nulls` (one per column).
     pub fn form(&self, values: &mut [pg_sys::Datum], nulls: &mut [bool]) -> pg_sys::HeapTuple {
         assert_eq!(values.len(), self.ncols);
@@ -127,42 +160,24 @@ impl OpenRel {
                 0,
                 std::ptr::null_mut(),
             );
-            self.insert_index_entries(tuple, &[]);
+            self.insert_index_entries(tuple, &[], false);
             pg_sys::heap_freetuple(tuple);
         }
     }
 
     /// Replaces the version at `tid` with `new_tuple`, waiting for a concurrent writer
     /// of the same row to commit or abort first, and adds the new version's index
-    /// entries unless the update was HOT. `changed` lists the 1-based columns that may
-    /// differ, for the indexes' bottom-up deletion hint. Frees `new_tuple`.
+    /// entries where heap_update says they are needed: none after a HOT update; only
+    /// the summarizing (BRIN) indexes' after a HOT update that changed a column only
+    /// they cover (PostgreSQL 16+, see compat::IndexUpdate); every index's otherwise.
+    /// This is what simple_heap_update plus CatalogIndexInsert, and ExecUpdate plus
+    /// ExecInsertIndexTuples(onlySummarizing), do. `changed` lists the 1-based columns
+    /// that may differ, for the indexes' bottom-up deletion hint. Frees `new_tuple`.
     pub fn update(
-        &self,
-        tid: pg_sys::ItemPointerData,
-        new_tuple: pg_sys::HeapTuple,
-        changed: &[usize],
-    ) -> pg_sys::TM_Result::Type {
-        self.update_waiting(tid, new_tuple, changed, true)
-    }
-
-    /// `update`, but returning TM_BeingModified instead of waiting when another
-    /// transaction is changing the row: for the writer, which must never wait for a
-    /// caller's open transaction.
-    pub fn update_nowait(
-        &self,
-        tid: pg_sys::ItemPointerData,
-        new_tuple: pg_sys::HeapTuple,
-        changed: &[usize],
-    ) -> pg_sys::TM_Result::Type {
-        self.update_waiting(tid, new_tuple, changed, false)
-    }
-
-    fn update_waiting(
         &self,
         mut tid: pg_sys::ItemPointerData,
         new_tuple: pg_sys::HeapTuple,
         changed: &[usize],
-        wait: bool,
     ) -> pg_sys::TM_Result::Type {
         // SAFETY: the relation is open with RowExclusiveLock; heap_update WAL-logs the
         // change, takes the tuple lock, and checks SSI conflicts. No crosscheck
@@ -171,47 +186,35 @@ impl OpenRel {
             let mut tmfd: pg_sys::TM_FailureData = std::mem::zeroed();
             let mut lockmode: pg_sys::LockTupleMode::Type = 0;
             let cid = pg_sys::GetCurrentCommandId(true);
-            #[cfg(feature = "pg15")]
-            let (result, hot) = {
-                let r = pg_sys::heap_update(
-                    self.heap,
-                    &mut tid,
-                    new_tuple,
-                    cid,
-                    std::ptr::null_mut(),
-                    wait,
-                    &mut tmfd,
-                    &mut lockmode,
-                );
-                let hot = (*(*new_tuple).t_data).t_infomask2 as u32 & pg_sys::HEAP_ONLY_TUPLE != 0;
-                (r, hot)
-            };
-            #[cfg(not(feature = "pg15"))]
-            let (result, hot) = {
-                let mut update_indexes = pg_sys::TU_UpdateIndexes::TU_None;
-                let r = pg_sys::heap_update(
-                    self.heap,
-                    &mut tid,
-                    new_tuple,
-                    cid,
-                    std::ptr::null_mut(),
-                    wait,
-                    &mut tmfd,
-                    &mut lockmode,
-                    &mut update_indexes,
-                );
-                (r, update_indexes == pg_sys::TU_UpdateIndexes::TU_None)
-            };
-            if result == pg_sys::TM_Result::TM_Ok && !hot {
-                self.insert_index_entries(new_tuple, changed);
+            let (result, which) = compat::heap_update(
+                self.heap,
+                &mut tid,
+                new_tuple,
+                cid,
+                &mut tmfd,
+                &mut lockmode,
+            );
+            if result == pg_sys::TM_Result::TM_Ok {
+                match which {
+                    IndexUpdate::None => {}
+                    IndexUpdate::All => self.insert_index_entries(new_tuple, changed, false),
+                    IndexUpdate::Summarizing => self.insert_index_entries(new_tuple, changed, true),
+                }
             }
             pg_sys::heap_freetuple(new_tuple);
             result
         }
     }
 
-    /// Inserts the index entries of a tuple just stored in the heap into every index.
-    unsafe fn insert_index_entries(&self, tuple: pg_sys::HeapTuple, changed: &[usize]) {
+    /// Inserts the index entries of a tuple just stored in the heap into every index,
+    /// or, with `only_summarizing`, into the summarizing ones only (a HOT version,
+    /// which the other indexes reach through its chain's root).
+    unsafe fn insert_index_entries(
+        &self,
+        tuple: pg_sys::HeapTuple,
+        changed: &[usize],
+        only_summarizing: bool,
+    ) {
         if self.indexes.is_empty() {
             return;
         }
@@ -227,6 +230,9 @@ impl OpenRel {
                 nulls.as_mut_ptr(),
             );
             for &(idx, info) in &self.indexes {
+                if only_summarizing && !compat::index_is_summarizing(info) {
+                    continue;
+                }
                 let natts = (*info).ii_NumIndexAttrs as usize;
                 let mut ivalues = [pg_sys::Datum::from(0); pg_sys::INDEX_MAX_KEYS as usize];
                 let mut inulls = [false; pg_sys::INDEX_MAX_KEYS as usize];
@@ -295,9 +301,11 @@ unsafe fn check_index(
 impl Drop for OpenRel {
     fn drop(&mut self) {
         // SAFETY: opened in `open`; NoLock keeps the locks to the end of the
-        // transaction.
+        // transaction. As ExecCloseIndices, the access method frees what its inserts
+        // cached first.
         unsafe {
-            for &(idx, _) in &self.indexes {
+            for &(idx, info) in &self.indexes {
+                compat::index_insert_cleanup(idx, info);
                 pg_sys::index_close(idx, pg_sys::NoLock as i32);
             }
             pg_sys::table_close(self.heap, pg_sys::NoLock as i32);

@@ -153,7 +153,7 @@ unsafe fn database_needed_alone(node: *mut pg_sys::Node) -> Option<pg_sys::Oid> 
         if db == pg_sys::InvalidOid {
             return None;
         }
-        let owner = database_owner_is_me(db);
+        let owner = crate::compat::database_ownercheck(db);
         // The checks createdb(), RenameDatabase() and movedb() make first.
         let allowed = if clone {
             pg_sys::have_createdb_privilege() && (owner || is_template(db))
@@ -161,22 +161,6 @@ unsafe fn database_needed_alone(node: *mut pg_sys::Node) -> Option<pg_sys::Oid> 
             owner
         };
         allowed.then_some(db)
-    }
-}
-
-/// Whether the current user owns database `db` (superusers own everything here).
-fn database_owner_is_me(db: pg_sys::Oid) -> bool {
-    // SAFETY: catalog lookups.
-    unsafe {
-        #[cfg(feature = "pg15")]
-        {
-            pg_sys::pg_database_ownercheck(db, pg_sys::GetUserId())
-        }
-        #[cfg(not(feature = "pg15"))]
-        {
-            // PostgreSQL 16 replaced the per-class owner checks with one function.
-            pg_sys::object_ownercheck(pg_sys::DatabaseRelationId, db, pg_sys::GetUserId())
-        }
     }
 }
 

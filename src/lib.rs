@@ -9,6 +9,7 @@ pub mod core;
 
 mod admission;
 mod api;
+mod compat;
 mod counts;
 mod error;
 mod finish;

@@ -189,7 +189,7 @@ unsafe extern "C-unwind" fn shmem_request() {
 }
 
 /// AddinShmemInitLock is a C macro for slot 21 of the main LWLock array (see
-/// lwlocknames.txt; the same in PostgreSQL 15, 16 and 17).
+/// lwlocknames.txt through 17, lwlocklist.h in 18; slot 21 in 15 through 18).
 unsafe fn addin_shmem_init_lock() -> *mut pg_sys::LWLock {
     // SAFETY: MainLWLockArray is set up before any shmem_startup_hook runs.
     unsafe { &mut (*pg_sys::MainLWLockArray.add(21)).lock }

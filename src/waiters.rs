@@ -102,7 +102,8 @@ fn kind_of(kind: RefusalKind) -> u32 {
     }
 }
 
-fn leave() {
+/// Leaves the line, if this backend is in it. Idempotent.
+pub fn leave() {
     let w = mine();
     let was = w.seq.swap(0, Ordering::AcqRel);
     w.woken.store(false, Ordering::Release);

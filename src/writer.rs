@@ -23,6 +23,7 @@ use pgrx::prelude::*;
 
 use std::collections::HashMap;
 
+use crate::compat;
 use crate::core::batch::{self, BatchRequest, Counted};
 use crate::core::{uuid_v7, Decision, Limits, QuotaError, RefusalKind, Usage};
 use crate::counts::{self, Key, Latest, Reader};
@@ -322,6 +323,22 @@ pub fn wait() -> Answer {
     }
 }
 
+/// Frees this backend's slot if it holds an answer nobody took back: that of a
+/// request abandoned while the writer had it (a cancel, or a previous backend with
+/// our PGPROC number). Waiters call it, so that their slot looks free and they count
+/// as waiting in line (see waiters::ahead). Only the owner moves DONE to FREE.
+pub fn drop_abandoned_answer() {
+    let me = shmem::my_procno();
+    if me < shmem::n_slots() {
+        let _ = shmem::slot(me).state.compare_exchange(
+            SLOT_DONE,
+            SLOT_FREE,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+}
+
 /// Waits for an answer owed to a request this backend abandoned (it was cancelled
 /// after the writer claimed it), then frees the slot. The answer is dropped. A claim
 /// is always answered: a writer that exits answers or hands back every request it
@@ -378,6 +395,11 @@ fn take_reply(slot: &'static Slot) -> Answer {
             _ => Err((0, String::new())),
         }
     };
+    if matches!(answer, Ok(Answer::Admitted(_))) {
+        // Admitted: leave the line before the slot looks free, so that nobody counts
+        // this start both as an active ticket and as a start waiting ahead of them.
+        crate::waiters::leave();
+    }
     slot.state.store(SLOT_FREE, Ordering::Release);
     let (code, msg) = match answer {
         Ok(a) => return a,
@@ -512,8 +534,8 @@ pub extern "C-unwind" fn pg_quota_writer_main(arg: pg_sys::Datum) {
     // like autovacuum. After ALTER DATABASE … ALLOW_CONNECTIONS false, sessions that
     // are still connected keep calling start(), and only a writer can answer them.
     unsafe {
-        pg_sys::pqsignal(libc::SIGTERM, Some(die));
-        pg_sys::pqsignal(libc::SIGHUP, Some(SignalHandlerForConfigReload));
+        compat::pqsignal(libc::SIGTERM, Some(die));
+        compat::pqsignal(libc::SIGHUP, Some(SignalHandlerForConfigReload));
         pg_sys::BackgroundWorkerUnblockSignals();
         pg_sys::BackgroundWorkerInitializeConnectionByOid(
             db,
@@ -1363,10 +1385,15 @@ fn sweep_expired() {
     let ledger = OpenRel::open(rels.ledger, "ledger", counts::COL_ID);
     let mut ended: Vec<(pg_sys::Oid, i64, i64)> = Vec::new();
     for (tid, role, until) in due {
+        // A finish() or renew() of the ticket in an open transaction: leave it to a
+        // later sweep rather than wait for that transaction.
+        if !ledger.lock_nowait(tid) {
+            continue;
+        }
         let Some(tuple) = expired_version(&ledger, rels.ncols, tid, until) else {
             continue;
         };
-        if ledger.update_nowait(tid, tuple, &[counts::COL_ENDED_AT, counts::COL_OUTCOME])
+        if ledger.update(tid, tuple, &[counts::COL_ENDED_AT, counts::COL_OUTCOME])
             == pg_sys::TM_Result::TM_Ok
         {
             match ended.iter_mut().find(|(r, _, _)| *r == role) {

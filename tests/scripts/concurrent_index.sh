@@ -4,7 +4,7 @@
 # index not yet ready, and REINDEX CONCURRENTLY of every pg_quota index under load
 # leaves every index intact (amcheck with heapallindexed).
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5680}"
+PORT="${PORT:-$((5680 + PORT_OFFSET))}"
 with_cluster concurrent_index
 
 amcheck() {  # amcheck INDEX: bt_index_check with heapallindexed; prints its error if any

@@ -6,7 +6,7 @@
 # quota.writer_idle_timeout (PGC_SIGHUP) set to 1h keeps an idle writer, and lowering it
 # with ALTER SYSTEM and pg_reload_conf() makes the writer leave within seconds.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5682}"
+PORT="${PORT:-$((5682 + PORT_OFFSET))}"
 with_cluster db_maintenance "quota.writer_idle_timeout = '1h'"
 
 now_ms() { echo $(( $(date +%s%N) / 1000000 )); }

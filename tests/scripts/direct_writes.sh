@@ -5,7 +5,7 @@
 # counting the rows the ledger really holds. The summary may be rebuilt or recounted;
 # the checks look at admission, not at summary rows.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5625}"
+PORT="${PORT:-$((5625 + PORT_OFFSET))}"
 with_cluster direct_writes
 
 LIMIT=5

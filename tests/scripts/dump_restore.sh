@@ -3,7 +3,7 @@
 # back row for row in a new database, a tenant at its limit is still refused there, and
 # its tickets can be finished there (and only there).
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5525}"
+PORT="${PORT:-$((5525 + PORT_OFFSET))}"
 with_cluster dump_restore
 
 ledger_of() { sql -d "$1" -c "SELECT id, role::regrole, label, started_at, ended_at, outcome FROM quota.ledger ORDER BY id"; }

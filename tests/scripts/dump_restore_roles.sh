@@ -7,8 +7,8 @@
 # no ledger or summary row carries the dropped role's OID, where a role created later
 # with the same OID would inherit it.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5620}"
-PORT2="${PORT2:-5621}"
+PORT="${PORT:-$((5620 + PORT_OFFSET))}"
+PORT2="${PORT2:-$((5621 + PORT_OFFSET))}"
 with_cluster dump_restore_roles
 CL1="$CL"
 CL2="$(dirname "$CL1")/dump_restore_roles_2"

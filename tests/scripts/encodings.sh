@@ -5,7 +5,7 @@
 # characters as that encoding counts them (as length() does), and a non-ASCII or
 # non-UTF-8 outcome is an invalid outcome (22023), never an internal error (XX000).
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5624}"
+PORT="${PORT:-$((5624 + PORT_OFFSET))}"
 with_cluster encodings
 export PGCLIENTENCODING=UTF8
 

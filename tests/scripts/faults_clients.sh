@@ -4,7 +4,7 @@
 # and pg_cancel_backend hitting start() at random points (I1 and I2: the ledger may
 # over-count what callers received, never under-count, and never passes the limit).
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5522}"
+PORT="${PORT:-$((5522 + PORT_OFFSET))}"
 with_cluster faults_clients
 
 
@@ -82,7 +82,8 @@ check "the postmaster reinitialized after the client's SIGKILL" wait_recovered "
 exec 3>&-
 check "the killed caller's psql ended with an error, not a hang" \
   timeout 20 bash -c "until [ -e '$CL/killed.rc' ]; do sleep 0.05; done; [ \"\$(cat '$CL/killed.rc')\" != 0 ] && [ \"\$(cat '$CL/killed.rc')\" != 124 ]"
-check "the client backend died of signal 9" grep -q "server process (PID $victim) was terminated by signal 9" "$CL/server.log"
+# PostgreSQL 15 logs "server process (PID …)", 18 "client backend (PID …)".
+check "the client backend died of signal 9" grep -qE "(server process|client backend) \(PID $victim\) was terminated by signal 9" "$CL/server.log"
 expect_eq "the received tickets are still active after recovery" 0 "$(missing "$CL/kept_active" fc_tenant)"
 expect_eq "the finished ticket stays finished" 1 \
   "$(sql -c "SELECT count(*) FROM quota.ledger WHERE id = '$(head -n1 "$CL/kept")' AND outcome = 'succeeded'")"

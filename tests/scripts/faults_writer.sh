@@ -5,7 +5,7 @@
 # writer's lock_timeout, not a deadlock), and no background worker slot is free (53000
 # with a hint, not a hang).
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5521}"
+PORT="${PORT:-$((5521 + PORT_OFFSET))}"
 with_cluster faults_writer
 CL1="$CL"
 

@@ -7,7 +7,7 @@
 # and malformed input neither loses nor double-counts a charge. Every refusal is
 # checked by its SQLSTATE.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5524}"
+PORT="${PORT:-$((5524 + PORT_OFFSET))}"
 with_cluster hostile_tenant
 
 LIMIT=3

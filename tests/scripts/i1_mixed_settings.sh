@@ -7,7 +7,7 @@
 # and its callers took their snapshot before reading the requests in flight, so two
 # callers could both be admitted into the last slot.)
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5601}"
+PORT="${PORT:-$((5601 + PORT_OFFSET))}"
 with_cluster i1_mixed "max_connections = 120" "autovacuum_naptime = 1"
 
 CLIENTS="${I1_CLIENTS:-20}"      # sessions per round, each with its own retention

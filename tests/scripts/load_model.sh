@@ -6,7 +6,7 @@
 # what the clients saw: active = received - finished (by committed finishes), with the
 # tickets of rolled-back starts counted as received.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5523}"
+PORT="${PORT:-$((5523 + PORT_OFFSET))}"
 with_cluster load_model "max_connections = 120"
 
 CLIENTS="${LOAD_CLIENTS:-64}"

@@ -5,7 +5,7 @@
 # bound); and when something else does hold up a queued VACUUM FULL, start() fails with
 # 55P03 within seconds instead of hanging.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5683}"
+PORT="${PORT:-$((5683 + PORT_OFFSET))}"
 with_cluster maintenance_locks
 
 now_ms() { echo $(( $(date +%s%N) / 1000000 )); }

@@ -5,7 +5,7 @@
 # them into parallel workers; there they must neither charge nor end a ticket, for a
 # tenant or for a superuser, and must not fail with an internal error (XX000).
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5623}"
+PORT="${PORT:-$((5623 + PORT_OFFSET))}"
 with_cluster parallel
 
 sql <<'SQL'
@@ -23,8 +23,10 @@ CREATE FUNCTION pq_finish(t uuid) RETURNS boolean LANGUAGE plpgsql PARALLEL SAFE
 SQL
 
 # Every session below plans for parallel workers, with the leader only gathering.
+# force_parallel_mode was renamed debug_parallel_query in PostgreSQL 16.
+FORCE_PARALLEL=$(sql -c "SELECT name FROM pg_settings WHERE name IN ('debug_parallel_query', 'force_parallel_mode')")
 PAR=(
-  "SET force_parallel_mode = on"
+  "SET $FORCE_PARALLEL = on"
   "SET parallel_setup_cost = 0"
   "SET parallel_tuple_cost = 0"
   "SET min_parallel_table_scan_size = 0"

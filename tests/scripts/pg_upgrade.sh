@@ -7,7 +7,7 @@
 # keeps naming the same role; the roles here are created around a gap of unrelated roles
 # so that their OIDs would not come out the same by chance.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5646}"
+PORT="${PORT:-$((5646 + PORT_OFFSET))}"
 OLD_PORT="$PORT" NEW_PORT=$((PORT + 1)) UPG_OLD_PORT=$((PORT + 2)) UPG_NEW_PORT=$((PORT + 3))
 PG_UPGRADE="$PG_BIN/pg_upgrade"
 # The options start_cluster gives initdb and postgresql.conf; the new cluster gets the same.

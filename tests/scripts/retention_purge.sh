@@ -6,7 +6,7 @@
 # its window the 3 ended tickets have aged out), and its admission makes the writer
 # purge; the role's own sessions must still count the 3 ended tickets and refuse.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5685}"
+PORT="${PORT:-$((5685 + PORT_OFFSET))}"
 with_cluster retention_purge
 
 sql -c "CREATE EXTENSION pg_quota" -c "CREATE ROLE rp_tenant LOGIN" \

@@ -10,7 +10,7 @@
 #     one out of the extension, or swaps in a look-alike, start(), try_start() and
 #     finish() raise a clear error (not XX000) and the server does not crash.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5622}"
+PORT="${PORT:-$((5622 + PORT_OFFSET))}"
 with_cluster schema_takeover
 
 # clear_error NAME USER DB SQL...: the last statement fails with a proper SQLSTATE: not

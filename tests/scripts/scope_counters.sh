@@ -8,7 +8,7 @@
 # must be admitted exactly as many more times as the ledger leaves room for: a finish
 # counted twice would admit more, a lost one fewer.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5686}"
+PORT="${PORT:-$((5686 + PORT_OFFSET))}"
 with_cluster scope_counters "max_prepared_transactions = 2"
 LIMIT=3
 

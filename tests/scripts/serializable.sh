@@ -5,7 +5,7 @@
 # (On 0.1.0 about 1 in 6 failed with 40001; each failure left an orphan ticket, and
 # once the orphans reached the limit the role was refused for good.)
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5602}"
+PORT="${PORT:-$((5602 + PORT_OFFSET))}"
 with_cluster serializable
 
 CLIENTS="${SER_CLIENTS:-4}"

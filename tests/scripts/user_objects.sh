@@ -5,7 +5,7 @@
 # role, as expression and partial indexes do. Triggers and rules on quota.ledger do not
 # fire on the writer's purge of expired tickets, and cannot make start() fail.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5684}"
+PORT="${PORT:-$((5684 + PORT_OFFSET))}"
 with_cluster user_objects
 
 sqlstate() {  # sqlstate USER SQL: the SQLSTATE that SQL ends with, as USER

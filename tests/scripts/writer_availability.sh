@@ -6,7 +6,7 @@
 # so every start() in app failed with 57000 "Try again: the next call starts a new
 # writer", and every retry failed the same way.)
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5603}"
+PORT="${PORT:-$((5603 + PORT_OFFSET))}"
 with_cluster writer_availability
 
 sql -c "CREATE DATABASE app" -c "CREATE ROLE wa_tenant LOGIN" \

@@ -3,7 +3,7 @@
 # not only when it exits: pg_stat_user_tables shows its inserts into quota.ledger and
 # its updates of quota.summary within seconds, so autovacuum and monitoring see them.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5681}"
+PORT="${PORT:-$((5681 + PORT_OFFSET))}"
 with_cluster writer_stats
 
 sql -c "CREATE EXTENSION pg_quota" -c "CREATE ROLE ws_tenant LOGIN" \

@@ -16,8 +16,13 @@ SET quota.max_active_per_role = 1000001;
 \echo :LAST_ERROR_SQLSTATE
 SET quota.max_retained_per_role = 100000001;
 \echo :LAST_ERROR_SQLSTATE
+-- (Only the SQLSTATE: from PostgreSQL 18 the message shows the range with its unit;
+-- pg_settings shows the range itself.)
+\set VERBOSITY sqlstate
 SET quota.retention = '-1s';
+\set VERBOSITY default
 \echo :LAST_ERROR_SQLSTATE
+SELECT name, min_val, max_val, unit FROM pg_settings WHERE name = 'quota.retention';
 
 -- The quota prefix is reserved: a misspelt setting is refused, not made up.
 SET quota.max_actve_per_role = 3;

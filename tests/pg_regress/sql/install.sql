@@ -13,8 +13,25 @@ SELECT p.oid::regprocedure AS function, p.prorettype::regtype AS returns,
  WHERE n.nspname = 'quota'
  ORDER BY 1::text;
 
--- No privileges on the tables for PUBLIC; SELECT on the view only.
-SELECT c.relname, c.relkind, c.relacl
+-- No privileges on the tables for PUBLIC or any role but the owner; SELECT on the view
+-- only. (Listed per grantee rather than as relacl: the owner's privilege letters grow
+-- with PostgreSQL, MAINTAIN in 17.)
+SELECT c.relname, c.relkind, c.relowner::regrole AS owner,
+       (SELECT coalesce(pg_catalog.string_agg(g.who || ' ' || g.privilege_type, ', '
+                                              ORDER BY g.who, g.privilege_type), '-')
+          FROM (SELECT CASE a.grantee WHEN 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END AS who,
+                       a.privilege_type
+                  FROM pg_catalog.aclexplode(c.relacl) a
+                 WHERE a.grantee <> c.relowner) g) AS granted_to_others
+  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+ WHERE n.nspname = 'quota' AND c.relkind IN ('r', 'v')
+ ORDER BY 1;
+-- ... and the owner's privileges come from an explicit ACL (the REVOKE ran), in full.
+SELECT c.relname, c.relacl IS NOT NULL AS explicit_acl,
+       (SELECT pg_catalog.count(*) FROM pg_catalog.aclexplode(c.relacl) a
+         WHERE a.grantee = c.relowner)
+       = (SELECT pg_catalog.count(*) FROM pg_catalog.aclexplode(pg_catalog.acldefault('r', c.relowner)))
+         AS owner_has_all
   FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
  WHERE n.nspname = 'quota' AND c.relkind IN ('r', 'v')
  ORDER BY 1;

@@ -1,0 +1,274 @@
+//! Everything that differs between the PostgreSQL majors pg_quota builds for, in one
+//! place. Each `cfg` branch says what changed in PostgreSQL and in which release. The
+//! rest of the crate calls these functions and never names a pgNN feature itself.
+//!
+//! Tested: 15 and 18. 16 and 17 are type-checked against pgrx's bindings of those
+//! majors (see README), not run.
+//!
+//! Every other pg_sys item the crate uses was compared across pgrx 0.18's bindings of
+//! 15, 16, 17 and 18: functions, hook types, structs and constants. These are the same
+//! in all four, among them the hooks pg_quota installs (object_access_hook,
+//! ProcessUtility_hook, shmem_request_hook, shmem_startup_hook) and before_shmem_exit,
+//! LockAcquire, GetLatestSnapshot, heap_insert, heap_delete, index_insert, table_open,
+//! systable_beginscan, RegisterDynamicBackgroundWorker and
+//! BackgroundWorkerInitializeConnectionByOid. These changed in ways that need no code
+//! here: GUC_UNIT_S (16) and BackendState (18, STATE_STARTING) changed values but are
+//! used only by name; BackgroundWorker.bgw_library_name grew to MAXPGPATH (17) and is
+//! filled by length; FormData_pg_database gained dathasloginevt (17) and is read by
+//! field name; DefElem.location became ParseLoc (17) and is not read; PlannedStmt
+//! gained fields (16, 18) and only its utilityStmt is read, by name; heap_form_tuple
+//! takes const pointers (17); LockTagType gained a value (16). Two facts were read in PostgreSQL 18's source: backends and background
+//! workers still have PGPROC numbers below MaxBackends (shmem.rs sizes its slots so),
+//! and AddinShmemInitLock is still MainLWLockArray[21].
+
+use pgrx::pg_sys;
+
+#[cfg(not(any(feature = "pg15", feature = "pg16", feature = "pg17", feature = "pg18")))]
+compile_error!("build pg_quota with one of the features pg15, pg16, pg17 or pg18");
+
+/// Which index entries a heap update needs (PostgreSQL 16's TU_UpdateIndexes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "pg15", allow(dead_code))] // 15 never reports Summarizing
+pub enum IndexUpdate {
+    /// A HOT update that changed no indexed column: no index entries at all.
+    None,
+    /// Not HOT: every index gets an entry for the new version.
+    All,
+    /// A HOT update that changed only columns of summarizing indexes (BRIN): those
+    /// indexes, and only those, get an entry. The new version is heap-only, so the
+    /// other indexes must not point at it; they reach it through the HOT chain.
+    Summarizing,
+}
+
+/// heap_update with the tuple lock and no crosscheck snapshot, reporting which index
+/// entries the new version needs, as simple_heap_update and ExecUpdate use it.
+///
+/// # Safety
+/// `rel` is open with RowExclusiveLock; `tid` names a version of it; `new_tuple` is a
+/// tuple of its descriptor.
+pub unsafe fn heap_update(
+    rel: pg_sys::Relation,
+    tid: &mut pg_sys::ItemPointerData,
+    new_tuple: pg_sys::HeapTuple,
+    cid: pg_sys::CommandId,
+    tmfd: &mut pg_sys::TM_FailureData,
+    lockmode: &mut pg_sys::LockTupleMode::Type,
+) -> (pg_sys::TM_Result::Type, IndexUpdate) {
+    // SAFETY: per the contract above.
+    unsafe {
+        #[cfg(feature = "pg15")]
+        {
+            // Through 15, a BRIN index blocks HOT like any other index, so an update is
+            // either HOT with no index entries or not HOT with all of them; the new
+            // version's HEAP_ONLY_TUPLE bit says which (CatalogIndexInsert reads it).
+            let r = pg_sys::heap_update(
+                rel,
+                tid,
+                new_tuple,
+                cid,
+                std::ptr::null_mut(),
+                true,
+                tmfd,
+                lockmode,
+            );
+            let hot = (*(*new_tuple).t_data).t_infomask2 as u32 & pg_sys::HEAP_ONLY_TUPLE != 0;
+            (
+                r,
+                if hot {
+                    IndexUpdate::None
+                } else {
+                    IndexUpdate::All
+                },
+            )
+        }
+        #[cfg(not(feature = "pg15"))]
+        {
+            // From 16, summarizing indexes (BRIN) no longer block
+            // HOT, and heap_update reports through TU_UpdateIndexes whether the
+            // HOT version still needs entries in them (TU_Summarizing).
+            let mut update_indexes = pg_sys::TU_UpdateIndexes::TU_None;
+            let r = pg_sys::heap_update(
+                rel,
+                tid,
+                new_tuple,
+                cid,
+                std::ptr::null_mut(),
+                true,
+                tmfd,
+                lockmode,
+                &mut update_indexes,
+            );
+            let which = match update_indexes {
+                pg_sys::TU_UpdateIndexes::TU_None => IndexUpdate::None,
+                pg_sys::TU_UpdateIndexes::TU_Summarizing => IndexUpdate::Summarizing,
+                _ => IndexUpdate::All,
+            };
+            (r, which)
+        }
+    }
+}
+
+/// Whether an index is summarizing (its access method's amsummarizing, BRIN's), the
+/// indexes an IndexUpdate::Summarizing update inserts into.
+///
+/// # Safety
+/// `info` is the IndexInfo of an open index.
+pub unsafe fn index_is_summarizing(info: *const pg_sys::IndexInfo) -> bool {
+    #[cfg(feature = "pg15")]
+    {
+        // Through 15 there are no summarizing updates: IndexInfo has no
+        // ii_Summarizing, and heap_update never asks for them.
+        let _ = info;
+        false
+    }
+    #[cfg(not(feature = "pg15"))]
+    // SAFETY: per the contract above. ii_Summarizing is new in 16.
+    unsafe {
+        (*info).ii_Summarizing
+    }
+}
+
+/// Lets the index's access method free what its inserts cached, before the index is
+/// closed, as ExecCloseIndices does.
+///
+/// # Safety
+/// `idx` is open and `info` is its IndexInfo, which index_insert was given.
+pub unsafe fn index_insert_cleanup(idx: pg_sys::Relation, info: *mut pg_sys::IndexInfo) {
+    #[cfg(any(feature = "pg15", feature = "pg16"))]
+    {
+        // Through 16, no access method keeps state across index_insert calls.
+        let _ = (idx, info);
+    }
+    #[cfg(not(any(feature = "pg15", feature = "pg16")))]
+    // SAFETY: per the contract above. From 17, BRIN's insert keeps
+    // its revmap, with a pin on the metapage, in ii_AmCache until aminsertcleanup;
+    // without this call the pin leaks to the end of the transaction ("resource was
+    // not closed" at commit).
+    unsafe {
+        pg_sys::index_insert_cleanup(idx, info)
+    }
+}
+
+/// Attribute `i` (0-based) of a tuple descriptor: C's TupleDescAttr().
+///
+/// # Safety
+/// `desc` is a valid tuple descriptor with more than `i` attributes.
+pub unsafe fn tuple_desc_attr(
+    desc: pg_sys::TupleDesc,
+    i: usize,
+) -> *const pg_sys::FormData_pg_attribute {
+    // SAFETY: per the contract above.
+    unsafe {
+        #[cfg(not(feature = "pg18"))]
+        {
+            (*desc).attrs.as_ptr().add(i)
+        }
+        #[cfg(feature = "pg18")]
+        {
+            // 18 put an array of CompactAttribute first (compact_attrs) and moved the
+            // full attributes behind it; only the TupleDescAttr() inline finds them
+            // (pgrx binds it through its C shim).
+            pg_sys::TupleDescAttr(desc, i as i32)
+        }
+    }
+}
+
+/// The relfilenode of an open relation.
+///
+/// # Safety
+/// `rel` is an open relation.
+pub unsafe fn relfilenode(rel: pg_sys::Relation) -> u32 {
+    // SAFETY: per the contract above.
+    unsafe {
+        #[cfg(feature = "pg15")]
+        {
+            u32::from((*rel).rd_node.relNode)
+        }
+        #[cfg(not(feature = "pg15"))]
+        {
+            // 16 renamed RelFileNode rd_node to RelFileLocator rd_locator.
+            u32::from((*rel).rd_locator.relNumber)
+        }
+    }
+}
+
+/// Whether this transaction (or a subtransaction of it) gave `rel` a relfilenode
+/// that is not committed yet, for instance by TRUNCATE.
+///
+/// # Safety
+/// `rel` is an open relation.
+pub unsafe fn has_uncommitted_relfilenode(rel: pg_sys::Relation) -> bool {
+    // SAFETY: per the contract above.
+    unsafe {
+        #[cfg(feature = "pg15")]
+        {
+            (*rel).rd_newRelfilenodeSubid != 0 || (*rel).rd_firstRelfilenodeSubid != 0
+        }
+        #[cfg(not(feature = "pg15"))]
+        {
+            // 16 renamed rd_*RelfilenodeSubid to rd_*RelfilelocatorSubid.
+            (*rel).rd_newRelfilelocatorSubid != 0 || (*rel).rd_firstRelfilelocatorSubid != 0
+        }
+    }
+}
+
+/// Whether the current user owns database `db` (superusers own everything).
+pub fn database_ownercheck(db: pg_sys::Oid) -> bool {
+    // SAFETY: catalog lookups.
+    unsafe {
+        #[cfg(feature = "pg15")]
+        {
+            pg_sys::pg_database_ownercheck(db, pg_sys::GetUserId())
+        }
+        #[cfg(not(feature = "pg15"))]
+        {
+            // 16 replaced the per-class pg_*_ownercheck functions with object_ownercheck.
+            pg_sys::object_ownercheck(pg_sys::DatabaseRelationId, db, pg_sys::GetUserId())
+        }
+    }
+}
+
+/// index_beginscan with no ORDER BY keys and no instrumentation.
+///
+/// # Safety
+/// Both relations are open and locked; `snapshot` is registered or static.
+pub unsafe fn index_beginscan(
+    heap: pg_sys::Relation,
+    index: pg_sys::Relation,
+    snapshot: pg_sys::Snapshot,
+    nkeys: i32,
+) -> pg_sys::IndexScanDesc {
+    // SAFETY: per the contract above.
+    unsafe {
+        #[cfg(not(feature = "pg18"))]
+        {
+            pg_sys::index_beginscan(heap, index, snapshot, nkeys, 0)
+        }
+        #[cfg(feature = "pg18")]
+        {
+            // 18 added an IndexScanInstrumentation argument (EXPLAIN's index searches);
+            // NULL, as systable_beginscan passes.
+            pg_sys::index_beginscan(heap, index, snapshot, std::ptr::null_mut(), nkeys, 0)
+        }
+    }
+}
+
+/// Installs a signal handler in a background worker, as pqsignal() in C.
+///
+/// # Safety
+/// Called in a background worker before BackgroundWorkerUnblockSignals.
+pub unsafe fn pqsignal(signo: i32, handler: pg_sys::pqsigfunc) {
+    // SAFETY: per the contract above.
+    unsafe {
+        #[cfg(not(feature = "pg18"))]
+        {
+            pg_sys::pqsignal(signo, handler);
+        }
+        #[cfg(feature = "pg18")]
+        {
+            // In 18, pqsignal() became a macro for pqsignal_be() in the backend (and
+            // pqsignal_fe() in frontends), so there is no pqsignal symbol to bind.
+            pg_sys::pqsignal_be(signo, handler);
+        }
+    }
+}

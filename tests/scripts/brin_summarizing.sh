@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# pg_quota updates its tables below SQL (src/heap.rs), so it must add index entries
+# exactly as the executor would. With BRIN indexes on quota.ledger and quota.summary:
+#
+# - From PostgreSQL 16, BRIN no longer blocks HOT. The writer's update of a summary row
+#   changes only `tickets`, which no btree covers, so with a BRIN on it the update is
+#   HOT and heap_update answers TU_Summarizing: the new version needs an entry in the
+#   BRIN index (else the BRIN summary goes stale and a BRIN scan misses the row), and
+#   in no btree (it is heap-only: btrees reach it through the HOT chain's root). Through
+#   15 the same update is not HOT and every index gets an entry.
+# - finish() sets ended_at, which the ledger's (role, ended_at) btree covers, so it is
+#   never HOT: every index, the BRIN on ended_at included, gets an entry.
+# - From 17, BRIN's inserts keep a pinned revmap until index_insert_cleanup; closing
+#   the index without it leaks the pin ("resource was not closed" at commit).
+#
+# Checked with amcheck (bt_index_check with heapallindexed, and checkunique where the
+# server has it; verify_heapam), with pageinspect (no btree entry points at a heap-only
+# tuple), with BRIN scans that must find the updated rows, and in the server log.
+source "$(dirname "$0")/../../scripts/lib.sh"
+PORT="${PORT:-$((5687 + PORT_OFFSET))}"
+with_cluster brin_summarizing "autovacuum = off"
+
+ROLES=8
+sql -c "CREATE EXTENSION pg_quota" -c "CREATE EXTENSION amcheck" -c "CREATE EXTENSION pageinspect" >/dev/null
+for r in $(seq 1 "$ROLES"); do
+  sql -c "CREATE ROLE bs_$r LOGIN" -c "ALTER ROLE bs_$r SET quota.max_active_per_role = 0" \
+      -c "ALTER ROLE bs_$r SET quota.max_retained_per_role = 0"
+done
+# One block per range, so that each summarized page has a summary of its own.
+sql -c "CREATE INDEX ledger_ended_brin ON quota.ledger USING brin (ended_at) WITH (pages_per_range = 1)" \
+    -c "CREATE INDEX ledger_started_brin ON quota.ledger USING brin (started_at) WITH (pages_per_range = 1)" \
+    -c "CREATE INDEX summary_tickets_brin ON quota.summary USING brin (tickets) WITH (pages_per_range = 1)"
+
+# starts N: every role starts N tickets (each start inserts a ledger row and inserts or
+# updates the role's summary row, in the writer).
+starts() {
+  local r
+  for r in $(seq 1 "$ROLES"); do
+    psql_as "bs_$r" -c "SELECT quota.start('brin ' || i) FROM generate_series(1, $1) i" >> "$CL/tickets.$r"
+  done
+}
+
+# 1. Five tickets per role, then the BRIN indexes summarize every page there is:
+#    summary rows with tickets 1..5, ledger rows not ended (ended_at all null).
+starts 5
+sql -c "SELECT brin_summarize_new_values('quota.ledger_ended_brin'),
+               brin_summarize_new_values('quota.ledger_started_brin'),
+               brin_summarize_new_values('quota.summary_tickets_brin')" >/dev/null
+check "BRIN ranges of quota.summary are summarized" \
+  test "$(sql -c "SELECT count(*) FROM brin_revmap_data(get_raw_page('quota.summary_tickets_brin', 1)) WHERE pages <> '(0,0)'")" -gt 0
+
+# 2. One more ticket per role: each summary row goes to tickets = 6, on its page.
+starts 1
+# 3. Each role finishes two of its first tickets: ended_at set on rows of summarized pages.
+for r in $(seq 1 "$ROLES"); do
+  mapfile -t T < "$CL/tickets.$r"
+  psql_as "bs_$r" -c "SELECT quota.finish('${T[0]}')" -c "SELECT quota.finish('${T[1]}', 'failed')" >/dev/null
+done
+
+expect_eq "every role has 6 tickets in the ledger" "$ROLES" \
+  "$(sql -c "SELECT count(*) FROM (SELECT role FROM quota.ledger GROUP BY role HAVING count(*) = 6) r")"
+expect_eq "quota.summary says 6 for every role" "$ROLES" "$(sql -c "SELECT count(*) FROM quota.summary WHERE tickets = 6")"
+
+# The summary updates took the path under test: HOT (heap-only versions) from 16 on,
+# where BRIN no longer blocks HOT; never HOT through 15.
+heap_only=$(sql -c "SELECT count(*) FROM generate_series(0, pg_relation_size('quota.summary') / current_setting('block_size')::int - 1) b,
+                           heap_page_items(get_raw_page('quota.summary', b::int)) h
+                     WHERE h.lp_flags = 1 AND (h.t_infomask2 & 32768) <> 0")
+if [ "$PG_MAJOR" -ge 16 ]; then
+  check "PostgreSQL $PG_MAJOR: the summary updates were HOT despite the BRIN index ($heap_only heap-only versions), so heap_update reported TU_Summarizing" \
+    test "$heap_only" -gt 0
+else
+  expect_eq "PostgreSQL $PG_MAJOR: BRIN blocks HOT, so no summary version is heap-only" 0 "$heap_only"
+fi
+
+# --- amcheck ----------------------------------------------------------------------------
+btrees=$(sql -c "SELECT c.oid::regclass FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+                  JOIN pg_am a ON a.oid = c.relam
+                 WHERE a.amname = 'btree' AND i.indrelid IN ('quota.ledger'::regclass, 'quota.summary'::regclass)
+                 ORDER BY 1")
+expect_eq "the btree indexes of quota.ledger and quota.summary" \
+  "quota.ledger_pkey quota.ledger_role_ended_idx quota.summary_pkey" "$(echo $btrees)"
+# checkunique (amcheck 1.4, PostgreSQL 17) also fails when two entries of a unique
+# index with the same key both lead to live rows.
+unique_arg=""
+[ "$(sql -c "SELECT count(*) FROM pg_proc WHERE proname = 'bt_index_check' AND pronargs = 3")" = 1 ] \
+  && unique_arg=", checkunique => true"
+for i in $btrees; do
+  out=$(sql -c "SELECT bt_index_check('$i', heapallindexed => true$unique_arg)" 2>&1) && rc=0 || rc=$?
+  check "amcheck: bt_index_check('$i', heapallindexed${unique_arg:+, checkunique}) passes${out:+: $out}" test "$rc" = 0
+done
+for t in quota.ledger quota.summary; do
+  expect_eq "amcheck: verify_heapam('$t') finds nothing" "" \
+    "$(sql -c "SELECT blkno || '/' || offnum || ': ' || msg FROM verify_heapam('$t')")"
+done
+
+# --- no btree entry points at a heap-only tuple (pageinspect) ----------------------------
+# Index entries lead to the root of a HOT chain; an entry for a heap-only version (an
+# update treated as not HOT) is one more entry per update, which turns into a wrong
+# row once pruning reuses the line pointer.
+bad=$(sql -c "
+  WITH btree AS (
+    SELECT c.oid::regclass AS idx, i.indrelid::regclass AS tbl
+      FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_am a ON a.oid = c.relam
+     WHERE a.amname = 'btree' AND i.indrelid IN ('quota.ledger'::regclass, 'quota.summary'::regclass)),
+  leaves AS (
+    SELECT b.idx, b.tbl, blk, s.btpo_next
+      FROM btree b,
+           generate_series(1, (pg_relation_size(b.idx) / current_setting('block_size')::int - 1)::int) blk,
+           LATERAL bt_page_stats(b.idx::text, blk) s
+     WHERE s.btpo_level = 0 AND s.type NOT IN ('d', 'e')),
+  entries AS (
+    SELECT l.idx, l.tbl, t AS htid
+      FROM leaves l, LATERAL bt_page_items(l.idx::text, l.blk) it,
+           LATERAL unnest(coalesce(it.tids, ARRAY[it.htid])) t
+     WHERE it.htid IS NOT NULL AND NOT (it.itemoffset = 1 AND l.btpo_next <> 0))
+  SELECT e.idx || ' ' || e.htid
+    FROM entries e,
+         LATERAL heap_page_items(get_raw_page(e.tbl::text, (e.htid::text::point)[0]::int)) h
+   WHERE h.lp = (e.htid::text::point)[1]::int AND h.lp_flags = 1 AND (h.t_infomask2 & 32768) <> 0
+   ORDER BY 1")
+bad=$( [ -z "$bad" ] || echo "$(wc -l <<<"$bad") entries, among them $(head -n 5 <<<"$bad" | paste -sd' ')")
+entries=$(sql -c "SELECT sum((bt_page_stats('quota.summary_pkey', 1)).live_items)")
+expect_eq "no btree entry of quota.ledger or quota.summary points at a heap-only tuple (summary_pkey has $entries entries)" "" "$bad"
+
+# --- the BRIN indexes find the updated rows -------------------------------------------------
+# by_brin INDEX QUERY: QUERY's result through a bitmap scan, which must use INDEX.
+by_brin() {
+  local plan
+  plan=$(sql -c "SET enable_seqscan = off" -c "SET enable_indexscan = off" -c "SET enable_indexonlyscan = off" \
+             -c "EXPLAIN (COSTS OFF) $2")
+  grep -q "Bitmap Index Scan on $1\$" <<<"$plan" || { echo "plan does not use $1: $(echo $plan)"; return; }
+  sql -c "SET enable_seqscan = off" -c "SET enable_indexscan = off" -c "SET enable_indexonlyscan = off" -c "$2"
+}
+by_seqscan() { sql -c "SET enable_bitmapscan = off" -c "SET enable_indexscan = off" -c "SET enable_indexonlyscan = off" -c "$1"; }
+
+q="SELECT count(*) FROM quota.summary WHERE tickets >= 6"
+expect_eq "summary_tickets_brin finds every summary row updated to 6 (as a sequential scan does)" \
+  "$(by_seqscan "$q")" "$(by_brin summary_tickets_brin "$q")"
+check "... which is every role" test "$(by_seqscan "$q")" = "$ROLES"
+q="SELECT count(*) FROM quota.ledger WHERE ended_at IS NOT NULL"
+expect_eq "ledger_ended_brin finds every ticket finish() ended (as a sequential scan does)" \
+  "$(by_seqscan "$q")" "$(by_brin ledger_ended_brin "$q")"
+check "... which is two per role" test "$(by_seqscan "$q")" = $((2 * ROLES))
+q="SELECT count(*) FROM quota.ledger WHERE started_at > '-infinity'"
+expect_eq "ledger_started_brin finds every ticket started (as a sequential scan does)" \
+  "$(by_seqscan "$q")" "$(by_brin ledger_started_brin "$q")"
+
+# --- nothing leaked --------------------------------------------------------------------------
+leaks=$(grep -E 'resource was not closed|refcount leak|leaked' "$CL/server.log" | head -n 3 | paste -sd' ' || true)
+expect_eq "the server log shows no leaked buffer pin or other resource" "" "$leaks"
+errors=$(grep -E 'ERROR|PANIC|TRAP' "$CL/server.log" | head -n 3 | paste -sd' ' || true)
+expect_eq "the server log shows no error" "" "$errors"
+finish_checks

@@ -32,7 +32,7 @@
 # the ENDED ticket (still retained), nothing new is charged, 3 stay active. Fails if an
 # ended-but-retained key gets a new ticket.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5713}"
+PORT="${PORT:-$((5713 + PORT_OFFSET))}"
 with_cluster idempotent_storm "max_connections = 120"
 
 CLIENTS=16

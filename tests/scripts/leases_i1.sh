@@ -46,7 +46,7 @@
 #   equals the ledger. Fails if the sweep writes the wrong end time or outcome, if
 #   renew() is not what the sweep sees, or if a wait leaves a charge nobody received.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5712}"
+PORT="${PORT:-$((5712 + PORT_OFFSET))}"
 with_cluster leases_i1 "max_connections = 120"
 
 ROUND_SECONDS="${LEASES_SECONDS:-15}"

@@ -22,7 +22,7 @@
 #   cancel or timeout, from A's own session) is admitted at once: no stale place counts
 #   against newcomers. Fails like the previous check, with NULL instead of a ticket.
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5711}"
+PORT="${PORT:-$((5711 + PORT_OFFSET))}"
 with_cluster wait_cancel
 
 sql -c "CREATE EXTENSION pg_quota" -c "CREATE ROLE wc LOGIN" \

@@ -34,7 +34,7 @@
 #   w_k. Fails the same way, or if a waiter that re-checks after a wake-up loses its
 #   place (takes a new number).
 source "$(dirname "$0")/../../scripts/lib.sh"
-PORT="${PORT:-5710}"
+PORT="${PORT:-$((5710 + PORT_OFFSET))}"
 with_cluster wait_fairness
 
 sql >/dev/null <<'SQL'

@@ -72,7 +72,10 @@ SET ROLE lease_t;
 SET quota.default_lease = '1h';
 \echo :LAST_ERROR_SQLSTATE
 RESET ROLE;
+-- Only the SQLSTATE: PostgreSQL 18 words the range with units.
+\set VERBOSITY sqlstate
 SET quota.default_lease = '-1s';
+\set VERBOSITY default
 \echo :LAST_ERROR_SQLSTATE
 ALTER ROLE lease_t SET quota.default_lease = '2min';
 \c - lease_t

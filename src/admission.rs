@@ -500,7 +500,15 @@ fn admit_under_lock(
     fill: impl FnOnce(&mut shmem::Request),
 ) -> Result<Result<(), Refused>, pgrx::Uuid> {
     let cutoff = cutoff(now, retention);
-    let refuse = |reader: &Reader, snap: &Latest, kind, ahead: (i64, i64), db_active| {
+    // `counted`: the counts the decision was made on, without the waiters ahead. Where
+    // both role limits are set they are the full numbers the message needs, and an
+    // active-limit refusal (the common one) reports them without counting again.
+    let refuse = |reader: &Reader,
+                  snap: &Latest,
+                  kind,
+                  ahead: (i64, i64),
+                  db_active,
+                  counted: Usage| {
         if let Some(key) = args.key {
             // A start with our key may have committed after our last look, and the
             // counts we refuse on may include its ticket: look again, under a snapshot
@@ -509,8 +517,12 @@ fn admit_under_lock(
                 return Err(pgrx::Uuid::from_bytes(id));
             }
         }
-        let (mut usage, next) =
-            refusal_numbers(reader, snap, role, now, cutoff, retention, kind);
+        let complete = limits.max_active > 0 && limits.max_retained > 0;
+        let (mut usage, next) = if complete && kind != RefusalKind::Retained {
+            (counted, None)
+        } else {
+            refusal_numbers(reader, snap, role, now, cutoff, retention, kind)
+        };
         usage.db_active = db_active;
         if kind == RefusalKind::Database {
             usage.ahead = ahead.1;
@@ -538,7 +550,7 @@ fn admit_under_lock(
         let snap = Latest::take();
         let usage = usage_for(&reader, &snap, role, now, cutoff, limits);
         if let Decision::Refuse(r) = decide(limits, with_ahead(usage, ahead), false) {
-            return refuse(&reader, &snap, r.kind, ahead, r.usage.db_active);
+            return refuse(&reader, &snap, r.kind, ahead, r.usage.db_active, usage);
         }
     }
 
@@ -568,9 +580,10 @@ fn admit_under_lock(
                 return Err(pgrx::Uuid::from_bytes(id));
             }
         }
-        let usage = with_ahead(usage_for(&reader, &snap, role, now, cutoff, limits), ahead);
+        let counted = usage_for(&reader, &snap, role, now, cutoff, limits);
+        let usage = with_ahead(counted, ahead);
         if let Decision::Refuse(r) = decide(limits, usage, false) {
-            return refuse(&reader, &snap, r.kind, ahead, r.usage.db_active);
+            return refuse(&reader, &snap, r.kind, ahead, r.usage.db_active, counted);
         }
         let with_inflight = Usage {
             active: usage.active + inflight,

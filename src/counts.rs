@@ -495,10 +495,9 @@ impl Reader {
         }
         locks.take(rels.ledger_idx, pg_sys::AccessShareLock);
         locks.take(rels.ledger_pkey, pg_sys::AccessShareLock);
-        if rels.v2() {
-            locks.take(rels.ledger_open_idx, pg_sys::AccessShareLock);
-            locks.take(rels.ledger_key_idx, pg_sys::AccessShareLock);
-        }
+        // 0.2.0's other two indexes are locked where they are scanned (`scan_index`):
+        // most starts never touch them, and every lock taken here is paid on every
+        // start, refusals included.
         locks.take(rels.summary_idx, pg_sys::AccessShareLock);
         Reader {
             rels,
@@ -621,6 +620,20 @@ pub fn scan(
         pg_sys::index_close(index_rel, pg_sys::NoLock as i32);
         pg_sys::table_close(heap_rel, pg_sys::NoLock as i32);
     }
+}
+
+/// `scan`, holding a read lock on `index` for the scan only: for the indexes that only
+/// some calls use, which `Reader::open` does not lock (see there).
+pub fn scan_index(
+    heap: pg_sys::Oid,
+    index: pg_sys::Oid,
+    snap: &Latest,
+    keys: &[Key],
+    visit: impl FnMut(*mut pg_sys::TupleTableSlot) -> bool,
+) {
+    let mut locks = Locks::new();
+    locks.take(index, pg_sys::AccessShareLock);
+    scan(heap, index, snap, keys, visit);
 }
 
 /// Whether this backend's transaction takes part in SSI: only SERIALIZABLE ones do
@@ -900,7 +913,7 @@ pub fn db_active(r: &Rels, snap: &Latest, now: pg_sys::TimestampTz, stop_at: i64
     if !r.v2() {
         return n;
     }
-    scan(r.ledger, r.ledger_open_idx, snap, &[Key::IsNull], |slot| {
+    scan_index(r.ledger, r.ledger_open_idx, snap, &[Key::IsNull], |slot| {
         let active = ts_attr(slot, COL_LEASE_UNTIL).is_none_or(|l| l > now) || being_changed(slot);
         if active {
             n += 1;
@@ -927,7 +940,7 @@ pub fn next_expiry(
         None => (r.ledger_open_idx, vec![Key::IsNull, after]),
     };
     let mut first = None;
-    scan(r.ledger, index, snap, &keys, |slot| {
+    scan_index(r.ledger, index, snap, &keys, |slot| {
         first = ts_attr(slot, COL_LEASE_UNTIL);
         first.is_none()
     });
@@ -946,7 +959,7 @@ pub struct Keyed {
 /// only).
 pub fn with_key(r: &Rels, snap: &Latest, role: pg_sys::Oid, key: pg_sys::Datum) -> Vec<Keyed> {
     let mut out = Vec::new();
-    scan(
+    scan_index(
         r.ledger,
         r.ledger_key_idx,
         snap,

@@ -138,6 +138,8 @@ struct Header {
     roles_dropped: AtomicU64,
     /// The last place handed to a waiting start() (see waiters.rs).
     wait_seq: AtomicU64,
+    /// How many backends are in the line of waiting starts right now.
+    waiting: AtomicU64,
 }
 
 const SHMEM_NAME: &CStr = c"pg_quota";
@@ -300,6 +302,12 @@ pub fn waiters() -> &'static [crate::waiters::Waiter] {
             as *const crate::waiters::Waiter;
         std::slice::from_raw_parts(first, n_slots())
     }
+}
+
+/// How many backends wait in line (see waiters.rs).
+pub fn waiting() -> &'static AtomicU64 {
+    // SAFETY: the header lives as long as the server; the field is atomic.
+    unsafe { &(*header()).waiting }
 }
 
 /// The counter that orders waiting starts.

@@ -73,6 +73,10 @@ impl Place {
         w.role.store(u32::from(role), Ordering::Relaxed);
         w.kind.store(kind_of(kind), Ordering::Relaxed);
         let seq = shmem::wait_seq().fetch_add(1, Ordering::AcqRel) + 1;
+        // Counted before the place is published (see `ahead`).
+        if w.seq.load(Ordering::Acquire) == 0 {
+            shmem::waiting().fetch_add(1, Ordering::AcqRel);
+        }
         w.seq.store(seq, Ordering::Release);
         Place { seq }
     }
@@ -108,6 +112,7 @@ pub fn leave() {
     let was = w.seq.swap(0, Ordering::AcqRel);
     w.woken.store(false, Ordering::Release);
     if was != 0 {
+        shmem::waiting().fetch_sub(1, Ordering::AcqRel);
         // Those behind us counted us as ahead of them: let them look again.
         let (db, role) = (
             pg_sys::Oid::from(w.db.load(Ordering::Relaxed)),
@@ -126,6 +131,12 @@ pub fn ahead(role: pg_sys::Oid, seq: u64) -> (i64, i64) {
     let db = u32::from(shmem::my_db());
     let role = u32::from(role);
     let (mut of_role, mut of_db) = (0, 0);
+    // Nobody in line, the common case: no walk over every backend's entry. A waiter
+    // counts itself here before it publishes its place, so a place published before
+    // this load is counted.
+    if shmem::waiting().load(Ordering::Acquire) == 0 {
+        return (of_role, of_db);
+    }
     for (procno, w) in shmem::waiters().iter().enumerate() {
         let s = w.seq.load(Ordering::Acquire);
         if s == 0 || s >= seq || w.db.load(Ordering::Relaxed) != db {
@@ -146,7 +157,7 @@ pub fn ahead(role: pg_sys::Oid, seq: u64) -> (i64, i64) {
 /// Wakes the starts waiting in database `db` for `role`, and those waiting for the
 /// database cap: a slot of theirs may have freed. Never raises: it runs at commit.
 pub fn wake(db: pg_sys::Oid, role: pg_sys::Oid) {
-    if !shmem::available() {
+    if !shmem::available() || shmem::waiting().load(Ordering::Acquire) == 0 {
         return;
     }
     let (db, role) = (u32::from(db), u32::from(role));

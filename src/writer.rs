@@ -1362,7 +1362,7 @@ fn sweep_expired() {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let snap = Latest::take();
     let mut due: Vec<(pg_sys::ItemPointerData, pg_sys::Oid, pg_sys::TimestampTz)> = Vec::new();
-    counts::scan(
+    counts::scan_index(
         rels.ledger,
         rels.ledger_open_idx,
         &snap,

@@ -3,6 +3,7 @@
 
 use pgrx::pg_sys;
 
+use crate::core::lease::earliest;
 use crate::core::{
     check_key, check_label, decide, Decision, Limits, QuotaError, Refusal, RefusalKind, Usage,
 };
@@ -55,10 +56,7 @@ pub fn retained_with_key(
     now: pg_sys::TimestampTz,
     cutoff: pg_sys::TimestampTz,
 ) -> Option<[u8; 16]> {
-    // SAFETY: copies the bytes into a palloc'd text datum.
-    let datum = pg_sys::Datum::from(unsafe {
-        pg_sys::cstring_to_text_with_len(key.as_ptr().cast(), key.len() as i32)
-    });
+    let datum = counts::text_datum(key);
     // Sessions of one role may run with different retentions, so more than one ticket
     // with the key may be retained here: the newest is the one a retry should get.
     counts::with_key(rels, snap, role, datum)
@@ -84,20 +82,14 @@ pub fn refusal_numbers(
     // As in counts::usage: a snapshot that sees every purge and sweep the counter
     // reflects.
     let after = Latest::take();
-    let lapsed = counts::lapsed(r, &after, role, now, cutoff);
+    let lapsed = counts::lapsed(r, &after, role, now);
     let usage = Usage {
-        active: active - lapsed.expired,
-        retained: rows - counts::expired(r, &after, role, cutoff) - lapsed.aged_out,
+        active: active - lapsed.expired(),
+        retained: rows - counts::expired(r, &after, role, cutoff) - lapsed.aged_out(cutoff),
         ..Usage::default()
     };
     let next = (kind == RefusalKind::Retained)
-        .then(|| {
-            let ended = counts::oldest_ended(r, snap, role, cutoff);
-            match (ended, lapsed.oldest_retained) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            }
-        })
+        .then(|| earliest(counts::oldest_ended(r, snap, role, cutoff), lapsed.oldest_retained(cutoff)))
         .flatten()
         .map(|t| t.saturating_add(retention_secs.saturating_mul(1_000_000)));
     (usage, next)
@@ -192,18 +184,6 @@ pub fn role_name(role: pg_sys::Oid) -> String {
     }
 }
 
-fn database_name() -> String {
-    // SAFETY: a syscache lookup of our own database, which exists while we are in it.
-    unsafe {
-        let p = pg_sys::get_database_name(shmem::my_db());
-        if p.is_null() {
-            u32::from(shmem::my_db()).to_string()
-        } else {
-            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
-        }
-    }
-}
-
 fn format_ts(ts: pg_sys::TimestampTz) -> String {
     // SAFETY: timestamptz_to_str formats into a static buffer that we copy at once.
     unsafe {
@@ -221,7 +201,7 @@ fn refusal(
 ) -> QuotaError {
     QuotaError::Refused {
         role: role_name(role),
-        database: database_name(),
+        database: writer::database_name(shmem::my_db()),
         refusal: Refusal {
             kind,
             usage,
@@ -281,6 +261,22 @@ pub fn interval_text(interval: pg_sys::Datum) -> String {
     }
 }
 
+/// `now + lease`, for a lease that must be longer than zero (22023 otherwise): what
+/// start() and renew() give a ticket.
+pub fn lease_end(
+    now: pg_sys::TimestampTz,
+    lease: pg_sys::Datum,
+) -> Result<pg_sys::TimestampTz, QuotaError> {
+    let until = plus(now, lease);
+    if until <= now {
+        return Err(QuotaError::InvalidInterval {
+            what: "lease",
+            value: interval_text(lease),
+        });
+    }
+    Ok(until)
+}
+
 /// When the lease of a ticket started at `now` runs out: `now + lease`, or, without
 /// one, `now + quota.default_lease` (None when that is 0: the ticket never expires).
 /// A lease must be longer than zero.
@@ -289,16 +285,7 @@ pub fn lease_until(
     lease: Option<pg_sys::Datum>,
 ) -> Result<Option<pg_sys::TimestampTz>, QuotaError> {
     match lease {
-        Some(l) => {
-            let until = plus(now, l);
-            if until <= now {
-                return Err(QuotaError::InvalidInterval {
-                    what: "lease",
-                    value: interval_text(l),
-                });
-            }
-            Ok(Some(until))
-        }
+        Some(l) => lease_end(now, l).map(Some),
         None => Ok(match gucs::default_lease_secs() {
             0 => None,
             secs => Some(now.saturating_add(secs.saturating_mul(1_000_000))),
@@ -410,11 +397,7 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
             let reader = Reader::open();
             let snap = Latest::take();
             let scope = (r.kind != RefusalKind::Database).then_some(role);
-            let expiry = counts::next_expiry(&reader.rels, &snap, scope, now);
-            match (expiry, r.next) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            }
+            earliest(counts::next_expiry(&reader.rels, &snap, scope, now), r.next)
         };
         writer::nap(crate::core::lease::wait_ms(
             now,

@@ -26,6 +26,7 @@ use std::time::Duration;
 use pgrx::pg_sys;
 
 use crate::compat;
+use crate::core::lease::Lapsed;
 use crate::core::QuotaError;
 use crate::error::raise;
 
@@ -846,64 +847,46 @@ fn being_changed(slot: *mut pg_sys::TupleTableSlot) -> bool {
     }
 }
 
+/// A text datum (palloc'd) holding `bytes`, which are in the server encoding.
+pub fn text_datum(bytes: &[u8]) -> pg_sys::Datum {
+    // SAFETY: copies the bytes; a label or key is far below the 1 GB text limit.
+    pg_sys::Datum::from(unsafe {
+        pg_sys::cstring_to_text_with_len(bytes.as_ptr().cast(), bytes.len() as i32)
+    })
+}
+
 /// A timestamp column of the tuple in `slot`.
 fn ts_attr(slot: *mut pg_sys::TupleTableSlot, col: usize) -> Option<pg_sys::TimestampTz> {
     attr(slot, col as i32).map(|d| d.value() as i64)
 }
 
-/// A role's active tickets whose lease ran out by `now`, which its counter and its
-/// unfinished rows still include until the writer's expiry sweep ends them.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Lapsed {
-    /// How many: they are not active.
-    pub expired: i64,
-    /// How many of them expired before the retention cutoff: not retained either.
-    pub aged_out: i64,
-    /// The earliest expiry at or after the cutoff: when the oldest of them ages out.
-    pub oldest_retained: Option<pg_sys::TimestampTz>,
-}
-
 /// `role`'s unfinished tickets whose lease ran out by `now` (0.2.0's schema only):
 /// one probe of (role, ended_at IS NULL, lease_until <= now), which the sweep keeps
-/// short. Take `snap` after reading the role's counter, so that it sees every
-/// sweep the counter reflects and nothing is subtracted twice.
-pub fn lapsed(
-    r: &Rels,
-    snap: &Latest,
-    role: pg_sys::Oid,
-    now: pg_sys::TimestampTz,
-    cutoff: pg_sys::TimestampTz,
-) -> Lapsed {
-    let mut out = Lapsed::default();
-    if !r.v2() {
-        return out;
+/// short. Their counter and their unfinished rows still include them until the sweep
+/// ends them. Take `snap` after reading the role's counter, so that it sees every sweep
+/// the counter reflects and nothing is subtracted twice. The result serves every
+/// retention cutoff (see core::lease::Lapsed).
+pub fn lapsed(r: &Rels, snap: &Latest, role: pg_sys::Oid, now: pg_sys::TimestampTz) -> Lapsed {
+    let mut expiries = Vec::new();
+    if r.v2() {
+        scan(
+            r.ledger,
+            r.ledger_idx,
+            snap,
+            &[
+                Key::OidEq(role),
+                Key::IsNull,
+                Key::TsLess(now.saturating_add(1)),
+            ],
+            |slot| {
+                if !being_changed(slot) {
+                    expiries.extend(ts_attr(slot, COL_LEASE_UNTIL));
+                }
+                true
+            },
+        );
     }
-    scan(
-        r.ledger,
-        r.ledger_idx,
-        snap,
-        &[
-            Key::OidEq(role),
-            Key::IsNull,
-            Key::TsLess(now.saturating_add(1)),
-        ],
-        |slot| {
-            if being_changed(slot) {
-                return true;
-            }
-            let Some(until) = ts_attr(slot, COL_LEASE_UNTIL) else {
-                return true;
-            };
-            out.expired += 1;
-            if until < cutoff {
-                out.aged_out += 1;
-            } else if out.oldest_retained.is_none_or(|o| until < o) {
-                out.oldest_retained = Some(until);
-            }
-            true
-        },
-    );
-    out
+    Lapsed::new(expiries)
 }
 
 /// The database's active tickets, all roles together, counting at most `stop_at`
@@ -1053,15 +1036,15 @@ pub fn usage(
     // A snapshot taken after the counter was read: it sees every purge and every
     // expiry sweep the counter already reflects, so nothing is subtracted twice.
     let after = Latest::take();
-    let lapsed = lapsed(&reader.rels, &after, role, now, cutoff);
+    let lapsed = lapsed(&reader.rels, &after, role, now);
     crate::core::Usage {
         active: if max_active.is_some() {
-            active - lapsed.expired
+            active - lapsed.expired()
         } else {
             0
         },
         retained: if count_retained {
-            rows - expired(&reader.rels, &after, role, cutoff) - lapsed.aged_out
+            rows - expired(&reader.rels, &after, role, cutoff) - lapsed.aged_out(cutoff)
         } else {
             0
         },

@@ -107,13 +107,7 @@ pub fn renew(ticket: Option<pgrx::Uuid>, lease: pg_sys::Datum) -> Result<pg_sys:
     rels.require_v2("quota.renew()");
     // SAFETY: plain read of the clock.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let until = crate::admission::plus(now, lease);
-    if until <= now {
-        return Err(QuotaError::InvalidInterval {
-            what: "lease",
-            value: crate::admission::interval_text(lease),
-        });
-    }
+    let until = crate::admission::lease_end(now, lease)?;
     let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
     loop {
         // As in finish().

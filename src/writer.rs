@@ -283,7 +283,7 @@ fn withdraw_mine() {
             .compare_exchange(SLOT_PENDING, SLOT_FREE, Ordering::AcqRel, Ordering::Acquire);
 }
 
-fn database_name(db: pg_sys::Oid) -> String {
+pub fn database_name(db: pg_sys::Oid) -> String {
     // SAFETY: a syscache lookup; NULL if the database is gone.
     unsafe {
         let p = pg_sys::get_database_name(db);
@@ -971,20 +971,19 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
             let oid = pg_sys::Oid::from(role);
             let (active, rows) = counts::scope(&reader, &snap, oid);
             let after = Latest::take();
-            let lapsed_now = counts::lapsed(&rels, &after, oid, now, pg_sys::TimestampTz::MIN);
+            let lapsed = counts::lapsed(&rels, &after, oid, now);
             let retained = needs
                 .retentions
                 .iter()
                 .map(|&ret| {
                     let cutoff = crate::admission::cutoff(now, ret);
-                    let lapsed = counts::lapsed(&rels, &after, oid, now, cutoff);
-                    (ret, rows - counts::expired(&rels, &after, oid, cutoff) - lapsed.aged_out)
+                    (ret, rows - counts::expired(&rels, &after, oid, cutoff) - lapsed.aged_out(cutoff))
                 })
                 .collect();
             (
                 role,
                 Counted {
-                    active: active - lapsed_now.expired,
+                    active: active - lapsed.expired(),
                     retained,
                 },
             )
@@ -1247,14 +1246,7 @@ struct Admitted<'a> {
 /// works. With 0.1.x's schema (`ncols` = NCOLS_V1) leases, keys and pids have no
 /// columns and are not recorded.
 fn record(ledger: &OpenRel, ncols: usize, now: pg_sys::TimestampTz, admitted: &[Admitted]) {
-    let text = |bytes: Option<&[u8]>| {
-        // SAFETY: copies the bytes into a palloc'd text datum.
-        bytes.map(|b| {
-            pg_sys::Datum::from(unsafe {
-                pg_sys::cstring_to_text_with_len(b.as_ptr().cast(), b.len() as i32)
-            })
-        })
-    };
+    let text = |bytes: Option<&[u8]>| bytes.map(counts::text_datum);
     for a in admitted {
         let mut values = vec![pg_sys::Datum::from(0); ncols];
         let mut nulls = vec![true; ncols];

@@ -37,6 +37,45 @@ pub fn shown_outcome<'a>(
     }
 }
 
+/// A role's active tickets whose lease ran out, as their expiries: not active any more,
+/// and, once an expiry is older than a retention cutoff, not retained either. Counting
+/// still sees them until the ledger writer's sweep writes them down.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Lapsed {
+    /// Ascending.
+    expiries: Vec<i64>,
+}
+
+impl Lapsed {
+    pub fn new(mut expiries: Vec<i64>) -> Lapsed {
+        expiries.sort_unstable();
+        Lapsed { expiries }
+    }
+
+    /// How many: none of them is active.
+    pub fn expired(&self) -> i64 {
+        self.expiries.len() as i64
+    }
+
+    /// How many expired before `cutoff`: not retained either.
+    pub fn aged_out(&self, cutoff: i64) -> i64 {
+        self.expiries.partition_point(|&e| e < cutoff) as i64
+    }
+
+    /// The earliest expiry at or after `cutoff`: when the oldest retained one ages out.
+    pub fn oldest_retained(&self, cutoff: i64) -> Option<i64> {
+        self.expiries.get(self.expiries.partition_point(|&e| e < cutoff)).copied()
+    }
+}
+
+/// The earlier of two optional instants.
+pub fn earliest(a: Option<i64>, b: Option<i64>) -> Option<i64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// How long a waiting start() sleeps before it looks again, in milliseconds: until
 /// its deadline, or until the earliest lease in its way runs out (plus one
 /// millisecond, so that the lease is past when it looks), whichever comes first, and
@@ -98,6 +137,20 @@ mod tests {
         assert_eq!(wait_ms(0, 100_000, Some(200_000), 1000), 100);
         assert_eq!(wait_ms(10, 5, None, 1000), 0);
         assert_eq!(wait_ms(0, 1, None, 1000), 1);
+    }
+
+    #[test]
+    fn lapsed_tickets_age_out_by_their_expiry() {
+        let l = Lapsed::new(vec![30, 10, 20]);
+        assert_eq!(l.expired(), 3);
+        assert_eq!(l.aged_out(20), 1);
+        assert_eq!(l.aged_out(i64::MIN), 0);
+        assert_eq!(l.oldest_retained(15), Some(20));
+        assert_eq!(l.oldest_retained(31), None);
+        assert_eq!(Lapsed::default().expired(), 0);
+        assert_eq!(earliest(Some(3), Some(2)), Some(2));
+        assert_eq!(earliest(None, Some(2)), Some(2));
+        assert_eq!(earliest(None, None), None);
     }
 
     #[test]

@@ -39,7 +39,15 @@ pub fn usage_for(
     limits: Limits,
 ) -> Usage {
     let max_active = (limits.max_active > 0).then_some(limits.max_active);
-    let mut u = counts::usage(r, snap, role, now, cutoff, max_active, limits.max_retained > 0);
+    let mut u = counts::usage(
+        r,
+        snap,
+        role,
+        now,
+        cutoff,
+        max_active,
+        limits.max_retained > 0,
+    );
     if limits.max_db > 0 {
         u.db_active = counts::db_active(&r.rels, snap, now, limits.max_db);
     }
@@ -89,7 +97,12 @@ pub fn refusal_numbers(
         ..Usage::default()
     };
     let next = (kind == RefusalKind::Retained)
-        .then(|| earliest(counts::oldest_ended(r, snap, role, cutoff), lapsed.oldest_retained(cutoff)))
+        .then(|| {
+            earliest(
+                counts::oldest_ended(r, snap, role, cutoff),
+                lapsed.oldest_retained(cutoff),
+            )
+        })
         .flatten()
         .map(|t| t.saturating_add(retention_secs.saturating_mul(1_000_000)));
     (usage, next)
@@ -255,9 +268,12 @@ pub fn plus(ts: pg_sys::TimestampTz, interval: pg_sys::Datum) -> pg_sys::Timesta
 pub fn interval_text(interval: pg_sys::Datum) -> String {
     // SAFETY: interval_out returns a palloc'd C string.
     unsafe {
-        let p = pgrx::fcinfo::direct_function_call_as_datum(pg_sys::interval_out, &[Some(interval)])
-            .expect("interval_out is not null");
-        std::ffi::CStr::from_ptr(p.cast_mut_ptr()).to_string_lossy().into_owned()
+        let p =
+            pgrx::fcinfo::direct_function_call_as_datum(pg_sys::interval_out, &[Some(interval)])
+                .expect("interval_out is not null");
+        std::ffi::CStr::from_ptr(p.cast_mut_ptr())
+            .to_string_lossy()
+            .into_owned()
     }
 }
 
@@ -332,7 +348,11 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
     // SAFETY: plain reads of backend state and the clock.
     let (role, exempt, now) = unsafe {
         let role = pg_sys::GetUserId();
-        (role, pg_sys::superuser_arg(role), pg_sys::GetCurrentTimestamp())
+        (
+            role,
+            pg_sys::superuser_arg(role),
+            pg_sys::GetCurrentTimestamp(),
+        )
     };
     let limits = gucs::limits();
     let rels = counts::rels();
@@ -486,36 +506,34 @@ fn admit_under_lock(
     // `counted`: the counts the decision was made on, without the waiters ahead. Where
     // both role limits are set they are the full numbers the message needs, and an
     // active-limit refusal (the common one) reports them without counting again.
-    let refuse = |reader: &Reader,
-                  snap: &Latest,
-                  kind,
-                  ahead: (i64, i64),
-                  db_active,
-                  counted: Usage| {
-        if let Some(key) = args.key {
-            // A start with our key may have committed after our last look, and the
-            // counts we refuse on may include its ticket: look again, under a snapshot
-            // taken after those counts, before refusing a repeat.
-            if let Some(id) = retained_with_key(&reader.rels, &Latest::take(), role, key, now, cutoff) {
-                return Err(pgrx::Uuid::from_bytes(id));
+    let refuse =
+        |reader: &Reader, snap: &Latest, kind, ahead: (i64, i64), db_active, counted: Usage| {
+            if let Some(key) = args.key {
+                // A start with our key may have committed after our last look, and the
+                // counts we refuse on may include its ticket: look again, under a snapshot
+                // taken after those counts, before refusing a repeat.
+                if let Some(id) =
+                    retained_with_key(&reader.rels, &Latest::take(), role, key, now, cutoff)
+                {
+                    return Err(pgrx::Uuid::from_bytes(id));
+                }
             }
-        }
-        let complete = limits.max_active > 0 && limits.max_retained > 0;
-        let (mut usage, next) = if complete && kind != RefusalKind::Retained {
-            (counted, None)
-        } else {
-            refusal_numbers(reader, snap, role, now, cutoff, retention, kind)
+            let complete = limits.max_active > 0 && limits.max_retained > 0;
+            let (mut usage, next) = if complete && kind != RefusalKind::Retained {
+                (counted, None)
+            } else {
+                refusal_numbers(reader, snap, role, now, cutoff, retention, kind)
+            };
+            usage.db_active = db_active;
+            if kind == RefusalKind::Database {
+                usage.ahead = ahead.1;
+            } else {
+                usage.active += ahead.0;
+                usage.retained += ahead.0;
+                usage.ahead = ahead.0;
+            }
+            Ok(Err(Refused { kind, usage, next }))
         };
-        usage.db_active = db_active;
-        if kind == RefusalKind::Database {
-            usage.ahead = ahead.1;
-        } else {
-            usage.active += ahead.0;
-            usage.retained += ahead.0;
-            usage.ahead = ahead.0;
-        }
-        Ok(Err(Refused { kind, usage, next }))
-    };
     // Starts waiting ahead of this one take the next free slots (see waiters.rs).
     let with_ahead = |u: Usage, (of_role, of_db): (i64, i64)| Usage {
         active: u.active + of_role,
@@ -554,7 +572,11 @@ fn admit_under_lock(
         // back, so read in this order it is counted at least once.
         let ahead = crate::waiters::ahead(role, seq);
         let inflight = writer::inflight(role);
-        let inflight_db = if limits.max_db > 0 { writer::inflight_db() } else { 0 };
+        let inflight_db = if limits.max_db > 0 {
+            writer::inflight_db()
+        } else {
+            0
+        };
         let reader = Reader::open();
         let snap = Latest::take();
         if let Some(key) = args.key {

@@ -37,7 +37,10 @@ fn refused_as_null(r: Result<pgrx::Uuid, QuotaError>) -> Result<Option<pgrx::Uui
 /// 0.1.x's start(label), for databases not yet updated.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn start(label: Option<&[u8]>) -> Result<pgrx::Uuid, ErrorReport> {
-    Ok(admission::start(&StartArgs::label_only(label), c"quota.start()")?)
+    Ok(admission::start(
+        &StartArgs::label_only(label),
+        c"quota.start()",
+    )?)
 }
 
 /// 0.1.x's try_start(label), for databases not yet updated.

@@ -948,7 +948,9 @@ pub fn with_key(r: &Rels, snap: &Latest, role: pg_sys::Oid, key: pg_sys::Datum) 
         snap,
         &[Key::OidEq(role), Key::TextEq(key)],
         |slot| {
-            if let (Some(d), Some(started_at)) = (attr(slot, COL_ID as i32), ts_attr(slot, COL_STARTED_AT)) {
+            if let (Some(d), Some(started_at)) =
+                (attr(slot, COL_ID as i32), ts_attr(slot, COL_STARTED_AT))
+            {
                 out.push(Keyed {
                     // SAFETY: a uuid datum points at its 16 bytes.
                     id: unsafe { *(d.cast_mut_ptr::<[u8; 16]>()) },

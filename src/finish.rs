@@ -100,7 +100,10 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
 /// checked against the clock: from the update on, admission counts the ticket as
 /// active even past its old lease (counts::being_changed), so a renew that passes the
 /// check can never revive a slot that admission already handed out.
-pub fn renew(ticket: Option<pgrx::Uuid>, lease: pg_sys::Datum) -> Result<pg_sys::TimestampTz, QuotaError> {
+pub fn renew(
+    ticket: Option<pgrx::Uuid>,
+    lease: pg_sys::Datum,
+) -> Result<pg_sys::TimestampTz, QuotaError> {
     begin(c"quota.renew()");
     let ticket = ticket.ok_or(QuotaError::NullArgument("ticket"))?;
     let rels = counts::rels();
@@ -187,9 +190,12 @@ fn find(
                 let holder = pg_sys::Oid::from(values[COL_ROLE - 1].value() as u32);
                 let ts = |col: usize| (!nulls[col - 1]).then(|| values[col - 1].value() as i64);
                 let ended = ts(COL_ENDED_AT);
-                let lease_until = (ncols > COL_LEASE_UNTIL - 1).then(|| ts(COL_LEASE_UNTIL)).flatten();
+                let lease_until = (ncols > COL_LEASE_UNTIL - 1)
+                    .then(|| ts(COL_LEASE_UNTIL))
+                    .flatten();
                 let outcome_expired = !nulls[COL_OUTCOME - 1]
-                    && String::from_datum(values[COL_OUTCOME - 1], false).as_deref() == Some("expired");
+                    && String::from_datum(values[COL_OUTCOME - 1], false).as_deref()
+                        == Some("expired");
                 change(&mut values, &mut nulls);
                 found = Some(Found {
                     tid: (*slot).tts_tid,

@@ -298,7 +298,9 @@ pub fn waiters() -> &'static [crate::waiters::Waiter] {
     // SAFETY: in bounds of the segment laid out by `layout`; zeroed at creation, which
     // is a valid state of every field (all atomics).
     unsafe {
-        let first = pending(0).as_ptr().add(n_slots() * crate::scopes::PENDING_PER_SLOT)
+        let first = pending(0)
+            .as_ptr()
+            .add(n_slots() * crate::scopes::PENDING_PER_SLOT)
             as *const crate::waiters::Waiter;
         std::slice::from_raw_parts(first, n_slots())
     }

@@ -165,7 +165,8 @@ pub fn wake(db: pg_sys::Oid, role: pg_sys::Oid) {
         if w.seq.load(Ordering::Acquire) == 0 || w.db.load(Ordering::Relaxed) != db {
             continue;
         }
-        if w.kind.load(Ordering::Relaxed) == KIND_DATABASE || w.role.load(Ordering::Relaxed) == role {
+        if w.kind.load(Ordering::Relaxed) == KIND_DATABASE || w.role.load(Ordering::Relaxed) == role
+        {
             w.woken.store(true, Ordering::Release);
             shmem::wake(procno);
         }

@@ -955,7 +955,8 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
         for (k, req) in requests.iter().enumerate() {
             let Some(key) = req.key() else { continue };
             let cutoff = crate::admission::cutoff(now, req.retention_secs);
-            reused[k] = crate::admission::retained_with_key(&rels, &snap, roles[k], key, now, cutoff);
+            reused[k] =
+                crate::admission::retained_with_key(&rels, &snap, roles[k], key, now, cutoff);
         }
     }
     let fresh: Vec<usize> = (0..batch.len()).filter(|&k| reused[k].is_none()).collect();
@@ -977,7 +978,11 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
                 .iter()
                 .map(|&ret| {
                     let cutoff = crate::admission::cutoff(now, ret);
-                    (ret, rows - counts::expired(&rels, &after, oid, cutoff) - lapsed.aged_out(cutoff))
+                    (
+                        ret,
+                        rows - counts::expired(&rels, &after, oid, cutoff)
+                            - lapsed.aged_out(cutoff),
+                    )
                 })
                 .collect();
             (
@@ -990,7 +995,8 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
         })
         .collect();
     // The database cap: every role's active tickets together, counted once.
-    let db_active = batch::db_cap(&fresh_reqs).map_or(0, |cap| counts::db_active(&rels, &snap, now, cap));
+    let db_active =
+        batch::db_cap(&fresh_reqs).map_or(0, |cap| counts::db_active(&rels, &snap, now, cap));
     let fresh_decisions = batch::decide_batch(&fresh_reqs, &counted, db_active);
     let mut decisions: Vec<Option<Decision>> = vec![None; batch.len()];
     for (&k, d) in fresh.iter().zip(fresh_decisions) {
@@ -1261,7 +1267,10 @@ fn record(ledger: &OpenRel, ncols: usize, now: pg_sys::TimestampTz, admitted: &[
         set(counts::COL_LABEL, text(a.label));
         set(counts::COL_STARTED_AT, Some(now.into()));
         if ncols == counts::NCOLS_V2 {
-            set(counts::COL_LEASE_UNTIL, a.lease_until.map(pg_sys::Datum::from));
+            set(
+                counts::COL_LEASE_UNTIL,
+                a.lease_until.map(pg_sys::Datum::from),
+            );
             set(counts::COL_KEY, text(a.key));
             set(counts::COL_PID, Some(a.pid.into()));
         }
@@ -1362,7 +1371,8 @@ fn sweep_expired() {
         |slot| {
             let role = counts::attr(slot, counts::COL_ROLE as i32)
                 .map(|d| pg_sys::Oid::from(d.value() as u32));
-            let until = counts::attr(slot, counts::COL_LEASE_UNTIL as i32).map(|d| d.value() as i64);
+            let until =
+                counts::attr(slot, counts::COL_LEASE_UNTIL as i32).map(|d| d.value() as i64);
             if let (Some(role), Some(until)) = (role, until) {
                 // SAFETY: the slot holds a visible ledger tuple.
                 due.push((unsafe { (*slot).tts_tid }, role, until));
@@ -1432,7 +1442,12 @@ fn expired_version(
         }
         let mut values = vec![pg_sys::Datum::from(0); ncols];
         let mut nulls = vec![false; ncols];
-        pg_sys::heap_deform_tuple(&mut tuple, (*ledger.heap).rd_att, values.as_mut_ptr(), nulls.as_mut_ptr());
+        pg_sys::heap_deform_tuple(
+            &mut tuple,
+            (*ledger.heap).rd_att,
+            values.as_mut_ptr(),
+            nulls.as_mut_ptr(),
+        );
         let unfinished = nulls[counts::COL_ENDED_AT - 1];
         let out = unfinished.then(|| {
             values[counts::COL_ENDED_AT - 1] = until.into();

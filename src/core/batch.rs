@@ -185,7 +185,9 @@ mod tests {
         assert_eq!(db_cap(&[req(10, 5, 0, 1), su]), None);
         let ds = decide_batch(&[a, b], &HashMap::new(), 2);
         assert_eq!(ds[0], Decision::Admit);
-        assert!(matches!(ds[1], Decision::Refuse(r) if r.kind == crate::core::RefusalKind::Database));
+        assert!(
+            matches!(ds[1], Decision::Refuse(r) if r.kind == crate::core::RefusalKind::Database)
+        );
         let ds = decide_batch(&[su, a], &HashMap::new(), 2);
         assert_eq!(ds[0], Decision::Admit);
         assert!(matches!(ds[1], Decision::Refuse(r) if r.usage.db_active == 3));

@@ -155,11 +155,25 @@ mod tests {
             d => panic!("expected refusal, got {d:?}"),
         }
         assert_eq!(
-            decide(limits, Usage { db_active: 3, ..at_cap }, false),
+            decide(
+                limits,
+                Usage {
+                    db_active: 3,
+                    ..at_cap
+                },
+                false
+            ),
             Decision::Admit
         );
         // The role's own limit is reported first: the caller can fix that one.
-        match decide(limits, Usage { db_active: 9, ..usage(3, 3) }, false) {
+        match decide(
+            limits,
+            Usage {
+                db_active: 9,
+                ..usage(3, 3)
+            },
+            false,
+        ) {
             Decision::Refuse(r) => assert_eq!(r.kind, RefusalKind::Active),
             d => panic!("expected refusal, got {d:?}"),
         }

@@ -473,9 +473,9 @@ mod tests {
             "22023"
         );
         let foreign = QuotaError::ForeignTicket {
-                ticket: "x".into(),
-                action: "finish",
-            };
+            ticket: "x".into(),
+            action: "finish",
+        };
         assert_eq!(foreign.sqlstate().code(), "42501");
         assert_eq!(
             QuotaError::LockTimeout {

@@ -64,7 +64,9 @@ impl Lapsed {
 
     /// The earliest expiry at or after `cutoff`: when the oldest retained one ages out.
     pub fn oldest_retained(&self, cutoff: i64) -> Option<i64> {
-        self.expiries.get(self.expiries.partition_point(|&e| e < cutoff)).copied()
+        self.expiries
+            .get(self.expiries.partition_point(|&e| e < cutoff))
+            .copied()
     }
 }
 
@@ -119,7 +121,10 @@ mod tests {
     #[test]
     fn a_finished_ticket_keeps_its_own_end_and_outcome() {
         assert_eq!(effective_end(Some(50), Some(100), 500), Some(50));
-        assert_eq!(shown_outcome(Some("failed"), Some(50), Some(10), 500), Some("failed"));
+        assert_eq!(
+            shown_outcome(Some("failed"), Some(50), Some(10), 500),
+            Some("failed")
+        );
     }
 
     #[test]

@@ -18,8 +18,7 @@ pub const MAX_LABEL_BYTES: usize = MAX_LABEL_CHARS * MAX_CHAR_BYTES;
 /// labels that are not UTF-8), so the caller counts characters with the server's own
 /// rules and passes both numbers.
 pub fn check_label(chars: usize, bytes: usize) -> Result<(), QuotaError> {
-    check_text(MAX_LABEL_CHARS, chars, bytes)
-        .map_err(|chars| QuotaError::LabelTooLong { chars })
+    check_text(MAX_LABEL_CHARS, chars, bytes).map_err(|chars| QuotaError::LabelTooLong { chars })
 }
 
 /// Err(the length to report) when text of `chars` characters in `bytes` bytes is
@@ -249,7 +248,10 @@ mod tests {
         assert!(check_key(200, 800).is_ok());
         let e = check_key(201, 201).unwrap_err();
         assert_eq!(e.sqlstate().code(), "22001");
-        assert_eq!(e.detail().unwrap(), "The key has 201 characters; at most 200 are allowed.");
+        assert_eq!(
+            e.detail().unwrap(),
+            "The key has 201 characters; at most 200 are allowed."
+        );
         assert!(check_key(10, 801).is_err());
     }
 }

@@ -7,10 +7,11 @@ use crate::core::lease::earliest;
 use crate::core::{
     check_key, check_label, decide, Decision, Limits, QuotaError, Refusal, RefusalKind, Usage,
 };
+use crate::core::stats::Counter;
 use crate::counts::{self, Latest, Reader};
 use crate::error::raise;
 use crate::writer::{self, Answer};
-use crate::{gucs, shmem};
+use crate::{gucs, shmem, stats};
 
 /// The scope lock's field4. SQL advisory locks live in the user lock method with
 /// field4 = 1 or 2; ours lives in the default lock method (so that transaction end
@@ -386,25 +387,38 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
         }
     };
 
-    let mut place: Option<crate::waiters::Place> = None;
+    let mut place: Option<(crate::waiters::Place, WaitTimer)> = None;
     loop {
         if place.is_some() {
             writer::drop_abandoned_answer();
         }
-        let seq = place.as_ref().map_or(u64::MAX, |p| p.seq);
+        let seq = place.as_ref().map_or(u64::MAX, |p| p.0.seq);
         let r = match attempt(args, role, exempt, limits, seq)? {
-            Ok(id) => return Ok(id),
+            Ok((id, hit)) => {
+                let counter = if hit {
+                    Counter::IdempotentHits
+                } else {
+                    Counter::Admitted
+                };
+                stats::add(role, counter, 1);
+                return Ok(id);
+            }
             Err(r) => r,
         };
         // SAFETY: plain clock read.
         let now = unsafe { pg_sys::GetCurrentTimestamp() };
         if now >= deadline {
+            if place.is_some() {
+                stats::add(role, Counter::WaitTimeouts, 1);
+            }
+            count_refusal(role, &r);
             return Err(refusal(role, r.kind, r.usage, r.next));
         }
-        let Some(p) = &place else {
+        let Some((p, _)) = &place else {
             // Take a place in line, then look again at once: a finish() that
             // committed before we were in line could not wake us.
-            place = Some(crate::waiters::Place::take(role, r.kind));
+            stats::add(role, Counter::Waits, 1);
+            place = Some((crate::waiters::Place::take(role, r.kind), WaitTimer::start(role)));
             continue;
         };
         p.refused_by(r.kind);
@@ -428,15 +442,63 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
     }
 }
 
+/// Adds the time a start() spent in line to its role's wait_time when the wait ends,
+/// however it ends (admitted, refused, or an error's unwind).
+struct WaitTimer {
+    role: pg_sys::Oid,
+    since: std::time::Instant,
+}
+
+impl WaitTimer {
+    fn start(role: pg_sys::Oid) -> WaitTimer {
+        WaitTimer {
+            role,
+            since: std::time::Instant::now(),
+        }
+    }
+}
+
+impl Drop for WaitTimer {
+    fn drop(&mut self) {
+        // No lock on this path: it may run during an error's unwind. The entry exists
+        // (`waits` was counted in it) unless a reset or an eviction took it meanwhile.
+        let us = self.since.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
+        stats::add_if_present(self.role, Counter::WaitTime, us.max(1));
+    }
+}
+
+/// Counts a refusal, and writes its LOG line if quota.log_refusals asks for one and
+/// the rate limit lets it through.
+fn count_refusal(role: pg_sys::Oid, r: &Refused) {
+    let log = gucs::log_refusals();
+    if let Some(suppressed) = stats::refused(role, Counter::refused(r.kind), log) {
+        let line = crate::core::stats::refusal_log_line(
+            &role_name(role),
+            &writer::database_name(shmem::my_db()),
+            r.kind,
+            r.usage,
+            gucs::limits(),
+            suppressed,
+        );
+        pgrx::pg_sys::panic::ErrorReport::new(
+            pgrx::PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            line,
+            "pg_quota",
+        )
+        .report(pgrx::PgLogLevel::LOG);
+    }
+}
+
 /// One try at admission for a caller at place `seq` in line (u64::MAX if it is not
-/// waiting). The outer Result carries errors, the inner one refusals.
+/// waiting). The outer Result carries errors, the inner one refusals; an admission
+/// says whether it was an idempotent repeat (nothing charged).
 fn attempt(
     args: &StartArgs,
     role: pg_sys::Oid,
     exempt: bool,
     limits: Limits,
     seq: u64,
-) -> Result<Result<pgrx::Uuid, Refused>, QuotaError> {
+) -> Result<Result<(pgrx::Uuid, bool), Refused>, QuotaError> {
     // SAFETY: plain clock read.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let retention = gucs::retention_secs();
@@ -447,7 +509,7 @@ fn attempt(
         let reader = Reader::open();
         let snap = Latest::take();
         if let Some(id) = retained_with_key(&reader.rels, &snap, role, key, now, cutoff) {
-            return Ok(Ok(pgrx::Uuid::from_bytes(id)));
+            return Ok(Ok((pgrx::Uuid::from_bytes(id), true)));
         }
     }
     let lease_until = lease_until(now, args.lease)?;
@@ -481,11 +543,11 @@ fn attempt(
         match admit_under_lock(args, role, limits, now, retention, seq, fill) {
             Ok(Ok(())) => writer::wait(),
             Ok(Err(refused)) => return Ok(Err(refused)),
-            Err(id) => return Ok(Ok(id)),
+            Err(id) => return Ok(Ok((id, true))),
         }
     };
     Ok(match answer {
-        Answer::Admitted(id) => Ok(pgrx::Uuid::from_bytes(id)),
+        Answer::Admitted(id, reused) => Ok((pgrx::Uuid::from_bytes(id), reused)),
         Answer::Refused(kind, usage, next) => Err(Refused { kind, usage, next }),
     })
 }

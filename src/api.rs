@@ -168,3 +168,201 @@ fn renew(
             .expect("not null")
     })
 }
+
+// ---------------------------------------------------------------------------------
+// 0.3.0: statistics (see stats.rs). The views in sql/stats.sql name the databases and
+// roles; these functions return oids.
+// ---------------------------------------------------------------------------------
+
+fn tstz(t: i64) -> pgrx::datum::TimestampWithTimeZone {
+    // SAFETY: a timestamptz value is a valid datum of its type.
+    unsafe {
+        pgrx::datum::TimestampWithTimeZone::from_datum(pg_sys::Datum::from(t), false)
+            .expect("not null")
+    }
+}
+
+/// Whether the caller sees every role's statistics: superusers and members of
+/// pg_read_all_stats, as in pg_stat_activity and pg_stat_statements.
+fn sees_all_stats() -> bool {
+    // SAFETY: plain catalog lookups for the current user.
+    unsafe {
+        let me = pg_sys::GetUserId();
+        pg_sys::superuser_arg(me)
+            || pg_sys::has_privs_of_role(me, pg_sys::Oid::from(pg_sys::ROLE_PG_READ_ALL_STATS))
+    }
+}
+
+/// The rows of quota.stats the caller may see.
+#[pg_extern(
+    volatile,
+    parallel_safe,
+    sql = r#"
+CREATE FUNCTION "stats_rows"(
+	OUT "dbid" oid, OUT "roleid" oid,
+	OUT "admitted" bigint,
+	OUT "refused_active" bigint, OUT "refused_retained" bigint, OUT "refused_database" bigint,
+	OUT "finished_succeeded" bigint, OUT "finished_failed" bigint, OUT "finished_cancelled" bigint,
+	OUT "expired" bigint, OUT "renewed" bigint, OUT "idempotent_hits" bigint,
+	OUT "waits" bigint, OUT "wait_time" double precision, OUT "wait_timeouts" bigint,
+	OUT "stats_reset" timestamptz
+) RETURNS SETOF record
+VOLATILE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'stats_rows_wrapper';
+"#
+)]
+fn stats_rows() -> TableIterator<
+    'static,
+    (
+        name!(dbid, pg_sys::Oid),
+        name!(roleid, pg_sys::Oid),
+        name!(admitted, i64),
+        name!(refused_active, i64),
+        name!(refused_retained, i64),
+        name!(refused_database, i64),
+        name!(finished_succeeded, i64),
+        name!(finished_failed, i64),
+        name!(finished_cancelled, i64),
+        name!(expired, i64),
+        name!(renewed, i64),
+        name!(idempotent_hits, i64),
+        name!(waits, i64),
+        name!(wait_time, f64),
+        name!(wait_timeouts, i64),
+        name!(stats_reset, pgrx::datum::TimestampWithTimeZone),
+    ),
+> {
+    use crate::core::stats::Counter as C;
+    admission::require_preloaded();
+    let all = sees_all_stats();
+    // SAFETY: a plain read of backend state.
+    let me = u32::from(unsafe { pg_sys::GetUserId() });
+    let rows = crate::stats::rows(|role| all || role == me);
+    TableIterator::new(rows.into_iter().map(|r| {
+        let c = |k: C| r.counters[k as usize] as i64;
+        (
+            pg_sys::Oid::from(r.db),
+            pg_sys::Oid::from(r.role),
+            c(C::Admitted),
+            c(C::RefusedActive),
+            c(C::RefusedRetained),
+            c(C::RefusedDatabase),
+            c(C::FinishedSucceeded),
+            c(C::FinishedFailed),
+            c(C::FinishedCancelled),
+            c(C::Expired),
+            c(C::Renewed),
+            c(C::IdempotentHits),
+            c(C::Waits),
+            r.counters[C::WaitTime as usize] as f64 / 1000.0,
+            c(C::WaitTimeouts),
+            tstz(r.since),
+        )
+    }))
+}
+
+/// quota.stats_info's one row.
+#[pg_extern(
+    volatile,
+    parallel_safe,
+    sql = r#"
+CREATE FUNCTION "stats_info_row"(
+	OUT "max" integer, OUT "entries" bigint, OUT "evicted" bigint,
+	OUT "log_suppressed" bigint, OUT "stats_reset" timestamptz
+) RETURNS SETOF record
+VOLATILE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'stats_info_row_wrapper';
+"#
+)]
+fn stats_info_row() -> TableIterator<
+    'static,
+    (
+        name!(max, i32),
+        name!(entries, i64),
+        name!(evicted, i64),
+        name!(log_suppressed, i64),
+        name!(stats_reset, pgrx::datum::TimestampWithTimeZone),
+    ),
+> {
+    admission::require_preloaded();
+    let (max, entries, evicted, suppressed, reset) = crate::stats::info();
+    TableIterator::once((max, entries, evicted, suppressed, tstz(reset)))
+}
+
+/// quota.writer_stats: every database's ledger writer, for those who see all stats.
+#[pg_extern(
+    volatile,
+    parallel_safe,
+    sql = r#"
+CREATE FUNCTION "writer_stats_rows"(
+	OUT "dbid" oid, OUT "pid" integer, OUT "started_at" timestamptz,
+	OUT "batches" bigint, OUT "requests" bigint, OUT "mean_batch_size" double precision,
+	OUT "commit_time" double precision, OUT "restarts" bigint,
+	OUT "last_error" text, OUT "last_error_at" timestamptz
+) RETURNS SETOF record
+VOLATILE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'writer_stats_rows_wrapper';
+"#
+)]
+fn writer_stats_rows() -> TableIterator<
+    'static,
+    (
+        name!(dbid, pg_sys::Oid),
+        name!(pid, Option<i32>),
+        name!(started_at, pgrx::datum::TimestampWithTimeZone),
+        name!(batches, i64),
+        name!(requests, i64),
+        name!(mean_batch_size, Option<f64>),
+        name!(commit_time, f64),
+        name!(restarts, i64),
+        name!(last_error, Option<String>),
+        name!(last_error_at, Option<pgrx::datum::TimestampWithTimeZone>),
+    ),
+> {
+    admission::require_preloaded();
+    let rows = if sees_all_stats() {
+        crate::stats::writer_rows()
+    } else {
+        Vec::new()
+    };
+    TableIterator::new(rows.into_iter().map(|w| {
+        let (last_error, last_error_at) = match w.last_error {
+            Some((msg, at)) => (Some(msg), Some(tstz(at))),
+            None => (None, None),
+        };
+        (
+            pg_sys::Oid::from(w.db),
+            (w.pid != 0).then_some(w.pid),
+            tstz(w.started_at),
+            w.batches as i64,
+            w.requests as i64,
+            (w.batches > 0).then(|| w.requests as f64 / w.batches as f64),
+            w.commit_us as f64 / 1000.0,
+            w.restarts as i64,
+            last_error,
+            last_error_at,
+        )
+    }))
+}
+
+/// Empties quota.stats: the rows of `role` in every database, or, with NULL, every
+/// row and quota.stats_info's figures. EXECUTE is revoked from PUBLIC.
+#[pg_extern(
+    volatile,
+    parallel_unsafe,
+    sql = r#"
+CREATE FUNCTION "stats_reset"(
+	"role" regrole DEFAULT NULL
+) RETURNS timestamptz
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'stats_reset_wrapper';
+"#
+)]
+fn stats_reset(role: Option<pg_sys::Oid>) -> pgrx::datum::TimestampWithTimeZone {
+    admission::require_preloaded();
+    tstz(crate::stats::reset(role))
+}

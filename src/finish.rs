@@ -76,7 +76,7 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
         match ledger.update(found.tid, found.new_tuple, &[COL_ENDED_AT, COL_OUTCOME]) {
             pg_sys::TM_Result::TM_Ok => {
                 // The scope's active counter drops when this transaction commits.
-                crate::scopes::note_finish(found.holder);
+                crate::scopes::note_finish(found.holder, outcome);
                 return Ok(true);
             }
             // A concurrent finish committed first (or, long after, a purge), or this
@@ -148,6 +148,8 @@ pub fn renew(
             // Raising aborts the update with the rest of the (sub)transaction.
             return ended(true);
         }
+        // quota.stats counts the renewal when this transaction commits.
+        crate::scopes::note_renew(found.holder);
         return Ok(until);
     }
 }

@@ -12,6 +12,8 @@ static RETENTION: GucSetting<i32> = GucSetting::<i32>::new(7 * 24 * 3600);
 static WRITER_IDLE_TIMEOUT: GucSetting<i32> = GucSetting::<i32>::new(10);
 static MAX_ACTIVE_PER_DATABASE: GucSetting<i32> = GucSetting::<i32>::new(0);
 static DEFAULT_LEASE: GucSetting<i32> = GucSetting::<i32>::new(24 * 3600);
+static STATS_MAX: GucSetting<i32> = GucSetting::<i32>::new(5000);
+static LOG_REFUSALS: GucSetting<bool> = GucSetting::<bool>::new(false);
 
 pub fn init() {
     // 0 turns the limit off; a million concurrent tickets for one role is far beyond
@@ -85,6 +87,27 @@ pub fn init() {
         GucContext::Sighup,
         GucFlags::UNIT_S,
     );
+    // 0.3.0. Set at server start: it sizes quota.stats in shared memory. About 150
+    // bytes per entry; pg_stat_statements.max has the same default and bounds.
+    GucRegistry::define_int_guc(
+        c"quota.stats_max",
+        c"How many (database, role) entries quota.stats keeps.",
+        c"When the table is full, the least recently used entries are evicted (see quota.stats_info).",
+        &STATS_MAX,
+        100,
+        1_000_000,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    // 0.3.0. SUSET: a tenant cannot turn its own refusals into log lines (or off).
+    GucRegistry::define_bool_guc(
+        c"quota.log_refusals",
+        c"Writes a LOG line when quota.start() refuses, at most one per second per role and database.",
+        c"Lines held back by the rate limit are counted in the next line and in quota.stats_info.",
+        &LOG_REFUSALS,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
     // SAFETY: called from _PG_init in the postmaster, after the settings above are
     // defined; it only marks the prefix so that misspelled quota.* names are refused.
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"quota".as_ptr()) };
@@ -109,4 +132,12 @@ pub fn retention_secs() -> i64 {
 
 pub fn writer_idle_timeout() -> std::time::Duration {
     std::time::Duration::from_secs(WRITER_IDLE_TIMEOUT.get().max(1) as u64)
+}
+
+pub fn stats_max() -> usize {
+    STATS_MAX.get().max(0) as usize
+}
+
+pub fn log_refusals() -> bool {
+    LOG_REFUSALS.get()
 }

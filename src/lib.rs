@@ -18,12 +18,15 @@ mod heap;
 mod hooks;
 mod scopes;
 mod shmem;
+mod stats;
 mod waiters;
 mod writer;
 
 ::pgrx::pg_module_magic!();
 
 extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
+// 0.3.0's views read functions defined in Rust, so they come last.
+extension_sql_file!("../sql/stats.sql", name = "stats", finalize);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {

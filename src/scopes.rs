@@ -35,6 +35,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
+use crate::core::stats::Counter;
 use crate::counts::Latest;
 use crate::shmem;
 
@@ -313,11 +314,12 @@ pub fn forget(db: pg_sys::Oid, roles: Option<&[pg_sys::Oid]>) {
 // (role, subtransaction nesting level), and the roles that did not fit when published.
 static mut FINISHED: Vec<(pg_sys::Oid, i32)> = Vec::new();
 static mut OVERFLOW: Vec<pg_sys::Oid> = Vec::new();
+/// The statistics the current transaction owes quota.stats when it commits: finishes
+/// by outcome and renewals, as (role, counter, subtransaction nesting level).
+static mut STATS_OWED: Vec<(pg_sys::Oid, Counter, i32)> = Vec::new();
 static mut CALLBACKS_REGISTERED: bool = false;
 
-/// Records that this transaction ended a ticket of `role`; its scope's counter drops
-/// when (and only if) the transaction commits.
-pub fn note_finish(role: pg_sys::Oid) {
+fn nest_level() -> i32 {
     // SAFETY: single-threaded backend state; the callbacks are registered once.
     unsafe {
         if !CALLBACKS_REGISTERED {
@@ -325,10 +327,28 @@ pub fn note_finish(role: pg_sys::Oid) {
             pg_sys::RegisterSubXactCallback(Some(subxact_event), std::ptr::null_mut());
             CALLBACKS_REGISTERED = true;
         }
-        let level = pg_sys::GetCurrentTransactionNestLevel();
-        let finished = &mut *std::ptr::addr_of_mut!(FINISHED);
-        finished.push((role, level));
+        pg_sys::GetCurrentTransactionNestLevel()
     }
+}
+
+/// Records that this transaction ended a ticket of `role` with `outcome`; its scope's
+/// counter drops, and quota.stats counts the finish, when (and only if) the
+/// transaction commits.
+pub fn note_finish(role: pg_sys::Oid, outcome: crate::core::Outcome) {
+    let level = nest_level();
+    // SAFETY: single-threaded backend state.
+    unsafe {
+        (*std::ptr::addr_of_mut!(FINISHED)).push((role, level));
+        (*std::ptr::addr_of_mut!(STATS_OWED)).push((role, Counter::finished(outcome), level));
+    }
+}
+
+/// Records that this transaction renewed a ticket of `role`: quota.stats counts it
+/// when (and only if) the transaction commits.
+pub fn note_renew(role: pg_sys::Oid) {
+    let level = nest_level();
+    // SAFETY: single-threaded backend state.
+    unsafe { (*std::ptr::addr_of_mut!(STATS_OWED)).push((role, Counter::Renewed, level)) };
 }
 
 #[pg_guard]
@@ -340,6 +360,20 @@ unsafe extern "C-unwind" fn xact_event(
     unsafe {
         let finished = &mut *std::ptr::addr_of_mut!(FINISHED);
         let overflow = &mut *std::ptr::addr_of_mut!(OVERFLOW);
+        let owed = &mut *std::ptr::addr_of_mut!(STATS_OWED);
+        match event {
+            pg_sys::XactEvent::XACT_EVENT_COMMIT => {
+                for (role, counter, _) in owed.drain(..) {
+                    crate::stats::add(role, counter, 1);
+                }
+            }
+            // A prepared renew commits elsewhere, later: not counted. Aborted work is
+            // not counted either.
+            pg_sys::XactEvent::XACT_EVENT_PREPARE | pg_sys::XactEvent::XACT_EVENT_ABORT => {
+                owed.clear();
+            }
+            _ => {}
+        }
         match event {
             pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT if !finished.is_empty() => {
                 let mut per_role: Vec<(pg_sys::Oid, i64, i64)> = Vec::new();
@@ -397,13 +431,20 @@ unsafe extern "C-unwind" fn subxact_event(
     // SAFETY: single-threaded backend state.
     unsafe {
         let finished = &mut *std::ptr::addr_of_mut!(FINISHED);
+        let owed = &mut *std::ptr::addr_of_mut!(STATS_OWED);
         let level = pg_sys::GetCurrentTransactionNestLevel();
         match event {
-            // A rolled-back savepoint (or a caught error) undoes its finishes.
-            pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => finished.retain(|&(_, l)| l < level),
+            // A rolled-back savepoint (or a caught error) undoes its finishes and renewals.
+            pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => {
+                finished.retain(|&(_, l)| l < level);
+                owed.retain(|&(_, _, l)| l < level);
+            }
             pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => {
                 for f in finished.iter_mut().filter(|f| f.1 >= level) {
                     f.1 = level - 1;
+                }
+                for o in owed.iter_mut().filter(|o| o.2 >= level) {
+                    o.2 = level - 1;
                 }
             }
             _ => {}

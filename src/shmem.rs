@@ -186,7 +186,8 @@ unsafe extern "C-unwind" fn shmem_request() {
             prev();
         }
         pg_sys::RequestAddinShmemSpace(layout().2);
-        pg_sys::RequestNamedLWLockTranche(TRANCHE.as_ptr(), 2);
+        pg_sys::RequestAddinShmemSpace(crate::stats::shmem_size());
+        pg_sys::RequestNamedLWLockTranche(TRANCHE.as_ptr(), 3);
     }
 }
 
@@ -221,6 +222,8 @@ unsafe extern "C-unwind" fn shmem_startup() {
             }
         }
         HEADER = header;
+        let locks = pg_sys::GetNamedLWLockTranche(TRANCHE.as_ptr());
+        crate::stats::shmem_startup(&mut (*locks.add(2)).lock);
         pg_sys::LWLockRelease(addin_shmem_init_lock());
     }
 }

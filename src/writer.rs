@@ -63,7 +63,7 @@ pub const WRITER_LOCK_FIELD4: u16 = 0x5157; // "QW"
 pub enum Answer {
     /// The ticket, and whether it already existed under the request's idempotency key
     /// (nothing was charged).
-    Admitted([u8; 16]),
+    Admitted([u8; 16], bool),
     Refused(RefusalKind, Usage, Option<pg_sys::TimestampTz>),
 }
 
@@ -370,7 +370,7 @@ fn take_reply(slot: &'static Slot) -> Answer {
     let answer = unsafe {
         let r = &*slot.reply.get();
         match r.kind {
-            REPLY_ADMITTED => Ok(Answer::Admitted(r.ticket)),
+            REPLY_ADMITTED => Ok(Answer::Admitted(r.ticket, r.reused)),
             REPLY_REFUSED => {
                 let kind = match r.refusal_kind {
                     1 => RefusalKind::Active,
@@ -395,7 +395,7 @@ fn take_reply(slot: &'static Slot) -> Answer {
             _ => Err((0, String::new())),
         }
     };
-    if matches!(answer, Ok(Answer::Admitted(_))) {
+    if matches!(answer, Ok(Answer::Admitted(..))) {
         // Admitted: leave the line before the slot looks free, so that nobody counts
         // this start both as an active ticket and as a start waiting ahead of them.
         crate::waiters::leave();
@@ -563,6 +563,7 @@ pub extern "C-unwind" fn pg_quota_writer_main(arg: pg_sys::Datum) {
         );
         return;
     }
+    crate::stats::writer_started(db);
     configure_session();
     // Before anything is admitted: tickets of roles dropped while no writer ran.
     let roles_dropped = shmem::roles_dropped().load(Ordering::Acquire);
@@ -796,12 +797,19 @@ fn in_transaction<R>(f: impl FnOnce() -> R) -> R {
         pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
     }
     let r = f();
+    let commit = Instant::now();
     // SAFETY: closes the bracket opened above.
     unsafe {
         pg_sys::PopActiveSnapshot();
         pg_sys::CommitTransactionCommand();
     }
+    LAST_COMMIT_US.set(commit.elapsed().as_micros() as u64);
     r
+}
+
+thread_local! {
+    /// How long the last commit of `in_transaction` took, for quota.writer_stats.
+    static LAST_COMMIT_US: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// Handles one batch, then answers every caller in it. A group whose transaction
@@ -834,8 +842,12 @@ fn process(batch: Vec<usize>) {
         .catch_others(|e| Err(caught_error(e)))
         .execute();
         match outcome {
-            Ok(()) => answer(&group),
+            Ok(()) => {
+                crate::stats::writer_batch(group.len(), Some(LAST_COMMIT_US.get()));
+                answer(&group)
+            }
             Err((code, msg)) => {
+                crate::stats::writer_error(&msg);
                 // SAFETY: pgrx flushed the error state when it caught the error; abort
                 // the failed transaction as a worker's error recovery does.
                 unsafe {
@@ -858,6 +870,7 @@ fn process(batch: Vec<usize>) {
                     for &i in &group {
                         set_error(i, code, &msg);
                     }
+                    crate::stats::writer_batch(group.len(), None);
                     answer(&group);
                 }
             }
@@ -1341,7 +1354,8 @@ fn sweep_expired_and_wake() {
         return;
     }
     crate::scopes::invalidate(&OVERFLOWED.with_borrow_mut(std::mem::take));
-    for (role, _, _) in swept {
+    for (role, ended, _) in swept {
+        crate::stats::add(role, crate::core::stats::Counter::Expired, ended.unsigned_abs());
         crate::waiters::wake(shmem::my_db(), role);
     }
 }
@@ -1493,6 +1507,7 @@ fn try_in_transaction(what: &str, f: fn()) -> bool {
     if let Some(msg) = failed {
         // SAFETY: pgrx flushed the error state; abort the failed transaction.
         unsafe { pg_sys::AbortCurrentTransaction() };
+        crate::stats::writer_error(&format!("could not {what}: {msg}"));
         pgrx::warning!("pg_quota ledger writer: could not {what}: {msg}");
         return false;
     }
@@ -1623,6 +1638,10 @@ fn leave(idx: usize, db: pg_sys::Oid, force: bool) -> bool {
 unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
     // SAFETY: single-threaded worker state; shared state is changed under the lock.
     unsafe {
+        if shmem::available() {
+            // quota.writer_stats: a writer that did not give up its entry left uncleanly.
+            crate::stats::writer_exits(LEFT);
+        }
         if LEFT || MY_ENTRY == usize::MAX || !shmem::available() {
             return;
         }

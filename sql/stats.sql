@@ -1,0 +1,47 @@
+-- pg_quota 0.3.0: the statistics views (see src/stats.rs and USER_GUIDE.md,
+-- "Monitoring"). The functions behind them return oids; the views name databases and
+-- roles (NULL for one dropped since). stats_rows() shows a caller every row only if it
+-- is a superuser or a member of pg_read_all_stats, and otherwise its own rows;
+-- writer_stats_rows() shows others no rows. Also in sql/pg_quota--0.2.0--0.3.0.sql.
+
+CREATE VIEW quota.stats AS
+SELECT d.datname,
+       r.rolname AS role,
+       s.admitted,
+       s.refused_active,
+       s.refused_retained,
+       s.refused_database,
+       s.finished_succeeded,
+       s.finished_failed,
+       s.finished_cancelled,
+       s.expired,
+       s.renewed,
+       s.idempotent_hits,
+       s.waits,
+       s.wait_time,
+       s.wait_timeouts,
+       s.stats_reset
+  FROM quota.stats_rows() s
+  LEFT JOIN pg_catalog.pg_database d ON d.oid OPERATOR(pg_catalog.=) s.dbid
+  LEFT JOIN pg_catalog.pg_roles r ON r.oid OPERATOR(pg_catalog.=) s.roleid;
+
+CREATE VIEW quota.stats_info AS
+SELECT i.max, i.entries, i.evicted, i.log_suppressed, i.stats_reset
+  FROM quota.stats_info_row() i;
+
+CREATE VIEW quota.writer_stats AS
+SELECT d.datname,
+       w.pid,
+       w.started_at,
+       w.batches,
+       w.requests,
+       w.mean_batch_size,
+       w.commit_time,
+       w.restarts,
+       w.last_error,
+       w.last_error_at
+  FROM quota.writer_stats_rows() w
+  LEFT JOIN pg_catalog.pg_database d ON d.oid OPERATOR(pg_catalog.=) w.dbid;
+
+GRANT SELECT ON quota.stats, quota.stats_info, quota.writer_stats TO PUBLIC;
+REVOKE EXECUTE ON FUNCTION quota.stats_reset(pg_catalog.regrole) FROM PUBLIC;

@@ -1,0 +1,315 @@
+//! Admission statistics (0.3.0): what each counter is, the refusal log line and its
+//! rate limit, which entries to evict when the table is full, and the file that keeps
+//! the counters across a clean restart. Plain Rust; src/stats.rs keeps them in shared
+//! memory.
+
+use super::decision::{Limits, RefusalKind, Usage};
+use super::ticket::Outcome;
+
+/// One counter of a (database, role) entry. The order is that of quota.stats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(usize)]
+pub enum Counter {
+    Admitted,
+    RefusedActive,
+    RefusedRetained,
+    RefusedDatabase,
+    FinishedSucceeded,
+    FinishedFailed,
+    FinishedCancelled,
+    Expired,
+    Renewed,
+    IdempotentHits,
+    Waits,
+    /// Microseconds; quota.stats shows milliseconds.
+    WaitTime,
+    WaitTimeouts,
+}
+
+pub const N_COUNTERS: usize = 13;
+
+impl Counter {
+    pub fn refused(kind: RefusalKind) -> Counter {
+        match kind {
+            RefusalKind::Active => Counter::RefusedActive,
+            RefusalKind::Retained => Counter::RefusedRetained,
+            RefusalKind::Database => Counter::RefusedDatabase,
+        }
+    }
+
+    pub fn finished(outcome: Outcome) -> Counter {
+        match outcome {
+            Outcome::Succeeded => Counter::FinishedSucceeded,
+            Outcome::Failed => Counter::FinishedFailed,
+            Outcome::Cancelled => Counter::FinishedCancelled,
+        }
+    }
+}
+
+/// At most one refusal line per (database, role) per this many microseconds.
+pub const LOG_INTERVAL_US: i64 = 1_000_000;
+/// At most this many refusal lines per second in the whole server.
+pub const LOG_LINES_PER_SECOND: u32 = 10;
+
+/// Whether a refusal at `now` may write a line, given when its entry last wrote one.
+pub fn may_log(last_logged: i64, now: i64) -> bool {
+    last_logged == 0 || now.saturating_sub(last_logged) >= LOG_INTERVAL_US
+}
+
+/// The LOG line for a refusal, in the manner of log_lock_waits: who, where, which
+/// limit, and the counts; `suppressed` refusals of the same role and database were not
+/// logged since its previous line.
+pub fn refusal_log_line(
+    role: &str,
+    database: &str,
+    kind: RefusalKind,
+    usage: Usage,
+    limits: Limits,
+    suppressed: u64,
+) -> String {
+    let what = match kind {
+        RefusalKind::Active => format!(
+            "{} of {} active tickets (quota.max_active_per_role = {})",
+            usage.active, limits.max_active, limits.max_active
+        ),
+        RefusalKind::Retained => format!(
+            "{} of {} retained tickets (quota.max_retained_per_role = {})",
+            usage.retained, limits.max_retained, limits.max_retained
+        ),
+        RefusalKind::Database => format!(
+            "{} of {} active tickets in the database (quota.max_active_per_database = {})",
+            usage.db_active, limits.max_db, limits.max_db
+        ),
+    };
+    let mut line =
+        format!("pg_quota refused a start for role \"{role}\" in database \"{database}\": {what}");
+    if suppressed > 0 {
+        line.push_str(&format!(
+            " ({suppressed} similar refusal{} {} not logged)",
+            if suppressed == 1 { "" } else { "s" },
+            if suppressed == 1 { "was" } else { "were" }
+        ));
+    }
+    line
+}
+
+/// The entries to evict from a full table: the `share` least recently used of
+/// `entries` (index, last use), at least one.
+pub fn victims(mut entries: Vec<(usize, i64)>, share_percent: usize) -> Vec<usize> {
+    let n = (entries.len() * share_percent / 100).max(1).min(entries.len());
+    entries.sort_by_key(|&(i, last)| (last, i));
+    entries.into_iter().take(n).map(|(i, _)| i).collect()
+}
+
+/// One (database, role) entry as the stats file keeps it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Saved {
+    pub db: u32,
+    pub role: u32,
+    pub since: i64,
+    pub last_used: i64,
+    pub counters: [u64; N_COUNTERS],
+}
+
+/// What the stats file holds.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct SavedStats {
+    pub reset_at: i64,
+    pub evicted: u64,
+    pub log_suppressed: u64,
+    pub entries: Vec<Saved>,
+}
+
+const MAGIC: u32 = 0x5051_5354; // "PQST"
+const FORMAT: u32 = 1;
+
+fn checksum(bytes: &[u8]) -> u64 {
+    // FNV-1a: enough to tell a torn or foreign file from ours.
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+impl SavedStats {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(40 + self.entries.len() * (24 + 8 * N_COUNTERS));
+        b.extend_from_slice(&MAGIC.to_le_bytes());
+        b.extend_from_slice(&FORMAT.to_le_bytes());
+        b.extend_from_slice(&(N_COUNTERS as u32).to_le_bytes());
+        b.extend_from_slice(&(self.entries.len() as u32).to_le_bytes());
+        b.extend_from_slice(&self.reset_at.to_le_bytes());
+        b.extend_from_slice(&self.evicted.to_le_bytes());
+        b.extend_from_slice(&self.log_suppressed.to_le_bytes());
+        for e in &self.entries {
+            b.extend_from_slice(&e.db.to_le_bytes());
+            b.extend_from_slice(&e.role.to_le_bytes());
+            b.extend_from_slice(&e.since.to_le_bytes());
+            b.extend_from_slice(&e.last_used.to_le_bytes());
+            for c in e.counters {
+                b.extend_from_slice(&c.to_le_bytes());
+            }
+        }
+        let sum = checksum(&b);
+        b.extend_from_slice(&sum.to_le_bytes());
+        b
+    }
+
+    /// None for anything that is not a complete file of this format.
+    pub fn decode(bytes: &[u8]) -> Option<SavedStats> {
+        let body = bytes.get(..bytes.len().checked_sub(8)?)?;
+        let sum = u64::from_le_bytes(bytes[body.len()..].try_into().ok()?);
+        if checksum(body) != sum {
+            return None;
+        }
+        let mut r = Reader(body);
+        if r.u32()? != MAGIC || r.u32()? != FORMAT || r.u32()? != N_COUNTERS as u32 {
+            return None;
+        }
+        let n = r.u32()? as usize;
+        let mut s = SavedStats {
+            reset_at: r.i64()?,
+            evicted: r.u64()?,
+            log_suppressed: r.u64()?,
+            entries: Vec::with_capacity(n.min(1 << 20)),
+        };
+        for _ in 0..n {
+            let mut e = Saved {
+                db: r.u32()?,
+                role: r.u32()?,
+                since: r.i64()?,
+                last_used: r.i64()?,
+                counters: [0; N_COUNTERS],
+            };
+            for c in e.counters.iter_mut() {
+                *c = r.u64()?;
+            }
+            s.entries.push(e);
+        }
+        r.0.is_empty().then_some(s)
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
+        let (head, rest) = self.0.split_at_checked(N)?;
+        self.0 = rest;
+        head.try_into().ok()
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take::<4>().map(u32::from_le_bytes)
+    }
+    fn u64(&mut self) -> Option<u64> {
+        self.take::<8>().map(u64::from_le_bytes)
+    }
+    fn i64(&mut self) -> Option<i64> {
+        self.take::<8>().map(i64::from_le_bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> SavedStats {
+        SavedStats {
+            reset_at: 42,
+            evicted: 3,
+            log_suppressed: 7,
+            entries: vec![
+                Saved {
+                    db: 5,
+                    role: 10,
+                    since: 100,
+                    last_used: 200,
+                    counters: std::array::from_fn(|i| i as u64 * 11),
+                },
+                Saved {
+                    db: 5,
+                    role: 11,
+                    since: 101,
+                    last_used: 201,
+                    counters: [u64::MAX; N_COUNTERS],
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn stats_file_round_trips() {
+        let s = sample();
+        assert_eq!(SavedStats::decode(&s.encode()), Some(s));
+        let empty = SavedStats::default();
+        assert_eq!(SavedStats::decode(&empty.encode()), Some(empty));
+    }
+
+    #[test]
+    fn stats_file_rejects_torn_or_altered_files() {
+        let b = sample().encode();
+        for cut in [0, 1, 8, b.len() / 2, b.len() - 1] {
+            assert_eq!(SavedStats::decode(&b[..cut]), None, "cut at {cut}");
+        }
+        let mut flipped = b.clone();
+        flipped[30] ^= 1;
+        assert_eq!(SavedStats::decode(&flipped), None);
+        let mut longer = b.clone();
+        longer.insert(20, 0);
+        assert_eq!(SavedStats::decode(&longer), None);
+    }
+
+    #[test]
+    fn counters_follow_refusal_kinds_and_outcomes() {
+        assert_eq!(
+            Counter::refused(RefusalKind::Retained),
+            Counter::RefusedRetained
+        );
+        assert_eq!(
+            Counter::finished(Outcome::Cancelled),
+            Counter::FinishedCancelled
+        );
+        assert_eq!(Counter::WaitTimeouts as usize, N_COUNTERS - 1);
+    }
+
+    #[test]
+    fn log_rate_limit_is_one_line_per_interval() {
+        assert!(may_log(0, 5));
+        assert!(!may_log(1_000_000, 1_999_999));
+        assert!(may_log(1_000_000, 2_000_000));
+    }
+
+    #[test]
+    fn log_line_names_role_database_limit_and_counts() {
+        let limits = Limits {
+            max_active: 3,
+            max_retained: 10,
+            max_db: 4,
+        };
+        let usage = Usage {
+            active: 3,
+            retained: 10,
+            db_active: 4,
+            ahead: 0,
+        };
+        assert_eq!(
+            refusal_log_line("alice", "app", RefusalKind::Active, usage, limits, 0),
+            "pg_quota refused a start for role \"alice\" in database \"app\": 3 of 3 active tickets (quota.max_active_per_role = 3)"
+        );
+        assert_eq!(
+            refusal_log_line("alice", "app", RefusalKind::Retained, usage, limits, 1),
+            "pg_quota refused a start for role \"alice\" in database \"app\": 10 of 10 retained tickets (quota.max_retained_per_role = 10) (1 similar refusal was not logged)"
+        );
+        assert_eq!(
+            refusal_log_line("b", "d", RefusalKind::Database, usage, limits, 12),
+            "pg_quota refused a start for role \"b\" in database \"d\": 4 of 4 active tickets in the database (quota.max_active_per_database = 4) (12 similar refusals were not logged)"
+        );
+    }
+
+    #[test]
+    fn victims_are_the_least_recently_used() {
+        let entries = (0..40).map(|i| (i, 1000 - i as i64)).collect();
+        assert_eq!(victims(entries, 5), vec![39, 38]);
+        assert_eq!(victims(vec![(7, 5)], 5), vec![7]);
+        assert_eq!(victims(vec![], 5), Vec::<usize>::new());
+    }
+}

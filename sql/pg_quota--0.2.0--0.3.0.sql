@@ -2,13 +2,14 @@
 --
 -- Why this script exists: 0.3.0 lets a DBA see what admission is doing
 -- (USER_GUIDE.md, "Monitoring"). Nothing in the ledger changes; the update only adds:
--- 1. four functions of the library: stats_rows(), stats_info_row() and
---    writer_stats_rows() read the counters the library keeps in shared memory (they
---    exist once the server runs the 0.3.0 library, whatever the schema's version), and
---    stats_reset(role) empties them;
--- 2. the views quota.stats, quota.stats_info and quota.writer_stats on top of them,
---    readable by PUBLIC: the functions decide which rows a caller sees (all of them
---    for superusers and members of pg_read_all_stats, otherwise the caller's own);
+-- 1. five functions of the library: stats_rows(), stats_info_row(),
+--    writer_stats_rows() and wait_histogram_rows() read the counters the library
+--    keeps in shared memory (they exist once the server runs the 0.3.0 library,
+--    whatever the schema's version), and stats_reset(role) empties them;
+-- 2. the views quota.stats, quota.stats_info, quota.writer_stats and
+--    quota.wait_histogram on top of them, readable by PUBLIC: the functions decide
+--    which rows a caller sees (all of them for superusers and members of
+--    pg_read_all_stats, otherwise the caller's own);
 -- 3. EXECUTE on stats_reset() revoked from PUBLIC: superusers only, unless granted.
 -- Existing objects, their privileges and views of yours on them are untouched.
 -- 0.1.0 and 0.1.1 reach 0.3.0 through 0.2.0.
@@ -48,6 +49,13 @@ CREATE FUNCTION quota."writer_stats_rows"(
 VOLATILE PARALLEL SAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'writer_stats_rows_wrapper';
+
+CREATE FUNCTION quota."wait_histogram_rows"(
+	OUT "dbid" oid, OUT "roleid" oid, OUT "le" double precision, OUT "waits" bigint
+) RETURNS SETOF record
+VOLATILE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'wait_histogram_rows_wrapper';
 
 CREATE FUNCTION quota."stats_reset"(
 	"role" regrole DEFAULT NULL
@@ -95,5 +103,15 @@ SELECT d.datname,
   FROM quota.writer_stats_rows() w
   LEFT JOIN pg_catalog.pg_database d ON d.oid OPERATOR(pg_catalog.=) w.dbid;
 
-GRANT SELECT ON quota.stats, quota.stats_info, quota.writer_stats TO PUBLIC;
+CREATE VIEW quota.wait_histogram AS
+SELECT d.datname,
+       r.rolname AS role,
+       h.le,
+       h.waits
+  FROM quota.wait_histogram_rows() h
+  LEFT JOIN pg_catalog.pg_database d ON d.oid OPERATOR(pg_catalog.=) h.dbid
+  LEFT JOIN pg_catalog.pg_roles r ON r.oid OPERATOR(pg_catalog.=) h.roleid;
+
+GRANT SELECT ON quota.stats, quota.stats_info, quota.writer_stats, quota.wait_histogram
+    TO PUBLIC;
 REVOKE EXECUTE ON FUNCTION quota.stats_reset(pg_catalog.regrole) FROM PUBLIC;

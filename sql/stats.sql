@@ -2,7 +2,7 @@
 -- "Monitoring"). The functions behind them return oids; the views name databases and
 -- roles (NULL for one dropped since). stats_rows() shows a caller every row only if it
 -- is a superuser or a member of pg_read_all_stats, and otherwise its own rows;
--- writer_stats_rows() shows others no rows. Also in sql/pg_quota--0.2.0--0.3.0.sql.
+-- writer_stats_rows() shows others no rows. wait_histogram_rows() follows stats_rows(). Also in sql/pg_quota--0.2.0--0.3.0.sql.
 
 CREATE VIEW quota.stats AS
 SELECT d.datname,
@@ -43,5 +43,15 @@ SELECT d.datname,
   FROM quota.writer_stats_rows() w
   LEFT JOIN pg_catalog.pg_database d ON d.oid OPERATOR(pg_catalog.=) w.dbid;
 
-GRANT SELECT ON quota.stats, quota.stats_info, quota.writer_stats TO PUBLIC;
+CREATE VIEW quota.wait_histogram AS
+SELECT d.datname,
+       r.rolname AS role,
+       h.le,
+       h.waits
+  FROM quota.wait_histogram_rows() h
+  LEFT JOIN pg_catalog.pg_database d ON d.oid OPERATOR(pg_catalog.=) h.dbid
+  LEFT JOIN pg_catalog.pg_roles r ON r.oid OPERATOR(pg_catalog.=) h.roleid;
+
+GRANT SELECT ON quota.stats, quota.stats_info, quota.writer_stats, quota.wait_histogram
+    TO PUBLIC;
 REVOKE EXECUTE ON FUNCTION quota.stats_reset(pg_catalog.regrole) FROM PUBLIC;

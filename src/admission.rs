@@ -460,10 +460,10 @@ impl WaitTimer {
 
 impl Drop for WaitTimer {
     fn drop(&mut self) {
-        // No lock on this path: it may run during an error's unwind. The entry exists
-        // (`waits` was counted in it) unless a reset or an eviction took it meanwhile.
+        // The entry exists (`waits` was counted in it) unless a reset or an eviction
+        // took it meanwhile.
         let us = self.since.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
-        stats::add_if_present(self.role, Counter::WaitTime, us.max(1));
+        stats::waited(self.role, us.max(1));
     }
 }
 

@@ -193,6 +193,16 @@ fn sees_all_stats() -> bool {
     }
 }
 
+/// The statistics rows the caller may see: every row for superusers and members of
+/// pg_read_all_stats, otherwise those of its current_user.
+fn visible_stats() -> Vec<crate::stats::Row> {
+    admission::require_preloaded();
+    let all = sees_all_stats();
+    // SAFETY: a plain read of backend state.
+    let me = u32::from(unsafe { pg_sys::GetUserId() });
+    crate::stats::rows(|role| all || role == me)
+}
+
 /// The rows of quota.stats the caller may see.
 #[pg_extern(
     volatile,
@@ -234,11 +244,7 @@ fn stats_rows() -> TableIterator<
     ),
 > {
     use crate::core::stats::Counter as C;
-    admission::require_preloaded();
-    let all = sees_all_stats();
-    // SAFETY: a plain read of backend state.
-    let me = u32::from(unsafe { pg_sys::GetUserId() });
-    let rows = crate::stats::rows(|role| all || role == me);
+    let rows = visible_stats();
     TableIterator::new(rows.into_iter().map(|r| {
         let c = |k: C| r.counters[k as usize] as i64;
         (
@@ -365,4 +371,42 @@ AS 'MODULE_PATHNAME', 'stats_reset_wrapper';
 fn stats_reset(role: Option<pg_sys::Oid>) -> pgrx::datum::TimestampWithTimeZone {
     admission::require_preloaded();
     tstz(crate::stats::reset(role))
+}
+
+/// quota.wait_histogram: per (database, role) the caller may see, the waits that ended
+/// within each bound, cumulative (the last bound is infinity), as Prometheus buckets.
+#[pg_extern(
+    volatile,
+    parallel_safe,
+    sql = r#"
+CREATE FUNCTION "wait_histogram_rows"(
+	OUT "dbid" oid, OUT "roleid" oid, OUT "le" double precision, OUT "waits" bigint
+) RETURNS SETOF record
+VOLATILE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'wait_histogram_rows_wrapper';
+"#
+)]
+fn wait_histogram_rows() -> TableIterator<
+    'static,
+    (
+        name!(dbid, pg_sys::Oid),
+        name!(roleid, pg_sys::Oid),
+        name!(le, f64),
+        name!(waits, i64),
+    ),
+> {
+    use crate::core::stats::WAIT_BUCKETS_MS;
+    let rows = visible_stats();
+    TableIterator::new(rows.into_iter().flat_map(|r| {
+        let bounds = WAIT_BUCKETS_MS.into_iter().chain([f64::INFINITY]);
+        let mut sum = 0i64;
+        bounds
+            .zip(r.wait_buckets)
+            .map(move |(le, n)| {
+                sum += n as i64;
+                (pg_sys::Oid::from(r.db), pg_sys::Oid::from(r.role), le, sum)
+            })
+            .collect::<Vec<_>>()
+    }))
 }

@@ -87,7 +87,7 @@ pub fn init() {
         GucContext::Sighup,
         GucFlags::UNIT_S,
     );
-    // 0.3.0. Set at server start: it sizes quota.stats in shared memory. About 150
+    // 0.3.0. Set at server start: it sizes quota.stats in shared memory. About 200
     // bytes per entry; pg_stat_statements.max has the same default and bounds.
     GucRegistry::define_int_guc(
         c"quota.stats_max",

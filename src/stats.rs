@@ -27,7 +27,9 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU32, AtomicU64, 
 
 use pgrx::pg_sys;
 
-use crate::core::stats::{self as core_stats, Counter, Saved, SavedStats, N_COUNTERS};
+use crate::core::stats::{
+    self as core_stats, Counter, Saved, SavedStats, N_COUNTERS, N_WAIT_BUCKETS,
+};
 
 const SHMEM_NAME: &CStr = c"pg_quota stats";
 const FILE: &str = "pg_stat/pg_quota.stat";
@@ -48,6 +50,8 @@ pub struct Entry {
     log_last: AtomicI64,
     log_suppressed: AtomicU64,
     counters: [AtomicU64; N_COUNTERS],
+    /// Waits by duration (core::stats::WAIT_BUCKETS_MS), not cumulative.
+    wait_buckets: [AtomicU64; N_WAIT_BUCKETS],
 }
 
 #[repr(C)]
@@ -305,7 +309,7 @@ fn remove(e: &Entry) {
         // A pin is held for a few atomic additions, never across anything that waits.
         std::hint::spin_loop();
     }
-    for c in &e.counters {
+    for c in e.counters.iter().chain(&e.wait_buckets) {
         c.store(0, Ordering::Relaxed);
     }
     e.log_last.store(0, Ordering::Relaxed);
@@ -335,11 +339,13 @@ pub fn add_in(db: pg_sys::Oid, role: pg_sys::Oid, counter: Counter, n: u64) {
     });
 }
 
-/// Adds to an entry only if it exists: for paths that must not wait for a lock (an
-/// error's unwind).
-pub fn add_if_present(role: pg_sys::Oid, counter: Counter, n: u64) {
+/// Counts a wait of `us` microseconds that ended, in wait_time and its histogram
+/// bucket. Only if the entry exists: this runs on an error's unwind too, where taking
+/// a lock to create one is not wanted.
+pub fn waited(role: pg_sys::Oid, us: u64) {
     with_entry(crate::shmem::my_db(), role, false, |e| {
-        e.counters[counter as usize].fetch_add(n, Ordering::Relaxed);
+        e.counters[Counter::WaitTime as usize].fetch_add(us, Ordering::Relaxed);
+        e.wait_buckets[core_stats::wait_bucket(us)].fetch_add(1, Ordering::Relaxed);
     });
 }
 
@@ -390,6 +396,7 @@ pub struct Row {
     pub role: u32,
     pub since: i64,
     pub counters: [u64; N_COUNTERS],
+    pub wait_buckets: [u64; N_WAIT_BUCKETS],
 }
 
 /// The entries `visible` lets through, as they are now (each counter is read
@@ -406,6 +413,7 @@ pub fn rows(visible: impl Fn(u32) -> bool) -> Vec<Row> {
             role: k as u32,
             since: e.since.load(Ordering::Relaxed),
             counters: std::array::from_fn(|i| e.counters[i].load(Ordering::Relaxed)),
+            wait_buckets: std::array::from_fn(|i| e.wait_buckets[i].load(Ordering::Relaxed)),
         };
         // Skip an entry that was taken away while we read it.
         if e.key.load(Ordering::Acquire) == k {
@@ -454,6 +462,8 @@ pub fn reset(role: Option<pg_sys::Oid>) -> i64 {
             for c in [&w.batches, &w.requests, &w.commit_us, &w.restarts] {
                 c.store(0, Ordering::Relaxed);
             }
+            // SAFETY: the lock is held exclusively; the error text is guarded by it.
+            unsafe { (*w.error.get()).len = 0 };
         }
     }
     t
@@ -500,6 +510,9 @@ fn load() {
         for (c, v) in e.counters.iter().zip(s.counters) {
             c.store(v, Ordering::Relaxed);
         }
+        for (c, v) in e.wait_buckets.iter().zip(s.wait_buckets) {
+            c.store(v, Ordering::Relaxed);
+        }
         e.key.store(k, Ordering::Relaxed);
     }
 }
@@ -526,6 +539,9 @@ unsafe extern "C-unwind" fn save_at_exit(code: i32, _arg: pg_sys::Datum) {
                     since: e.since.load(Ordering::Relaxed),
                     last_used: e.last_used.load(Ordering::Relaxed),
                     counters: std::array::from_fn(|i| e.counters[i].load(Ordering::Relaxed)),
+                    wait_buckets: std::array::from_fn(|i| {
+                        e.wait_buckets[i].load(Ordering::Relaxed)
+                    }),
                 })
             })
             .collect(),

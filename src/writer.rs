@@ -847,13 +847,13 @@ fn process(batch: Vec<usize>) {
                 answer(&group)
             }
             Err((code, msg)) => {
-                crate::stats::writer_error(&msg);
                 // SAFETY: pgrx flushed the error state when it caught the error; abort
                 // the failed transaction as a worker's error recovery does.
                 unsafe {
                     pg_sys::AbortCurrentTransaction();
                     BATCH_XID = pg_sys::InvalidTransactionId;
                 }
+                crate::stats::writer_error(&msg);
                 crate::scopes::apply_mine(false);
                 let cancelled = code == PgSqlErrorCode::ERRCODE_QUERY_CANCELED as i32;
                 if cancelled && retries < MAX_CANCEL_RETRIES {

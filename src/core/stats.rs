@@ -46,6 +46,19 @@ impl Counter {
     }
 }
 
+/// The upper bounds, in milliseconds, of the wait-time histogram's buckets; a last
+/// bucket takes longer waits (Prometheus' `+Inf`).
+pub const WAIT_BUCKETS_MS: [f64; 6] = [1.0, 10.0, 100.0, 1_000.0, 10_000.0, 60_000.0];
+pub const N_WAIT_BUCKETS: usize = WAIT_BUCKETS_MS.len() + 1;
+
+/// The bucket of a wait of `us` microseconds: the first whose bound it does not exceed.
+pub fn wait_bucket(us: u64) -> usize {
+    WAIT_BUCKETS_MS
+        .iter()
+        .position(|&ms| us as f64 <= ms * 1000.0)
+        .unwrap_or(WAIT_BUCKETS_MS.len())
+}
+
 /// At most one refusal line per (database, role) per this many microseconds.
 pub const LOG_INTERVAL_US: i64 = 1_000_000;
 /// At most this many refusal lines per second in the whole server.
@@ -109,6 +122,7 @@ pub struct Saved {
     pub since: i64,
     pub last_used: i64,
     pub counters: [u64; N_COUNTERS],
+    pub wait_buckets: [u64; N_WAIT_BUCKETS],
 }
 
 /// What the stats file holds.
@@ -122,6 +136,7 @@ pub struct SavedStats {
 
 const MAGIC: u32 = 0x5051_5354; // "PQST"
 const FORMAT: u32 = 1;
+const ENTRY_VALUES: u32 = (N_COUNTERS + N_WAIT_BUCKETS) as u32;
 
 fn checksum(bytes: &[u8]) -> u64 {
     // FNV-1a: enough to tell a torn or foreign file from ours.
@@ -135,7 +150,7 @@ impl SavedStats {
         let mut b = Vec::with_capacity(40 + self.entries.len() * (24 + 8 * N_COUNTERS));
         b.extend_from_slice(&MAGIC.to_le_bytes());
         b.extend_from_slice(&FORMAT.to_le_bytes());
-        b.extend_from_slice(&(N_COUNTERS as u32).to_le_bytes());
+        b.extend_from_slice(&ENTRY_VALUES.to_le_bytes());
         b.extend_from_slice(&(self.entries.len() as u32).to_le_bytes());
         b.extend_from_slice(&self.reset_at.to_le_bytes());
         b.extend_from_slice(&self.evicted.to_le_bytes());
@@ -145,7 +160,7 @@ impl SavedStats {
             b.extend_from_slice(&e.role.to_le_bytes());
             b.extend_from_slice(&e.since.to_le_bytes());
             b.extend_from_slice(&e.last_used.to_le_bytes());
-            for c in e.counters {
+            for c in e.counters.iter().chain(&e.wait_buckets) {
                 b.extend_from_slice(&c.to_le_bytes());
             }
         }
@@ -162,7 +177,7 @@ impl SavedStats {
             return None;
         }
         let mut r = Reader(body);
-        if r.u32()? != MAGIC || r.u32()? != FORMAT || r.u32()? != N_COUNTERS as u32 {
+        if r.u32()? != MAGIC || r.u32()? != FORMAT || r.u32()? != ENTRY_VALUES {
             return None;
         }
         let n = r.u32()? as usize;
@@ -179,8 +194,9 @@ impl SavedStats {
                 since: r.i64()?,
                 last_used: r.i64()?,
                 counters: [0; N_COUNTERS],
+                wait_buckets: [0; N_WAIT_BUCKETS],
             };
-            for c in e.counters.iter_mut() {
+            for c in e.counters.iter_mut().chain(e.wait_buckets.iter_mut()) {
                 *c = r.u64()?;
             }
             s.entries.push(e);
@@ -224,6 +240,7 @@ mod tests {
                     since: 100,
                     last_used: 200,
                     counters: std::array::from_fn(|i| i as u64 * 11),
+                    wait_buckets: std::array::from_fn(|i| i as u64 + 1000),
                 },
                 Saved {
                     db: 5,
@@ -231,6 +248,7 @@ mod tests {
                     since: 101,
                     last_used: 201,
                     counters: [u64::MAX; N_COUNTERS],
+                    wait_buckets: [3; N_WAIT_BUCKETS],
                 },
             ],
         }
@@ -269,6 +287,17 @@ mod tests {
             Counter::FinishedCancelled
         );
         assert_eq!(Counter::WaitTimeouts as usize, N_COUNTERS - 1);
+    }
+
+    #[test]
+    fn wait_buckets_take_waits_up_to_their_bound() {
+        assert_eq!(wait_bucket(0), 0);
+        assert_eq!(wait_bucket(1_000), 0);
+        assert_eq!(wait_bucket(1_001), 1);
+        assert_eq!(wait_bucket(250_000), 3);
+        assert_eq!(wait_bucket(60_000_000), 5);
+        assert_eq!(wait_bucket(60_000_001), 6);
+        assert_eq!(wait_bucket(u64::MAX), N_WAIT_BUCKETS - 1);
     }
 
     #[test]

@@ -128,9 +128,10 @@ expect_eq "the quota.* settings include the three limits" \
   "$(printf '%s\n' "${GUCS[@]}" | cut -d'|' -f1 | grep -x -e quota.max_active_per_role -e quota.max_retained_per_role -e quota.retention | paste -sd' ')"
 for gv in "${GUCS[@]}"; do
   g="${gv%%|*}"; rest="${gv#*|}"; v="'${rest%%|*}'"; context="${rest#*|}"
-  # A superuser-only setting refuses tenants with 42501; a server-wide (sighup) one
-  # cannot be set in a session at all, which PostgreSQL reports as 55P02.
-  session=42501; [ "$context" = sighup ] && session=55P02
+  # A superuser-only setting refuses tenants with 42501; a server-wide (sighup, or
+  # postmaster: set at server start) one cannot be set in a session at all, which
+  # PostgreSQL reports as 55P02.
+  session=42501; [[ "$context" =~ ^(sighup|postmaster)$ ]] && session=55P02
   refused "SET $g is refused, and start() is still refused after it" 53400 $T "SET $g = $v" "SELECT quota.start('after SET')"
   refused "SET $g is refused with $session" $session $T "SET $g = $v"
   refused "SET SESSION $g is refused" $session $T "SET SESSION $g = $v"
@@ -152,8 +153,8 @@ for gv in "${GUCS[@]}"; do
     "CREATE FUNCTION ht_evil.\"with $g\"() RETURNS uuid LANGUAGE sql SET $g = $v AS 'SELECT quota.start()'"
   out=$(PGOPTIONS="-c $g=${v//\'/}" timeout 20 "$PG_BIN/psql" -X -At -h "$CL" -p "$PORT" -U ht_tenant -d postgres \
           -c "SELECT 'connected'" 2>&1 || true)
-  if [ "$context" = sighup ]; then
-    check "a connection option -c $g is refused" grep -q 'cannot be changed now' <<<"$out"
+  if [ "$session" = 55P02 ]; then
+    check "a connection option -c $g is refused" grep -q 'cannot be changed' <<<"$out"
   else
     check "a connection option -c $g is refused" grep -q 'permission denied to set parameter' <<<"$out"
   fi
@@ -352,12 +353,19 @@ expect_eq "the trigger functions are not executable by PUBLIC" "false false" \
   "$(sql -c "SELECT string_agg(has_function_privilege('ht_tenant', p.oid, 'EXECUTE')::text, ' ')
               FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace AND p.prorettype = 'trigger'::regtype")"
 refused "a tenant cannot call a trigger function" 42501 $T "SELECT quota.ledger_written()"
-expect_eq "schema quota has exactly finish, renew, start, try_start and the two trigger functions" \
-  "quota.ledger_written(), quota.summary_written(), quota.finish(uuid,text), quota.renew(uuid,interval), quota.start(text,interval,text,interval), quota.try_start(text,interval,text,interval)" \
-  "$(sql -c "SELECT string_agg(p.oid::regprocedure::text, ', ' ORDER BY 1) FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace")"
+FUNCTIONS="quota.finish(uuid,text), quota.ledger_written(), quota.renew(uuid,interval), quota.start(text,interval,text,interval), quota.stats_info_row(), quota.stats_reset(regrole), quota.stats_rows(), quota.summary_written(), quota.try_start(text,interval,text,interval), quota.wait_histogram_rows(), quota.writer_stats_rows()"
+expect_eq "schema quota has exactly finish, renew, start, try_start, the 0.3.0 statistics functions and the two trigger functions" \
+  "$FUNCTIONS" \
+  "$(sql -c "SELECT string_agg(p.oid::regprocedure::text, ', ' ORDER BY p.oid::regprocedure::text COLLATE \"C\") FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace")"
+expect_eq "stats_reset() is not executable by PUBLIC; the statistics readers are (they filter rows themselves)" \
+  "true false true true true" \
+  "$(sql -c "SELECT string_agg(has_function_privilege('ht_tenant', p, 'EXECUTE')::text, ' ' ORDER BY p::text COLLATE \"C\")
+              FROM unnest(ARRAY['quota.stats_reset(regrole)', 'quota.stats_info_row()', 'quota.stats_rows()',
+                                'quota.wait_histogram_rows()', 'quota.writer_stats_rows()']::regprocedure[]) p")"
+refused "a tenant cannot reset the statistics" 42501 $T "SELECT quota.stats_reset()"
 expect_eq "the extension owns no other function anywhere" \
-  "quota.ledger_written(), quota.summary_written(), quota.finish(uuid,text), quota.renew(uuid,interval), quota.start(text,interval,text,interval), quota.try_start(text,interval,text,interval)" \
-  "$(sql -c "SELECT string_agg(objid::regprocedure::text, ', ' ORDER BY 1) FROM pg_depend
+  "$FUNCTIONS" \
+  "$(sql -c "SELECT string_agg(objid::regprocedure::text, ', ' ORDER BY objid::regprocedure::text COLLATE \"C\") FROM pg_depend
               WHERE classid = 'pg_proc'::regclass AND refclassid = 'pg_extension'::regclass
                 AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'pg_quota')")"
 

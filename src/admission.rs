@@ -485,7 +485,9 @@ fn count_refusal(role: pg_sys::Oid, r: &Refused) {
             line,
             "pg_quota",
         )
-        .report(pgrx::PgLogLevel::LOG);
+        // The server log only: the refused client gets its own error, and a tenant
+        // with client_min_messages = log must not read other details from here.
+        .report(pgrx::PgLogLevel::LOG_SERVER_ONLY);
     }
 }
 

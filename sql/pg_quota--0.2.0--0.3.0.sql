@@ -11,7 +11,11 @@
 --    which rows a caller sees (all of them for superusers and members of
 --    pg_read_all_stats, otherwise the caller's own);
 -- 3. EXECUTE on stats_reset() revoked from PUBLIC: superusers only, unless granted.
--- Existing objects, their privileges and views of yours on them are untouched.
+-- 4. quota.usage shows every role's row to members of pg_read_all_stats too (as
+--    quota.stats does), so that a monitoring role in pg_monitor reads the usage
+--    without being a superuser. Its columns do not change, so it is replaced in place
+--    (CREATE OR REPLACE VIEW): its privileges and views of yours on it stay.
+-- Nothing else changes: other objects, their privileges and your tickets stay.
 -- 0.1.0 and 0.1.1 reach 0.3.0 through 0.2.0.
 --
 -- The result must equal a fresh 0.3.0 install (sql/schema.sql, sql/stats.sql and
@@ -115,3 +119,30 @@ SELECT d.datname,
 GRANT SELECT ON quota.stats, quota.stats_info, quota.writer_stats, quota.wait_histogram
     TO PUBLIC;
 REVOKE EXECUTE ON FUNCTION quota.stats_reset(pg_catalog.regrole) FROM PUBLIC;
+
+CREATE OR REPLACE VIEW quota.usage WITH (security_barrier) AS
+WITH params AS (
+    SELECT pg_catalog.current_setting('quota.retention')::pg_catalog.interval AS retention,
+           pg_catalog.now() AS now
+), tickets AS (
+    SELECT l.role,
+           CASE WHEN l.ended_at IS NULL AND l.lease_until OPERATOR(pg_catalog.<=) p.now
+                THEN l.lease_until ELSE l.ended_at END AS ended_at,
+           p.retention,
+           p.now
+      FROM quota.ledger l, params p
+     WHERE l.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+             (SELECT r.oid FROM pg_catalog.pg_roles r
+               WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER)
+        OR (SELECT r.rolsuper FROM pg_catalog.pg_roles r
+             WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER)
+        OR (SELECT pg_catalog.pg_has_role(CURRENT_USER, 'pg_read_all_stats', 'USAGE'))
+)
+SELECT t.role                                                        AS role,
+       pg_catalog.count(*) FILTER (WHERE t.ended_at IS NULL)         AS active,
+       pg_catalog.count(*)                                           AS retained,
+       (pg_catalog.min(t.ended_at) OPERATOR(pg_catalog.+) t.retention) AS next_ageout
+  FROM tickets t
+ WHERE t.ended_at IS NULL
+    OR t.ended_at OPERATOR(pg_catalog.>=) (t.now OPERATOR(pg_catalog.-) t.retention)
+ GROUP BY t.role, t.retention;

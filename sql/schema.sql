@@ -166,6 +166,7 @@ WITH params AS (
                WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER)
         OR (SELECT r.rolsuper FROM pg_catalog.pg_roles r
              WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER)
+        OR (SELECT pg_catalog.pg_has_role(CURRENT_USER, 'pg_read_all_stats', 'USAGE'))
 )
 SELECT t.role                                                        AS role,
        pg_catalog.count(*) FILTER (WHERE t.ended_at IS NULL)         AS active,

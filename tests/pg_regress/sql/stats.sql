@@ -207,6 +207,13 @@ BEGIN
   END LOOP;
 END $$;
 
+-- The waits by duration (quota.wait_histogram, cumulative): the three 200 ms
+-- timeouts within 1 s, the admitted wait (about 2 s) within 10 s. Fails if a wait is
+-- put in the wrong bucket (a unit mistake moves all four), or the buckets are not
+-- cumulative.
+SELECT le, waits FROM quota.wait_histogram
+ WHERE datname = current_database() AND role = 'st_a' ORDER BY le;
+
 -- Every counter of st_a's row, and the superuser's row.
 \x on
 SELECT datname = current_database() AS this_database, role,

@@ -64,6 +64,8 @@ SELECT max, entries >= 3 AS entries, evicted, log_suppressed, stats_reset IS NOT
   FROM quota.stats_info;
 -- The writer is shared by every role: the tenant sees none of it.
 SELECT count(*) AS writer_rows FROM quota.writer_stats;
+-- quota.usage shows the tenant its own row only.
+SELECT count(*) AS usage_rows, bool_and(role = current_user::regrole) AS own FROM quota.usage;
 -- stats_reset without the grant: 42501, for the tenant's own role too, and nothing
 -- was reset.
 SELECT quota.stats_reset();
@@ -82,6 +84,9 @@ SELECT count(*) FILTER (WHERE role IN ('sv_tenant', 'sv_other', :'su')) AS mine,
 SELECT count(*) AS writer_rows, bool_and(batches >= 1) AS batches
   FROM quota.writer_stats WHERE datname = current_database();
 SELECT max, evicted, log_suppressed FROM quota.stats_info;
+-- ... and (0.3.0) every role's row of quota.usage, so that a monitoring role in
+-- pg_monitor need not be a superuser.
+SELECT count(*) FILTER (WHERE role IN ('sv_tenant', 'sv_other')) AS usage_rows FROM quota.usage;
 SELECT quota.stats_reset('sv_tenant');
 \echo :LAST_ERROR_SQLSTATE
 

@@ -394,13 +394,12 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
         }
         let seq = place.as_ref().map_or(u64::MAX, |p| p.0.seq);
         let r = match attempt(args, role, exempt, limits, seq)? {
-            Ok((id, hit)) => {
-                let counter = if hit {
-                    Counter::IdempotentHits
-                } else {
-                    Counter::Admitted
-                };
-                stats::add(role, counter, 1);
+            Ok((id, found_here)) => {
+                // The writer counts what it answers (see writer::count_admitted); a
+                // repeat found by this session never reached it.
+                if found_here {
+                    stats::add(role, Counter::IdempotentHits, 1);
+                }
                 return Ok(id);
             }
             Err(r) => r,
@@ -417,7 +416,6 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
         let Some((p, _)) = &place else {
             // Take a place in line, then look again at once: a finish() that
             // committed before we were in line could not wake us.
-            stats::add(role, Counter::Waits, 1);
             place = Some((crate::waiters::Place::take(role, r.kind), WaitTimer::start(role)));
             continue;
         };
@@ -451,6 +449,9 @@ struct WaitTimer {
 
 impl WaitTimer {
     fn start(role: pg_sys::Oid) -> WaitTimer {
+        // The entry the wait is counted in when it ends, made now: the end may be an
+        // error's unwind, where no lock is taken to create one.
+        stats::ensure(role);
         WaitTimer {
             role,
             since: std::time::Instant::now(),
@@ -460,8 +461,8 @@ impl WaitTimer {
 
 impl Drop for WaitTimer {
     fn drop(&mut self) {
-        // The entry exists (`waits` was counted in it) unless a reset or an eviction
-        // took it meanwhile.
+        // The entry exists unless a reset or an eviction took it meanwhile; then the
+        // wait goes uncounted, in waits, wait_time and the histogram alike.
         let us = self.since.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
         stats::waited(self.role, us.max(1));
     }
@@ -493,7 +494,7 @@ fn count_refusal(role: pg_sys::Oid, r: &Refused) {
 
 /// One try at admission for a caller at place `seq` in line (u64::MAX if it is not
 /// waiting). The outer Result carries errors, the inner one refusals; an admission
-/// says whether it was an idempotent repeat (nothing charged).
+/// says whether this session found it as an idempotent repeat, without the writer.
 fn attempt(
     args: &StartArgs,
     role: pg_sys::Oid,
@@ -549,7 +550,7 @@ fn attempt(
         }
     };
     Ok(match answer {
-        Answer::Admitted(id, reused) => Ok((pgrx::Uuid::from_bytes(id), reused)),
+        Answer::Admitted(id) => Ok((pgrx::Uuid::from_bytes(id), false)),
         Answer::Refused(kind, usage, next) => Err(Refused { kind, usage, next }),
     })
 }

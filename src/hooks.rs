@@ -8,7 +8,9 @@
 //!   longer than that. A writer also leaves on DROP EXTENSION pg_quota.
 //! - DROP ROLE: once the dropping transaction commits, every writer purges the
 //!   dropped role's tickets, so they count for nobody else (a role created later with
-//!   the same OID, or whatever role has that OID after a restore elsewhere).
+//!   the same OID, or whatever role has that OID after a restore elsewhere), and its
+//!   quota.stats rows go into their databases' totals. DROP DATABASE removes the
+//!   database's quota.stats and quota.writer_stats rows when it commits.
 
 use std::sync::atomic::Ordering;
 
@@ -17,8 +19,10 @@ use pgrx::prelude::*;
 
 static mut PREV_OBJECT_ACCESS_HOOK: pg_sys::object_access_hook_type = None;
 static mut PREV_PROCESS_UTILITY_HOOK: pg_sys::ProcessUtility_hook_type = None;
-/// Set when this backend's transaction dropped a role; single-threaded backend state.
-static mut DROPPED_ROLE_IN_XACT: bool = false;
+// Single-threaded backend state: the roles this transaction dropped, with the
+// subtransaction nesting level that dropped them, and the databases it dropped.
+static mut DROPPED_ROLES: Vec<(pg_sys::Oid, i32)> = Vec::new();
+static mut DROPPED_DATABASES: Vec<pg_sys::Oid> = Vec::new();
 static mut XACT_CALLBACK_REGISTERED: bool = false;
 
 pub fn init() {
@@ -64,6 +68,7 @@ unsafe extern "C-unwind" fn object_access(
         if class_id == pg_sys::DatabaseRelationId {
             crate::writer::request_exit(object_id, true);
             crate::scopes::forget(object_id, None);
+            note_dropped(None, Some(object_id));
         } else if class_id == pg_sys::ExtensionRelationId {
             let name = pg_sys::get_extension_name(object_id);
             if !name.is_null() && std::ffi::CStr::from_ptr(name) == c"pg_quota" {
@@ -71,20 +76,28 @@ unsafe extern "C-unwind" fn object_access(
                 crate::scopes::forget(crate::shmem::my_db(), None);
             }
         } else if class_id == pg_sys::AuthIdRelationId {
-            note_dropped_role();
+            note_dropped(Some(object_id), None);
         }
     }
 }
 
-/// Remembers that this transaction dropped a role; the writers hear of it when the
-/// transaction commits, not before: until then the role still exists for them.
-fn note_dropped_role() {
-    // SAFETY: single-threaded backend state; the callback is registered once.
+/// Remembers that this transaction dropped a role or a database; the writers and
+/// quota.stats hear of it when the transaction commits, not before: until then the
+/// role still exists for them.
+fn note_dropped(role: Option<pg_sys::Oid>, db: Option<pg_sys::Oid>) {
+    // SAFETY: single-threaded backend state; the callbacks are registered once.
     unsafe {
-        DROPPED_ROLE_IN_XACT = true;
         if !XACT_CALLBACK_REGISTERED {
             pg_sys::RegisterXactCallback(Some(xact_event), std::ptr::null_mut());
+            pg_sys::RegisterSubXactCallback(Some(subxact_event), std::ptr::null_mut());
             XACT_CALLBACK_REGISTERED = true;
+        }
+        let level = pg_sys::GetCurrentTransactionNestLevel();
+        if let Some(r) = role {
+            (*std::ptr::addr_of_mut!(DROPPED_ROLES)).push((r, level));
+        }
+        if let Some(d) = db {
+            (*std::ptr::addr_of_mut!(DROPPED_DATABASES)).push(d);
         }
     }
 }
@@ -96,20 +109,64 @@ unsafe extern "C-unwind" fn xact_event(
 ) {
     // SAFETY: single-threaded backend state; the shared counter is atomic.
     unsafe {
-        if !DROPPED_ROLE_IN_XACT {
+        let roles = &mut *std::ptr::addr_of_mut!(DROPPED_ROLES);
+        let dbs = &mut *std::ptr::addr_of_mut!(DROPPED_DATABASES);
+        if roles.is_empty() && dbs.is_empty() {
             return;
         }
         match event {
             // PREPARE too: COMMIT PREPARED may run in another session, and a purge
             // that finds the role still there does nothing.
             pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PREPARE => {
-                DROPPED_ROLE_IN_XACT = false;
                 if crate::shmem::available() {
-                    crate::shmem::roles_dropped().fetch_add(1, Ordering::AcqRel);
-                    crate::writer::wake_all();
+                    if !roles.is_empty() {
+                        crate::shmem::roles_dropped().fetch_add(1, Ordering::AcqRel);
+                        crate::writer::wake_all();
+                    }
+                    // quota.stats: a dropped role's counts go to its databases' totals
+                    // (a later role with its OID starts from nothing); a dropped
+                    // database's go altogether. Not for a prepared transaction, which
+                    // may still roll back.
+                    if event == pg_sys::XactEvent::XACT_EVENT_COMMIT {
+                        for &(role, _) in roles.iter() {
+                            crate::stats::reset(Some(role));
+                        }
+                        for &db in dbs.iter() {
+                            crate::stats::forget_database(db);
+                        }
+                    }
+                }
+                roles.clear();
+                dbs.clear();
+            }
+            pg_sys::XactEvent::XACT_EVENT_ABORT => {
+                roles.clear();
+                dbs.clear();
+            }
+            _ => {}
+        }
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn subxact_event(
+    event: pg_sys::SubXactEvent::Type,
+    _my_subid: pg_sys::SubTransactionId,
+    _parent_subid: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    // SAFETY: single-threaded backend state.
+    unsafe {
+        let roles = &mut *std::ptr::addr_of_mut!(DROPPED_ROLES);
+        let level = pg_sys::GetCurrentTransactionNestLevel();
+        match event {
+            // A DROP ROLE in a rolled-back savepoint did not happen.
+            pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => roles.retain(|&(_, l)| l < level),
+            pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => {
+                for r in roles.iter_mut().filter(|r| r.1 >= level) {
+                    r.1 = level - 1;
                 }
             }
-            pg_sys::XactEvent::XACT_EVENT_ABORT => DROPPED_ROLE_IN_XACT = false,
             _ => {}
         }
     }

@@ -1,22 +1,32 @@
 //! Admission statistics in shared memory (0.3.0): quota.stats, quota.stats_info and
 //! quota.writer_stats.
 //!
-//! One entry per (database, role), `quota.stats_max` of them, in a segment of their own.
-//! Counting takes no lock: a backend finds its entry (a backend-local cache remembers
-//! where), pins it, checks that the entry still holds its key, adds with atomic
-//! fetch_add, and unpins. Only creating an entry, evicting entries and resets take the
-//! table's LWLock, exclusively. Those change an entry's key: to take an entry away,
-//! they first mark its key BUSY and then wait until nobody pins it. With sequentially
-//! consistent pin and key operations on both sides, either the counter sees BUSY and
-//! looks again, or the remover sees the pin and waits for it to go; so an increment
-//! never lands in an entry that has been given to another (database, role).
+//! One entry per (database, role), `quota.stats_max` of them, in a segment of their own,
+//! and a shared hash table (dynahash) from (database, role) to the entry's index.
+//! Counting takes no lock: a backend remembers where its entries are (a backend-local
+//! cache), pins the entry, checks that it still holds its key, adds with atomic
+//! fetch_add, and unpins. Only a backend that does not know where its entry is looks it
+//! up in the hash table, under the table's LWLock in shared mode, once; creating an
+//! entry, evicting entries and resets take the lock exclusively. Those change an
+//! entry's key: to take an entry away, they first mark its key BUSY and then wait until
+//! nobody pins it. With sequentially consistent pin and key operations on both sides,
+//! either the counter sees BUSY and looks again, or the remover sees the pin and waits
+//! for it to go; so an increment never lands in an entry that has been given to
+//! another (database, role). Readers pin entries too, so a row they return is never
+//! half of one key and half of another.
 //!
-//! When the table is full, a new (database, role) evicts the 5 % of the entries used
-//! least recently; `quota.stats_info.evicted` counts them.
+//! What an entry counted is never lost from its database's totals: an entry taken away
+//! by eviction, by stats_reset(role) or because its role was dropped is added to its
+//! database's entry for roles no longer listed (role 0, shown with role NULL, never
+//! evicted). So the sums per database that monitoring reads only ever grow, until
+//! stats_reset() of everything or a dropped database. When the table is full, a new
+//! (database, role) evicts the 5 % of the role entries used least recently;
+//! `quota.stats_info.evicted` counts them.
 //!
 //! The postmaster writes the table to `pg_stat/pg_quota.stat` when it shuts down
-//! cleanly, and reads and removes the file when it starts; after a crash the file is
-//! gone and counting starts over, as pg_stat_statements does.
+//! cleanly (pg_control says so), and reads and removes the file when it starts; after
+//! a crash or an immediate shutdown the file is gone and counting starts over, as
+//! pg_stat_statements does.
 //!
 //! The writer table (`quota.writer_stats`) is a small array of per-database entries,
 //! written by each database's ledger writer; not kept across restarts.
@@ -32,9 +42,13 @@ use crate::core::stats::{
 };
 
 const SHMEM_NAME: &CStr = c"pg_quota stats";
+const INDEX_NAME: &CStr = c"pg_quota stats index";
 const FILE: &str = "pg_stat/pg_quota.stat";
+const FILE_TMP: &str = "pg_stat/pg_quota.stat.tmp";
 const FREE: u64 = 0;
 const BUSY: u64 = u64::MAX;
+/// The role of a database's entry for roles no longer listed.
+const OTHER_ROLES: u32 = 0;
 /// The share of entries evicted at once, in percent.
 const EVICT_PERCENT: usize = 5;
 pub const ERROR_BYTES: usize = 256;
@@ -87,9 +101,21 @@ struct Header {
     /// The server-wide log budget: the second it counts, and lines written in it.
     log_second: AtomicI64,
     log_lines: AtomicU32,
+    /// Entries in use (role entries and the per-database ones); guarded by the lock.
+    used: usize,
+    /// Where the search for a free entry goes on; guarded by the lock.
+    cursor: usize,
+}
+
+/// An entry of the hash table from (database, role) to the index of its entry.
+#[repr(C)]
+struct Indexed {
+    key: u64,
+    slot: usize,
 }
 
 static mut HEADER: *mut Header = std::ptr::null_mut();
+static mut INDEX: *mut pg_sys::HTAB = std::ptr::null_mut();
 
 fn layout() -> (usize, usize, usize) {
     let n_entries = crate::gucs::stats_max();
@@ -101,9 +127,11 @@ fn layout() -> (usize, usize, usize) {
     (n_entries, n_writers, size)
 }
 
-/// The shared memory to request.
+/// The shared memory to request: the entries and the hash table.
 pub fn shmem_size() -> usize {
-    layout().2
+    let (n_entries, _, size) = layout();
+    // SAFETY: a pure size computation.
+    size + unsafe { pg_sys::hash_estimate_size(n_entries as _, std::mem::size_of::<Indexed>()) }
 }
 
 /// Creates (or attaches to) the segment; in the postmaster, loads the stats file and
@@ -116,8 +144,20 @@ pub unsafe fn shmem_startup(lock: *mut pg_sys::LWLock) {
     let (n_entries, n_writers, size) = layout();
     let mut found = false;
     // SAFETY: see the function's contract; the struct is zeroed and filled only by its
-    // creator (`found == false`).
+    // creator (`found == false`). ShmemInitHash attaches to the hash table or creates it.
     unsafe {
+        let mut info = pg_sys::HASHCTL {
+            keysize: std::mem::size_of::<u64>(),
+            entrysize: std::mem::size_of::<Indexed>(),
+            ..Default::default()
+        };
+        INDEX = pg_sys::ShmemInitHash(
+            INDEX_NAME.as_ptr(),
+            n_entries as _,
+            n_entries as _,
+            &mut info,
+            (pg_sys::HASH_ELEM | pg_sys::HASH_BLOBS) as i32,
+        );
         let h = pg_sys::ShmemInitStruct(SHMEM_NAME.as_ptr(), size, &mut found) as *mut Header;
         HEADER = h;
         if found {
@@ -139,6 +179,12 @@ pub unsafe fn shmem_startup(lock: *mut pg_sys::LWLock) {
 fn header() -> &'static Header {
     // SAFETY: set at startup, inherited by fork; callers checked shmem::available().
     unsafe { &*HEADER }
+}
+
+/// The fields guarded by the lock. The caller holds it exclusively.
+fn header_locked() -> &'static mut Header {
+    // SAFETY: as in header(); the lock serializes every writer of these fields.
+    unsafe { &mut *HEADER }
 }
 
 fn entries() -> &'static [Entry] {
@@ -184,18 +230,52 @@ fn key(db: pg_sys::Oid, role: pg_sys::Oid) -> u64 {
     (u64::from(u32::from(db)) << 32) | u64::from(u32::from(role))
 }
 
-fn home(k: u64, n: usize) -> usize {
-    (k.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 17) as usize % n
+/// Looks `k` up in the hash table. The caller holds the lock (either mode).
+fn index_find(k: u64) -> Option<usize> {
+    let mut found = false;
+    // SAFETY: the hash table lives in shared memory, guarded by the lock we hold.
+    unsafe {
+        let e = pg_sys::hash_search(
+            INDEX,
+            &k as *const u64 as *const std::ffi::c_void,
+            pg_sys::HASHACTION::HASH_FIND,
+            &mut found,
+        ) as *const Indexed;
+        (found && !e.is_null()).then(|| (*e).slot)
+    }
 }
 
-/// The index of the entry holding `k`, looking from its home position on.
-fn scan(k: u64) -> Option<usize> {
-    let table = entries();
-    let n = table.len();
-    let start = home(k, n);
-    (0..n)
-        .map(|i| (start + i) % n)
-        .find(|&i| table[i].key.load(Ordering::Acquire) == k)
+/// Records (or with None removes) where `k` lives. The caller holds the lock
+/// exclusively. False if the hash table had no room.
+fn index_set(k: u64, slot: Option<usize>) -> bool {
+    let mut found = false;
+    let action = match slot {
+        Some(_) => pg_sys::HASHACTION::HASH_ENTER_NULL,
+        None => pg_sys::HASHACTION::HASH_REMOVE,
+    };
+    // SAFETY: as in index_find, with the lock held exclusively.
+    unsafe {
+        let e = pg_sys::hash_search(
+            INDEX,
+            &k as *const u64 as *const std::ffi::c_void,
+            action,
+            &mut found,
+        ) as *mut Indexed;
+        match slot {
+            Some(i) if !e.is_null() => {
+                (*e).slot = i;
+                true
+            }
+            Some(_) => false,
+            None => true,
+        }
+    }
+}
+
+/// Where `k` lives, as the hash table says; the lock is taken in shared mode.
+fn lookup(k: u64) -> Option<usize> {
+    let _lock = Locked::acquire(pg_sys::LWLockMode::LW_SHARED);
+    index_find(k)
 }
 
 thread_local! {
@@ -217,16 +297,20 @@ fn remember(k: u64, i: usize) {
     });
 }
 
-/// Pins entry `i` if it holds `k`.
+/// Pins entry `i` if it holds `k`. Unpin with `unpin`.
 fn pin(i: usize, k: u64) -> Option<&'static Entry> {
     let e = &entries()[i];
     e.pins.fetch_add(1, Ordering::SeqCst);
     if e.key.load(Ordering::SeqCst) == k {
         Some(e)
     } else {
-        e.pins.fetch_sub(1, Ordering::SeqCst);
+        unpin(e);
         None
     }
+}
+
+fn unpin(e: &Entry) {
+    e.pins.fetch_sub(1, Ordering::SeqCst);
 }
 
 /// Runs `f` on the pinned entry of (db, role); creates the entry if `create` (taking
@@ -244,77 +328,120 @@ fn with_entry(
     for _ in 0..3 {
         let found = cached(k)
             .and_then(|i| pin(i, k).map(|e| (i, e)))
-            .or_else(|| scan(k).and_then(|i| pin(i, k).map(|e| (i, e))));
+            .or_else(|| lookup(k).and_then(|i| pin(i, k).map(|e| (i, e))));
         if let Some((i, e)) = found {
             remember(k, i);
             f(e);
-            e.pins.fetch_sub(1, Ordering::SeqCst);
+            unpin(e);
             return true;
         }
         if !create {
             return false;
         }
-        insert(k);
+        let _lock = Locked::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
+        insert_locked(k);
     }
     false
 }
 
-/// Creates the entry for `k` unless it exists, evicting the least recently used
-/// entries if none is free.
-fn insert(k: u64) {
-    let _lock = Locked::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
-    if scan(k).is_some() {
-        return;
+/// The index of the entry for `k`, created if missing: in a free entry, or, when the
+/// table is full, in one freed by evicting the least recently used role entries.
+/// The caller holds the lock exclusively. None if no entry could be had.
+fn insert_locked(k: u64) -> Option<usize> {
+    if let Some(i) = index_find(k) {
+        return Some(i);
     }
     let table = entries();
     let n = table.len();
-    let start = home(k, n);
-    let free = |table: &[Entry]| {
-        (0..n)
-            .map(|i| (start + i) % n)
-            .find(|&i| table[i].key.load(Ordering::Acquire) == FREE)
-    };
-    let slot = free(table).or_else(|| {
-        let used = (0..n)
-            .map(|i| (i, table[i].last_used.load(Ordering::Relaxed)))
-            .collect();
-        let victims = core_stats::victims(used, EVICT_PERCENT);
-        header()
-            .evicted
-            .fetch_add(victims.len() as u64, Ordering::Relaxed);
-        for i in victims {
-            remove(&table[i]);
-        }
-        free(table)
-    });
-    let Some(i) = slot else { return };
+    if header().used >= n {
+        evict_locked();
+    }
+    let h = header_locked();
+    let start = h.cursor;
+    let i = (0..n)
+        .map(|j| (start + j) % n)
+        .find(|&j| table[j].key.load(Ordering::Acquire) == FREE)?;
+    if !index_set(k, Some(i)) {
+        return None;
+    }
+    h.cursor = (i + 1) % n;
+    h.used += 1;
     let e = &table[i];
-    // SAFETY: plain clock read.
-    let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    e.since.store(now, Ordering::Relaxed);
-    e.last_used.store(now, Ordering::Relaxed);
+    let t = now();
+    e.since.store(t, Ordering::Relaxed);
+    e.last_used.store(t, Ordering::Relaxed);
     // Published last: a counter that finds the key finds a fresh entry.
     e.key.store(k, Ordering::SeqCst);
+    Some(i)
 }
 
-/// Takes an entry away: marks it BUSY, waits until nobody counts in it, clears it.
-/// Lock held exclusively.
-fn remove(e: &Entry) {
+/// Evicts the EVICT_PERCENT least recently used role entries (never a database's entry
+/// for roles no longer listed), folding what they counted into that entry.
+fn evict_locked() {
+    let table = entries();
+    let roles: Vec<(usize, i64)> = (0..table.len())
+        .filter(|&i| {
+            let k = table[i].key.load(Ordering::Acquire);
+            k != FREE && k != BUSY && k as u32 != OTHER_ROLES
+        })
+        .map(|i| (i, table[i].last_used.load(Ordering::Relaxed)))
+        .collect();
+    let victims = core_stats::victims(roles, EVICT_PERCENT);
+    header()
+        .evicted
+        .fetch_add(victims.len() as u64, Ordering::Relaxed);
+    for i in victims {
+        take_away_locked(i, true);
+    }
+}
+
+/// The counts of an entry, as (counters, wait buckets).
+type Counts = ([u64; N_COUNTERS], [u64; N_WAIT_BUCKETS]);
+
+/// Takes entry `i` away: marks it BUSY, waits until nobody pins it, clears it, and
+/// with `fold` adds what it counted to its database's entry for roles no longer
+/// listed. The caller holds the lock exclusively.
+fn take_away_locked(i: usize, fold: bool) {
+    let e = &entries()[i];
     let k = e.key.load(Ordering::SeqCst);
     if k == FREE || k == BUSY {
         return;
     }
     e.key.store(BUSY, Ordering::SeqCst);
+    let mut spins = 0u32;
     while e.pins.load(Ordering::SeqCst) != 0 {
-        // A pin is held for a few atomic additions, never across anything that waits.
-        std::hint::spin_loop();
+        // A pin is held for a few atomic operations, never across anything that waits;
+        // its holder may have lost the CPU, though.
+        spins += 1;
+        if spins < 1000 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
     }
-    for c in e.counters.iter().chain(&e.wait_buckets) {
-        c.store(0, Ordering::Relaxed);
-    }
+    let counts: Counts = (
+        std::array::from_fn(|c| e.counters[c].swap(0, Ordering::Relaxed)),
+        std::array::from_fn(|b| e.wait_buckets[b].swap(0, Ordering::Relaxed)),
+    );
     e.log_last.store(0, Ordering::Relaxed);
     e.log_suppressed.store(0, Ordering::Relaxed);
+    index_set(k, None);
+    let h = header_locked();
+    h.used = h.used.saturating_sub(1);
     e.key.store(FREE, Ordering::SeqCst);
+    if fold && k as u32 != OTHER_ROLES {
+        let other = (k & !0xFFFF_FFFF) | u64::from(OTHER_ROLES);
+        if let Some(j) = insert_locked(other) {
+            let o = &entries()[j];
+            for (c, v) in o.counters.iter().zip(counts.0) {
+                c.fetch_add(v, Ordering::Relaxed);
+            }
+            for (c, v) in o.wait_buckets.iter().zip(counts.1) {
+                c.fetch_add(v, Ordering::Relaxed);
+            }
+            o.last_used.store(now(), Ordering::Relaxed);
+        }
+    }
 }
 
 fn now() -> i64 {
@@ -339,11 +466,20 @@ pub fn add_in(db: pg_sys::Oid, role: pg_sys::Oid, counter: Counter, n: u64) {
     });
 }
 
-/// Counts a wait of `us` microseconds that ended, in wait_time and its histogram
-/// bucket. Only if the entry exists: this runs on an error's unwind too, where taking
-/// a lock to create one is not wanted.
+/// Makes sure (this database, role) has an entry.
+pub fn ensure(role: pg_sys::Oid) {
+    let t = now();
+    with_entry(crate::shmem::my_db(), role, true, |e| {
+        e.last_used.store(t, Ordering::Relaxed);
+    });
+}
+
+/// Counts a wait of `us` microseconds that ended: in waits, wait_time and its
+/// histogram bucket, together. Only if the entry exists: this runs on an error's
+/// unwind too, where taking a lock to create one is not wanted.
 pub fn waited(role: pg_sys::Oid, us: u64) {
     with_entry(crate::shmem::my_db(), role, false, |e| {
+        e.counters[Counter::Waits as usize].fetch_add(1, Ordering::Relaxed);
         e.counters[Counter::WaitTime as usize].fetch_add(us, Ordering::Relaxed);
         e.wait_buckets[core_stats::wait_bucket(us)].fetch_add(1, Ordering::Relaxed);
     });
@@ -380,7 +516,9 @@ fn server_budget(t: i64) -> bool {
     let h = header();
     let second = t.div_euclid(1_000_000);
     let seen = h.log_second.load(Ordering::Acquire);
-    if seen != second
+    // Only forward: a caller that read the clock just before the second turned must
+    // not start the budget of the new second again.
+    if second > seen
         && h.log_second
             .compare_exchange(seen, second, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
@@ -399,26 +537,25 @@ pub struct Row {
     pub wait_buckets: [u64; N_WAIT_BUCKETS],
 }
 
-/// The entries `visible` lets through, as they are now (each counter is read
-/// atomically; a row is not a snapshot of one instant, as in pg_stat views).
+/// The entries `visible` lets through, as they are now: each counter is read
+/// atomically, not all of a row at one instant, as in pg_stat views. Each entry is
+/// pinned while it is read, so it cannot be cleared or given to another key meanwhile.
 pub fn rows(visible: impl Fn(u32) -> bool) -> Vec<Row> {
     let mut out = Vec::new();
-    for e in entries() {
+    for (i, e) in entries().iter().enumerate() {
         let k = e.key.load(Ordering::Acquire);
         if k == FREE || k == BUSY || !visible(k as u32) {
             continue;
         }
-        let row = Row {
+        let Some(e) = pin(i, k) else { continue };
+        out.push(Row {
             db: (k >> 32) as u32,
             role: k as u32,
             since: e.since.load(Ordering::Relaxed),
             counters: std::array::from_fn(|i| e.counters[i].load(Ordering::Relaxed)),
             wait_buckets: std::array::from_fn(|i| e.wait_buckets[i].load(Ordering::Relaxed)),
-        };
-        // Skip an entry that was taken away while we read it.
-        if e.key.load(Ordering::Acquire) == k {
-            out.push(row);
-        }
+        });
+        unpin(e);
     }
     out
 }
@@ -439,15 +576,22 @@ pub fn info() -> (i32, i64, i64, i64, i64) {
     )
 }
 
-/// Removes the entries of `role` (in every database), or all of them and the
-/// server-wide figures. Returns the time of the reset.
+/// Empties quota.stats: with a role, that role's entries in every database, whose
+/// counts go to their databases' entries for roles no longer listed (so totals per
+/// database never go down); without, every entry, the server-wide figures and the
+/// writers' counters. Returns the time of the reset.
 pub fn reset(role: Option<pg_sys::Oid>) -> i64 {
+    if !crate::shmem::available() {
+        return now();
+    }
     let t = now();
     let _lock = Locked::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
-    for e in entries() {
-        let k = e.key.load(Ordering::Acquire);
-        if role.is_none_or(|r| k as u32 == u32::from(r)) {
-            remove(e);
+    for i in 0..entries().len() {
+        let k = entries()[i].key.load(Ordering::Acquire);
+        match role {
+            Some(r) if k as u32 == u32::from(r) => take_away_locked(i, true),
+            Some(_) => {}
+            None => take_away_locked(i, false),
         }
     }
     if role.is_none() {
@@ -456,7 +600,9 @@ pub fn reset(role: Option<pg_sys::Oid>) -> i64 {
         h.log_suppressed.store(0, Ordering::Relaxed);
         h.reset_at.store(t, Ordering::Relaxed);
         for w in writers() {
-            if w.pid.load(Ordering::Relaxed) == 0 {
+            // An entry whose writer is gone is freed, unless that writer did not leave
+            // cleanly: the next one must still count a restart.
+            if w.pid.load(Ordering::Relaxed) == 0 && !w.unclean.load(Ordering::Relaxed) {
                 w.db.store(0, Ordering::Relaxed);
             }
             for c in [&w.batches, &w.requests, &w.commit_us, &w.restarts] {
@@ -467,6 +613,25 @@ pub fn reset(role: Option<pg_sys::Oid>) -> i64 {
         }
     }
     t
+}
+
+/// A dropped database: its entries and its writer's go, counts and all.
+pub fn forget_database(db: pg_sys::Oid) {
+    if !crate::shmem::available() {
+        return;
+    }
+    let d = u32::from(db);
+    let _lock = Locked::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
+    for i in 0..entries().len() {
+        if (entries()[i].key.load(Ordering::Acquire) >> 32) as u32 == d {
+            take_away_locked(i, false);
+        }
+    }
+    for w in writers() {
+        if w.db.load(Ordering::Relaxed) == d && w.pid.load(Ordering::Relaxed) == 0 {
+            w.db.store(0, Ordering::Relaxed);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------
@@ -487,24 +652,23 @@ fn load() {
     h.reset_at.store(saved.reset_at, Ordering::Relaxed);
     h.evicted.store(saved.evicted, Ordering::Relaxed);
     h.log_suppressed.store(saved.log_suppressed, Ordering::Relaxed);
-    let table = entries();
-    let n = table.len();
-    // Most recently used first, so that a smaller quota.stats_max keeps those.
+    let n = entries().len();
+    // Most recently used first, so that a smaller quota.stats_max keeps those; the
+    // entries that no longer fit count as evicted.
     let mut kept = saved.entries;
     kept.sort_by_key(|e| std::cmp::Reverse(e.last_used));
+    if kept.len() > n {
+        h.evicted
+            .fetch_add((kept.len() - n) as u64, Ordering::Relaxed);
+    }
     for s in kept.into_iter().take(n) {
         let k = (u64::from(s.db) << 32) | u64::from(s.role);
         if k == FREE || k == BUSY {
             continue;
         }
-        let start = home(k, n);
-        let Some(i) = (0..n)
-            .map(|i| (start + i) % n)
-            .find(|&i| table[i].key.load(Ordering::Relaxed) == FREE)
-        else {
-            break;
-        };
-        let e = &table[i];
+        // The postmaster, before any backend exists: nobody else holds the lock.
+        let Some(i) = insert_locked(k) else { break };
+        let e = &entries()[i];
         e.since.store(s.since, Ordering::Relaxed);
         e.last_used.store(s.last_used, Ordering::Relaxed);
         for (c, v) in e.counters.iter().zip(s.counters) {
@@ -513,15 +677,22 @@ fn load() {
         for (c, v) in e.wait_buckets.iter().zip(s.wait_buckets) {
             c.store(v, Ordering::Relaxed);
         }
-        e.key.store(k, Ordering::Relaxed);
     }
 }
 
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn save_at_exit(code: i32, _arg: pg_sys::Datum) {
-    // Not after a crash, nor when the postmaster resets shared memory after one: then
-    // counting starts over.
-    if code != 0 || HEADER.is_null() {
+    // Not after a crash, nor when the postmaster resets shared memory after one, nor
+    // after an immediate shutdown (which exits with code 0, but leaves pg_control
+    // saying "in production"): then counting starts over, as crash recovery resets
+    // PostgreSQL's own statistics.
+    // SAFETY: a read of the pointer set at startup.
+    if code != 0 || unsafe { HEADER.is_null() } {
+        return;
+    }
+    let clean = std::fs::read("global/pg_control")
+        .is_ok_and(|b| core_stats::shut_down_cleanly(&b));
+    if !clean {
         return;
     }
     let h = header();
@@ -546,17 +717,25 @@ unsafe extern "C-unwind" fn save_at_exit(code: i32, _arg: pg_sys::Datum) {
             })
             .collect(),
     };
-    let tmp = format!("{FILE}.tmp");
     let written = (|| -> std::io::Result<()> {
         use std::io::Write;
-        let mut f = std::fs::File::create(&tmp)?;
+        let mut f = std::fs::File::create(FILE_TMP)?;
         f.write_all(&saved.encode())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, FILE)
+        f.sync_all()
     })();
     if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        pgrx::log!("pg_quota: could not write the statistics file \"{FILE}\": {e}");
+        let _ = std::fs::remove_file(FILE_TMP);
+        pgrx::log!("pg_quota: could not write the statistics file \"{FILE_TMP}\": {e}");
+        return;
+    }
+    // SAFETY: durable_rename fsyncs both names and the directory; at LOG level it
+    // reports a failure and returns nonzero instead of raising.
+    unsafe {
+        let tmp = std::ffi::CString::new(FILE_TMP).expect("no NUL");
+        let file = std::ffi::CString::new(FILE).expect("no NUL");
+        if pg_sys::durable_rename(tmp.as_ptr(), file.as_ptr(), pg_sys::LOG as i32) != 0 {
+            let _ = std::fs::remove_file(FILE_TMP);
+        }
     }
 }
 
@@ -605,7 +784,7 @@ pub fn writer_started(db: pg_sys::Oid) {
     if w.unclean.swap(true, Ordering::AcqRel) {
         w.restarts.fetch_add(1, Ordering::Relaxed);
     }
-    // SAFETY: plain reads of process state.
+    // SAFETY: a plain read of process state, and this worker's own static.
     unsafe {
         w.pid.store(pg_sys::MyProcPid, Ordering::Relaxed);
         MY_WRITER = i;
@@ -613,13 +792,19 @@ pub fn writer_started(db: pg_sys::Oid) {
     w.started_at.store(now(), Ordering::Relaxed);
 }
 
-/// The writer exits: cleanly (it gave up its entry) or not.
+/// The writer exits: cleanly (it gave up its writer entry, called before it lets a
+/// successor start) or not (from its exit callback). Only while the stats entry still
+/// names this process: a successor's is left alone.
 pub fn writer_exits(clean: bool) {
-    if let Some(w) = my_writer() {
-        if clean {
-            w.unclean.store(false, Ordering::Release);
-        }
-        w.pid.store(0, Ordering::Release);
+    let Some(w) = my_writer() else { return };
+    // SAFETY: a plain read of process state.
+    let me = unsafe { pg_sys::MyProcPid };
+    if w.pid
+        .compare_exchange(me, 0, Ordering::AcqRel, Ordering::Relaxed)
+        .is_ok()
+        && clean
+    {
+        w.unclean.store(false, Ordering::Release);
     }
 }
 

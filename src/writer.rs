@@ -61,9 +61,8 @@ pub const WRITER_LOCK_FIELD4: u16 = 0x5157; // "QW"
 
 /// The writer's answer to one start.
 pub enum Answer {
-    /// The ticket, and whether it already existed under the request's idempotency key
-    /// (nothing was charged).
-    Admitted([u8; 16], bool),
+    /// The ticket (new, or the one the request's idempotency key already had).
+    Admitted([u8; 16]),
     Refused(RefusalKind, Usage, Option<pg_sys::TimestampTz>),
 }
 
@@ -370,7 +369,7 @@ fn take_reply(slot: &'static Slot) -> Answer {
     let answer = unsafe {
         let r = &*slot.reply.get();
         match r.kind {
-            REPLY_ADMITTED => Ok(Answer::Admitted(r.ticket, r.reused)),
+            REPLY_ADMITTED => Ok(Answer::Admitted(r.ticket)),
             REPLY_REFUSED => {
                 let kind = match r.refusal_kind {
                     1 => RefusalKind::Active,
@@ -395,7 +394,7 @@ fn take_reply(slot: &'static Slot) -> Answer {
             _ => Err((0, String::new())),
         }
     };
-    if matches!(answer, Ok(Answer::Admitted(..))) {
+    if matches!(answer, Ok(Answer::Admitted(_))) {
         // Admitted: leave the line before the slot looks free, so that nobody counts
         // this start both as an active ticket and as a start waiting ahead of them.
         crate::waiters::leave();
@@ -844,6 +843,7 @@ fn process(batch: Vec<usize>) {
         match outcome {
             Ok(()) => {
                 crate::stats::writer_batch(group.len(), Some(LAST_COMMIT_US.get()));
+                count_admitted(&group);
                 answer(&group)
             }
             Err((code, msg)) => {
@@ -890,6 +890,25 @@ fn may_be_one_requests_fault(code: i32) -> bool {
     let ours = code & 0xfff;
     ours == class(PgSqlErrorCode::ERRCODE_INTEGRITY_CONSTRAINT_VIOLATION)
         || ours == class(PgSqlErrorCode::ERRCODE_DATA_EXCEPTION)
+}
+
+/// quota.stats: the tickets a committed batch handed out, and the idempotent repeats
+/// it answered, counted here rather than by the callers, since a caller cancelled
+/// after we claimed its request never hears of its ticket, which still counts.
+fn count_admitted(group: &[usize]) {
+    for &i in group {
+        let s = shmem::slot(i);
+        // SAFETY: the slot is CLAIMED by us, and its reply written by us.
+        let r = unsafe { &*s.reply.get() };
+        if r.kind == REPLY_ADMITTED {
+            let counter = if r.reused {
+                crate::core::stats::Counter::IdempotentHits
+            } else {
+                crate::core::stats::Counter::Admitted
+            };
+            crate::stats::add_in(s.dboid(), s.role(), counter, 1);
+        }
+    }
 }
 
 fn answer(group: &[usize]) {
@@ -1618,6 +1637,8 @@ fn leave(idx: usize, db: pg_sys::Oid, force: bool) -> bool {
             return false;
         }
     }
+    // quota.writer_stats: a clean exit, recorded before a successor can start.
+    crate::stats::writer_exits(true);
     // The guard first: a new writer may take the entry the moment it is free.
     release_twin_guard(db);
     let w = shmem::writer(idx);
@@ -1665,6 +1686,9 @@ unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
                 shmem::wake(i);
             }
         };
+        if committed {
+            BATCH.with_borrow(|b| count_admitted(b));
+        }
         BATCH.with_borrow(|b| b.iter().for_each(|&i| hand_back(i, committed)));
         QUEUED.with_borrow(|q| q.iter().for_each(|&i| hand_back(i, false)));
         let w = shmem::writer(MY_ENTRY);

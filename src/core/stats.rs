@@ -114,6 +114,20 @@ pub fn victims(mut entries: Vec<(usize, i64)>, share_percent: usize) -> Vec<usiz
     entries.into_iter().take(n).map(|(i, _)| i).collect()
 }
 
+/// Whether pg_control (its first bytes, as the file holds them) says the server shut
+/// down cleanly: `state` (after the system identifier and two version numbers) is
+/// DB_SHUTDOWNED or DB_SHUTDOWNED_IN_RECOVERY. These fields open ControlFileData in
+/// every release since 9.x, in the machine's byte order.
+pub fn shut_down_cleanly(control: &[u8]) -> bool {
+    const DB_SHUTDOWNED: u32 = 1;
+    const DB_SHUTDOWNED_IN_RECOVERY: u32 = 2;
+    control
+        .get(16..20)
+        .and_then(|b| b.try_into().ok())
+        .map(u32::from_ne_bytes)
+        .is_some_and(|state| state == DB_SHUTDOWNED || state == DB_SHUTDOWNED_IN_RECOVERY)
+}
+
 /// One (database, role) entry as the stats file keeps it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Saved {
@@ -252,6 +266,22 @@ mod tests {
                 },
             ],
         }
+    }
+
+    #[test]
+    fn clean_shutdown_is_read_from_pg_control_state() {
+        let control = |state: u32| {
+            let mut b = vec![0u8; 16];
+            b.extend_from_slice(&state.to_ne_bytes());
+            b.extend_from_slice(&[0u8; 200]);
+            b
+        };
+        assert!(shut_down_cleanly(&control(1)));
+        assert!(shut_down_cleanly(&control(2)));
+        for crashed in [0, 3, 4, 5, 6] {
+            assert!(!shut_down_cleanly(&control(crashed)), "state {crashed}");
+        }
+        assert!(!shut_down_cleanly(&[0u8; 10]));
     }
 
     #[test]

@@ -24,15 +24,21 @@
 # 3. quota.stats_max = 100 (its minimum; a postmaster setting: ALTER SYSTEM + restart;
 #    99 is refused with 22023). After a full reset, 130 roles do one start() each, in
 #    order, from one session:
-#    - stats_info.max = 100, evicted > 0, entries <= 100, entries + evicted = 130 and
-#      quota.stats shows exactly `entries` rows. Fails if the table grows past its
-#      bound, or a row is lost without being counted as evicted (or counted twice).
+#    - stats_info.max = 100, evicted > 0, entries <= 100, entries + evicted = 131 (the
+#      130 roles and the database's row for roles no longer listed, which holds what
+#      the evicted rows counted) and quota.stats shows exactly `entries` rows. Fails if
+#      the table grows past its bound, or a row is lost without being counted as
+#      evicted (or counted twice).
+#    - the database's total of admitted is still 130: the evicted rows' counts went to
+#      its row for roles no longer listed (role NULL, admitted = evicted). Fails if an
+#      eviction loses counts (monitoring would see the database's counter go down).
 #    - the 10 most recently used roles are all present, the least recently used one is
 #      not. Fails if eviction picks other rows than the least recently used (for
 #      example the newest, or by hash order).
-#    - exactly, by the SPEC's 5 %: evicted = 30 (6 evictions of 5 rows), entries = 100,
-#      and the rows left are sr_031 .. sr_130. Fails if an eviction takes another share
-#      or not the oldest rows.
+#    - exactly, by the 5 % of the role rows: evicted = 33 (5 at role 101, then 4 of
+#      99 role rows at roles 105, 109, ..., 129), entries = 98, and the role rows left
+#      are sr_034 .. sr_130. Fails if an eviction takes another share or not the oldest
+#      rows.
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-$((5731 + PORT_OFFSET))}"
 with_cluster stats_restart
@@ -152,16 +158,19 @@ read -r max entries evicted rows <<<"$(sql -F ' ' -c "SELECT max, entries, evict
 echo "# stats_info after 130 roles: max $max, entries $entries, evicted $evicted; quota.stats rows $rows"
 check "rows were evicted (evicted = $evicted > 0)" test "${evicted:-0}" -gt 0
 check "the table kept its bound (entries = $entries <= 100)" test "${entries:-999}" -le 100
-expect_eq "every role is either present or counted as evicted (entries + evicted)" 130 $(( ${entries:-0} + ${evicted:-0} ))
+expect_eq "every role is either present or counted as evicted, plus the row for roles no longer listed (entries + evicted)" 131 $(( ${entries:-0} + ${evicted:-0} ))
+expect_eq "the database's total of admitted is unchanged by evictions; the row for roles no longer listed holds the evicted ones (total, role NULL row)" "130 $evicted" \
+  "$(sql -c "SELECT sum(admitted) || ' ' || sum(admitted) FILTER (WHERE role IS NULL) FROM quota.stats WHERE datname = current_database()")"
 expect_eq "quota.stats shows as many rows as stats_info.entries" "$entries" "$rows"
 expect_eq "the 10 most recently used roles (sr_121 .. sr_130) are all present" 10 \
   "$(sql -c "SELECT count(*) FROM quota.stats WHERE role::text BETWEEN 'sr_121' AND 'sr_130' AND admitted = 1")"
 expect_eq "the least recently used role (sr_001) was evicted" 0 \
   "$(sql -c "SELECT count(*) FROM quota.stats WHERE role = 'sr_001'")"
-# Exactly, by the SPEC: each new role beyond 100 that finds the table full evicts
-# 5 % of 100 = 5 rows (at roles 101, 106, ..., 126), so 30 go, sr_001 .. sr_030.
-expect_eq "exactly: 6 evictions of 5 rows each (entries evicted)" "100 30" "$entries $evicted"
-expect_eq "exactly: the rows left are those of sr_031 .. sr_130, the 100 most recently used" "100 sr_031 sr_130" \
+# Exactly: each new role that finds the table full evicts 5 % of the role rows: 5 of
+# 100 at role 101 (the first makes the row for roles no longer listed), then 4 of 99 at
+# roles 105, 109, ..., 129; so 33 go, sr_001 .. sr_033.
+expect_eq "exactly: 33 rows evicted, 98 entries" "98 33" "$entries $evicted"
+expect_eq "exactly: the role rows left are those of sr_034 .. sr_130, the 97 most recently used" "97 sr_034 sr_130" \
   "$(sql -c "SELECT count(*) || ' ' || min(role::text) || ' ' || max(role::text) FROM quota.stats WHERE role::text LIKE 'sr\_%' AND admitted = 1")"
 check "pg_stat/pg_quota.stat does not exist while the server runs (end)" no_statfile
 finish_checks

@@ -1,18 +1,22 @@
 -- quota.stats_reset(role regrole DEFAULT NULL) (0.3.0).
--- Per role: that role's rows go, in every database; every other row keeps its counts
--- to the last column; quota.stats_info's stats_reset stays; when the role acts again
--- its row comes back with counting started over and a later stats_reset.
+-- Per role: that role's rows go, in every database; what they counted goes to each
+-- database's row for roles no longer listed (role NULL), so that the totals per
+-- database do not change; every other row keeps its counts to the last column;
+-- quota.stats_info's stats_reset stays; when the role acts again its row comes back
+-- with counting started over and a later stats_reset.
 -- In full (no argument, or NULL): every row goes; stats_info's entries, evicted and
 -- log_suppressed return to 0 and its stats_reset moves forward to the returned time.
 -- The return value is the reset's time, between the start of the calling transaction
 -- and the next clock reading.
 -- How this test fails: a per-role reset that misses the role's row in the other
--- database ("sr_a_rows" 1), touches other rows ("unchanged" f), or moves stats_info's
+-- database ("sr_a_rows" 1), loses its counts ("totals_unchanged" f, or no role-NULL
+-- rows), touches other rows ("unchanged" f), or moves stats_info's
 -- stats_reset ("info_reset_kept" f); a row that comes back with its old counts
 -- (admitted 2, refused_active 1) or its old stats_reset ("later" f); a full reset
 -- that leaves rows, or leaves evicted or log_suppressed as they were (250, 1).
 -- Eviction: with quota.stats_max at its default of 5000, one row more than fit evicts
--- the 250 least recently used (5 %), among them this test's three older rows.
+-- the 249 least recently used role rows (5 % of the 4998 role rows), among them this
+-- test's three older rows.
 SELECT current_database() AS regdb, current_user AS su \gset
 CREATE ROLE sr_a;
 CREATE ROLE sr_b;
@@ -75,6 +79,18 @@ SELECT CASE WHEN b.role = current_user THEN 'superuser' ELSE b.role::text END AS
        to_jsonb(s) = to_jsonb(b) AS unchanged
   FROM before b LEFT JOIN quota.stats s USING (datname, role)
  WHERE b.role <> 'sr_a' ORDER BY 1;
+-- ... and what sr_a counted is in each database's row for roles no longer listed, so
+-- the totals per database are as before.
+SELECT CASE WHEN datname = current_database() THEN 'here' ELSE datname::text END AS db,
+       admitted, refused_active, finished_succeeded
+  FROM quota.stats WHERE role IS NULL ORDER BY 1;
+SELECT (SELECT jsonb_object_agg(datname, t) FROM
+          (SELECT datname, jsonb_build_array(sum(admitted), sum(refused_active), sum(finished_succeeded),
+                                             sum(finished_failed)) t FROM before GROUP BY datname) x)
+     = (SELECT jsonb_object_agg(datname, t) FROM
+          (SELECT datname, jsonb_build_array(sum(admitted), sum(refused_active), sum(finished_succeeded),
+                                             sum(finished_failed)) t FROM quota.stats GROUP BY datname) x)
+       AS totals_unchanged;
 SELECT entries, evicted, stats_reset = :'r0' AS info_reset_kept FROM quota.stats_info;
 -- A role without rows: nothing to remove, still a time.
 SELECT quota.stats_reset('sr_a') IS NOT NULL AS reset_again;
@@ -93,8 +109,9 @@ SELECT CASE WHEN datname = current_database() THEN 'here' ELSE datname::text END
   FROM quota.stats WHERE role = 'sr_a';
 
 -- Eviction: refusals by new roles (the database cap of 1 refuses them; refusals make
--- rows too) fill the table until a new row evicts 5 % of 5000 = 250, least recently
--- used first: the three older rows of sr_a, sr_b and the superuser among them.
+-- rows too) fill the table until a new row evicts 5 % of the 4998 role rows = 249,
+-- least recently used first: the three older rows of sr_a, sr_b and the superuser
+-- among them.
 SET quota.max_active_per_database = 1;
 DO $$
 BEGIN

@@ -1,6 +1,6 @@
 -- pg_quota 0.3.0: the statistics views (see src/stats.rs and USER_GUIDE.md,
--- "Monitoring"). The functions behind them return oids; the views name databases and
--- roles (NULL for one dropped since). stats_rows() shows a caller every row only if it
+-- "Monitoring"). The functions behind them return oids (roleid NULL for a database's
+-- row of roles no longer listed); the views name databases and roles. stats_rows() shows a caller every row only if it
 -- is a superuser or a member of pg_read_all_stats, and otherwise its own rows;
 -- writer_stats_rows() shows others no rows. wait_histogram_rows() follows stats_rows(). Also in sql/pg_quota--0.2.0--0.3.0.sql.
 

@@ -21,6 +21,10 @@
 #      crash restart. Fails if an old file comes back at that start.
 #    - counting starts over: a start() afterwards is counted once, in a row whose
 #      stats_reset is not before stats_info's.
+# 2b. Immediate shutdown (pg_ctl stop -m immediate): like a crash, crash recovery
+#    follows, so the counters are not written and start over. Fails if the exit
+#    callback saves them because the postmaster exits with code 0 (pg_control still
+#    says "in production").
 # 3. quota.stats_max = 100 (its minimum; a postmaster setting: ALTER SYSTEM + restart;
 #    99 is refused with 22023). After a full reset, 130 roles do one start() each, in
 #    order, from one session:
@@ -132,6 +136,15 @@ psql_as sr_a -c "SELECT quota.start('after crash') IS NOT NULL" >/dev/null
 expect_eq "counting starts over: sr_a's one start() is its only admission, in the only row" "postgres/sr_a 1 t" \
   "$(sql -c "SELECT string_agg(concat_ws(' ', datname || '/' || role, admitted, CASE WHEN stats_reset >= '$info_reset_crash'::timestamptz THEN 't' ELSE 'f' END), ';')
                FROM quota.stats")"
+
+# ------------------------------------------------------------------------------------
+# 2b. Immediate shutdown.
+# ------------------------------------------------------------------------------------
+expect_eq "a row to lose before the immediate shutdown" 1 "$(sql -c "SELECT count(*) FROM quota.stats")"
+as_pg "$PG_BIN/pg_ctl" -D "$CL/data" -m immediate -w -t 60 stop >/dev/null
+check "immediate shutdown: pg_stat/pg_quota.stat was not written" no_statfile
+as_pg "$PG_BIN/pg_ctl" -D "$CL/data" -l "$CL/server.log" -w -t 60 start >/dev/null
+expect_eq "quota.stats is empty after an immediate shutdown" "(none)" "$(sql -c "$STATS_ROWS")"
 
 # ------------------------------------------------------------------------------------
 # 3. quota.stats_max = 100 and eviction of the least recently used rows.

@@ -176,9 +176,40 @@ SELECT entries, evicted, log_suppressed, stats_reset = :'r3' AS is_r3,
        stats_reset > :'r2'::timestamptz AS moved_forward
   FROM quota.stats_info;
 
+-- DROP ROLE: once it commits, the role's rows go and what they counted goes to
+-- their databases' rows for roles no longer listed (a later role with its OID starts
+-- from nothing); a DROP ROLE rolled back (in a savepoint here) changes nothing.
+CREATE ROLE sr_gone;
+SET ROLE sr_gone;
+SELECT quota.finish(quota.start('gone')) AS finished;
+RESET ROLE;
+\c quota_sr_db
+SET ROLE sr_gone;
+SELECT quota.finish(quota.start('gone there')) AS finished;
+RESET ROLE;
+\c :regdb
+BEGIN;
+SAVEPOINT s;
+DROP ROLE sr_gone;
+ROLLBACK TO SAVEPOINT s;
+COMMIT;
+SELECT count(*) AS rows_after_rolled_back_drop FROM quota.stats WHERE role = 'sr_gone';
+-- (The view would show a dropped role's name as NULL too, so the oids are read from
+-- quota.stats_rows(), where the rows for roles no longer listed have roleid NULL.)
+SELECT 'sr_gone'::regrole::oid AS gone_oid,
+       (SELECT coalesce(sum(admitted), 0) FROM quota.stats_rows() WHERE roleid IS NULL) AS other_roles_before \gset
+DROP ROLE sr_gone;
+SELECT count(*) FILTER (WHERE roleid = :gone_oid) AS rows_of_the_dropped_role,
+       count(*) FILTER (WHERE roleid NOT IN (SELECT oid FROM pg_roles)) AS rows_of_dropped_roles,
+       sum(admitted) FILTER (WHERE roleid IS NULL) - :other_roles_before AS moved_to_other_roles
+  FROM quota.stats_rows();
+-- DROP DATABASE: its rows go (none is left with datname NULL).
+SELECT count(*) AS rows_of_quota_sr_db FROM quota.stats WHERE datname = 'quota_sr_db';
+DROP DATABASE quota_sr_db;
+SELECT count(*) AS rows_without_database FROM quota.stats WHERE datname IS NULL;
+
 -- Clean up.
 SELECT quota.finish(:'s1') AS finished;
-DROP DATABASE quota_sr_db;
 DO $$
 BEGIN
   EXECUTE (SELECT 'DROP ROLE ' || string_agg(quote_ident(rolname), ', ')

@@ -201,6 +201,7 @@ def main():
     snapshot = {}
     idem = {"runs": [], "wal": [], "rows": []}
     wake = {"finish": [], "lease": []}   # (wake_us, commit_us) samples
+    lifecycle = []   # runs of bench/scripts/lifecycle.sql, 16 clients on 16 roles
     start_idempotency_keys()
 
     for rnd in range(ROUNDS):
@@ -212,6 +213,11 @@ def main():
                     through.setdefault((system, mode, clients), []).append(r)
                     print(f"  {system:8} {clients:3} clients, {'one role' if mode == 'one' else 'a role each'}:"
                           f" {r['tps']:9.1f} tx/s", flush=True)
+        # A job's whole life (start with lease and key, renew, finish), 16 clients on
+        # 16 roles, against start+finish above.
+        r = run("lifecycle.sql", 16, "roles", logdir, "lifecycle")
+        lifecycle.append(r)
+        print(f"  lifecycle 16 clients, a role each: {r['tps']:9.1f} jobs/s", flush=True)
         # The refusal path against SELECT 1 under the same load.
         for name, script in (("refuse", "refuse.sql"), ("select1", "select1.sql")):
             a = wal_lsn()
@@ -264,7 +270,7 @@ def main():
             p50 = pct(sorted(w for w, _ in got if w is not None), 0.5)
             print(f"  wake after {how:6}: {len(got)} samples, p50 {p50:.2f} ms", flush=True)
 
-    write_report(through, refusal, history, snapshot, idem, wake)
+    write_report(through, refusal, history, snapshot, idem, wake, lifecycle)
 
     shutil.rmtree(logdir, ignore_errors=True)
 
@@ -278,7 +284,7 @@ def lat_pcts(through, system, mode, clients):
     return pct(lat, 0.5), pct(lat, 0.99)
 
 
-def write_report(through, refusal, history, snapshot, idem, wake):
+def write_report(through, refusal, history, snapshot, idem, wake, lifecycle):
     lines = []
     add = lines.append
     add(f"# pg_quota benchmark results ({'quick' if QUICK else 'full'} run)")
@@ -320,6 +326,19 @@ def write_report(through, refusal, history, snapshot, idem, wake):
     add("")
     add(f"WAL written during the refusal runs: {sum(refusal['wal'])} bytes for "
         f"{sum(refusal['count']):.0f} refusals ({wal_per:.4f} bytes per refusal).")
+    add("")
+    life = median([r["tps"] for r in lifecycle])
+    c16 = 16 if 16 in CLIENTS else CLIENTS[-1]
+    add("## Job lifecycle")
+    add("")
+    add("16 clients on 16 roles, each job `start(label, lease, idempotency_key)`, `renew()`, "
+        "`finish()`, each in its own transaction (bench/scripts/lifecycle.sql).")
+    add("")
+    lat = sorted(x for r in lifecycle for x in r["lat"])
+    add(f"| jobs/s | p50 ms | p99 ms | vs start+finish ({c16} on {c16} roles) |")
+    add("|---:|---:|---:|---:|")
+    sf = tps(through, "pg_quota", "roles", c16)
+    add(f"| {life:.0f} | {pct(lat, .5):.2f} | {pct(lat, .99):.2f} | {life / sf if sf else float('nan'):.2f}x |")
     add("")
 
     add("## start() latency against the role's history")

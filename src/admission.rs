@@ -4,10 +4,10 @@
 use pgrx::pg_sys;
 
 use crate::core::lease::earliest;
+use crate::core::stats::Counter;
 use crate::core::{
     check_key, check_label, decide, Decision, Limits, QuotaError, Refusal, RefusalKind, Usage,
 };
-use crate::core::stats::Counter;
 use crate::counts::{self, Latest, Reader};
 use crate::error::raise;
 use crate::writer::{self, Answer};
@@ -416,7 +416,10 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
         let Some((p, _)) = &place else {
             // Take a place in line, then look again at once: a finish() that
             // committed before we were in line could not wake us.
-            place = Some((crate::waiters::Place::take(role, r.kind), WaitTimer::start(role)));
+            place = Some((
+                crate::waiters::Place::take(role, r.kind),
+                WaitTimer::start(role),
+            ));
             continue;
         };
         p.refused_by(r.kind);

@@ -157,18 +157,8 @@ unsafe extern "C-unwind" fn subxact_event(
 ) {
     // SAFETY: single-threaded backend state.
     unsafe {
-        let roles = &mut *std::ptr::addr_of_mut!(DROPPED_ROLES);
-        let level = pg_sys::GetCurrentTransactionNestLevel();
-        match event {
-            // A DROP ROLE in a rolled-back savepoint did not happen.
-            pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => roles.retain(|&(_, l)| l < level),
-            pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => {
-                for r in roles.iter_mut().filter(|r| r.1 >= level) {
-                    r.1 = level - 1;
-                }
-            }
-            _ => {}
-        }
+        // A DROP ROLE in a rolled-back savepoint did not happen.
+        crate::scopes::at_subxact_end(&mut *std::ptr::addr_of_mut!(DROPPED_ROLES), event);
     }
 }
 

@@ -315,8 +315,8 @@ pub fn forget(db: pg_sys::Oid, roles: Option<&[pg_sys::Oid]>) {
 static mut FINISHED: Vec<(pg_sys::Oid, i32)> = Vec::new();
 static mut OVERFLOW: Vec<pg_sys::Oid> = Vec::new();
 /// The statistics the current transaction owes quota.stats when it commits: finishes
-/// by outcome and renewals, as (role, counter, subtransaction nesting level).
-static mut STATS_OWED: Vec<(pg_sys::Oid, Counter, i32)> = Vec::new();
+/// by outcome and renewals, as ((role, counter), subtransaction nesting level).
+static mut STATS_OWED: Vec<((pg_sys::Oid, Counter), i32)> = Vec::new();
 static mut CALLBACKS_REGISTERED: bool = false;
 
 fn nest_level() -> i32 {
@@ -339,7 +339,7 @@ pub fn note_finish(role: pg_sys::Oid, outcome: crate::core::Outcome) {
     // SAFETY: single-threaded backend state.
     unsafe {
         (*std::ptr::addr_of_mut!(FINISHED)).push((role, level));
-        (*std::ptr::addr_of_mut!(STATS_OWED)).push((role, Counter::finished(outcome), level));
+        (*std::ptr::addr_of_mut!(STATS_OWED)).push(((role, Counter::finished(outcome)), level));
     }
 }
 
@@ -348,7 +348,7 @@ pub fn note_finish(role: pg_sys::Oid, outcome: crate::core::Outcome) {
 pub fn note_renew(role: pg_sys::Oid) {
     let level = nest_level();
     // SAFETY: single-threaded backend state.
-    unsafe { (*std::ptr::addr_of_mut!(STATS_OWED)).push((role, Counter::Renewed, level)) };
+    unsafe { (*std::ptr::addr_of_mut!(STATS_OWED)).push(((role, Counter::Renewed), level)) };
 }
 
 #[pg_guard]
@@ -363,7 +363,7 @@ unsafe extern "C-unwind" fn xact_event(
         let owed = &mut *std::ptr::addr_of_mut!(STATS_OWED);
         match event {
             pg_sys::XactEvent::XACT_EVENT_COMMIT => {
-                for (role, counter, _) in owed.drain(..) {
+                for ((role, counter), _) in owed.drain(..) {
                     crate::stats::add(role, counter, 1);
                 }
             }
@@ -432,22 +432,25 @@ unsafe extern "C-unwind" fn subxact_event(
     unsafe {
         let finished = &mut *std::ptr::addr_of_mut!(FINISHED);
         let owed = &mut *std::ptr::addr_of_mut!(STATS_OWED);
-        let level = pg_sys::GetCurrentTransactionNestLevel();
-        match event {
-            // A rolled-back savepoint (or a caught error) undoes its finishes and renewals.
-            pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => {
-                finished.retain(|&(_, l)| l < level);
-                owed.retain(|&(_, _, l)| l < level);
+        // A rolled-back savepoint (or a caught error) undoes its finishes and renewals.
+        at_subxact_end(finished, event);
+        at_subxact_end(owed, event);
+    }
+}
+
+/// Keeps a list of what a transaction did, each item with the subtransaction nesting
+/// level that did it, in step with the subtransaction that ends: what a rolled-back
+/// one did is forgotten, what a committed one did becomes its parent's.
+pub fn at_subxact_end<T>(items: &mut Vec<(T, i32)>, event: pg_sys::SubXactEvent::Type) {
+    // SAFETY: a plain read of transaction state.
+    let level = unsafe { pg_sys::GetCurrentTransactionNestLevel() };
+    match event {
+        pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => items.retain(|(_, l)| *l < level),
+        pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => {
+            for item in items.iter_mut().filter(|i| i.1 >= level) {
+                item.1 = level - 1;
             }
-            pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => {
-                for f in finished.iter_mut().filter(|f| f.1 >= level) {
-                    f.1 = level - 1;
-                }
-                for o in owed.iter_mut().filter(|o| o.2 >= level) {
-                    o.2 = level - 1;
-                }
-            }
-            _ => {}
         }
+        _ => {}
     }
 }

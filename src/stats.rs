@@ -315,12 +315,7 @@ fn unpin(e: &Entry) {
 
 /// Runs `f` on the pinned entry of (db, role); creates the entry if `create` (taking
 /// the lock, and evicting if the table is full). False if there was none to use.
-fn with_entry(
-    db: pg_sys::Oid,
-    role: pg_sys::Oid,
-    create: bool,
-    f: impl FnOnce(&Entry),
-) -> bool {
+fn with_entry(db: pg_sys::Oid, role: pg_sys::Oid, create: bool, f: impl FnOnce(&Entry)) -> bool {
     if !crate::shmem::available() || header().n_entries == 0 {
         return false;
     }
@@ -651,7 +646,8 @@ fn load() {
     let h = header();
     h.reset_at.store(saved.reset_at, Ordering::Relaxed);
     h.evicted.store(saved.evicted, Ordering::Relaxed);
-    h.log_suppressed.store(saved.log_suppressed, Ordering::Relaxed);
+    h.log_suppressed
+        .store(saved.log_suppressed, Ordering::Relaxed);
     let n = entries().len();
     // Most recently used first, so that a smaller quota.stats_max keeps those; the
     // entries that no longer fit count as evicted.
@@ -690,8 +686,7 @@ unsafe extern "C-unwind" fn save_at_exit(code: i32, _arg: pg_sys::Datum) {
     if code != 0 || unsafe { HEADER.is_null() } {
         return;
     }
-    let clean = std::fs::read("global/pg_control")
-        .is_ok_and(|b| core_stats::shut_down_cleanly(&b));
+    let clean = std::fs::read("global/pg_control").is_ok_and(|b| core_stats::shut_down_cleanly(&b));
     if !clean {
         return;
     }
@@ -864,8 +859,7 @@ pub fn writer_rows() -> Vec<WriterRow> {
                 // SAFETY: the lock is held (shared); writers of the text hold it
                 // exclusively.
                 let e = unsafe { &*w.error.get() };
-                (e.len > 0)
-                    .then(|| (String::from_utf8_lossy(&e.text[..e.len]).into_owned(), e.at))
+                (e.len > 0).then(|| (String::from_utf8_lossy(&e.text[..e.len]).into_owned(), e.at))
             },
         })
         .collect()

@@ -1374,7 +1374,11 @@ fn sweep_expired_and_wake() {
     }
     crate::scopes::invalidate(&OVERFLOWED.with_borrow_mut(std::mem::take));
     for (role, ended, _) in swept {
-        crate::stats::add(role, crate::core::stats::Counter::Expired, ended.unsigned_abs());
+        crate::stats::add(
+            role,
+            crate::core::stats::Counter::Expired,
+            ended.unsigned_abs(),
+        );
         crate::waiters::wake(shmem::my_db(), role);
     }
 }

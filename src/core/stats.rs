@@ -109,7 +109,9 @@ pub fn refusal_log_line(
 /// The entries to evict from a full table: the `share` least recently used of
 /// `entries` (index, last use), at least one.
 pub fn victims(mut entries: Vec<(usize, i64)>, share_percent: usize) -> Vec<usize> {
-    let n = (entries.len() * share_percent / 100).max(1).min(entries.len());
+    let n = (entries.len() * share_percent / 100)
+        .max(1)
+        .min(entries.len());
     entries.sort_by_key(|&(i, last)| (last, i));
     entries.into_iter().take(n).map(|(i, _)| i).collect()
 }

@@ -11,7 +11,7 @@ SELECT p.oid::regprocedure AS function, p.prorettype::regtype AS returns,
        p.provolatile, p.prosecdef AS security_definer
   FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
  WHERE n.nspname = 'quota'
- ORDER BY 1::text;
+ ORDER BY p.oid::regprocedure::text COLLATE "C";
 
 -- No privileges on the tables for PUBLIC or any role but the owner; SELECT on the view
 -- only. (Listed per grantee rather than as relacl: the owner's privilege letters grow

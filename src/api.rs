@@ -162,11 +162,7 @@ fn renew(
 ) -> Result<pgrx::datum::TimestampWithTimeZone, ErrorReport> {
     let lease = lease.ok_or(QuotaError::NullArgument("lease"))?;
     let until = finish::renew(ticket, lease.into_datum().expect("an interval datum"))?;
-    // SAFETY: a timestamptz value is a valid datum of its type.
-    Ok(unsafe {
-        pgrx::datum::TimestampWithTimeZone::from_datum(pg_sys::Datum::from(until), false)
-            .expect("not null")
-    })
+    Ok(tstz(until))
 }
 
 // ---------------------------------------------------------------------------------
@@ -174,6 +170,7 @@ fn renew(
 // roles; these functions return oids.
 // ---------------------------------------------------------------------------------
 
+/// A timestamptz value as pgrx's type, for the functions that return one.
 fn tstz(t: i64) -> pgrx::datum::TimestampWithTimeZone {
     // SAFETY: a timestamptz value is a valid datum of its type.
     unsafe {

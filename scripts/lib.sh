@@ -313,12 +313,12 @@ wait_out() {  # wait_out NAME TEXT [SECONDS]: until the session printed TEXT
   timeout "${3:-10}" bash -c "until grep -q '$2' '$CL/$1.out' 2>/dev/null; do sleep 0.05; done"
 }
 
-# summary_matches_ledger: every summary row equals its role's ledger rows (a role
+# summary_matches_ledger [DB]: every summary row equals its role's ledger rows (a role
 # without a summary row is counted from the ledger, so a missing row is fine); prints
 # the roles that are off.
 summary_matches_ledger() {
   local off
-  off=$(sql -c "SELECT s.role::regrole || ': summary ' || s.tickets || ', ledger ' || coalesce(l.n, 0)
+  off=$(sql -d "${1:-postgres}" -c "SELECT s.role::regrole || ': summary ' || s.tickets || ', ledger ' || coalesce(l.n, 0)
                   FROM quota.summary s LEFT JOIN (SELECT role, count(*) AS n FROM quota.ledger GROUP BY role) l USING (role)
                  WHERE s.tickets IS DISTINCT FROM coalesce(l.n, 0)")
   [ -z "$off" ] || { echo "# $off" | tr '\n' ' '; echo; return 1; }

@@ -4,59 +4,10 @@
 -- Keep in step with sql/pg_quota--*--*.sql: scripts/test-upgrade checks that an
 -- upgraded install and a fresh one have the same catalog entries.
 
--- If the schema "quota" already existed, CREATE EXTENSION installs into it. Its owner
--- could then rename it, put look-alike tables in its place, and so bypass every
--- limit. Install only into a schema that a superuser owns, that only superusers may
--- create objects in, and that holds nothing yet.
-DO $guard$
-DECLARE
-    owner     pg_catalog.name;
-    super     boolean;
-    creators  pg_catalog.text;
-    objects   bigint;
-BEGIN
-    SELECT r.rolname, r.rolsuper INTO owner, super
-      FROM pg_catalog.pg_namespace n JOIN pg_catalog.pg_roles r ON r.oid OPERATOR(pg_catalog.=) n.nspowner
-     WHERE n.nspname OPERATOR(pg_catalog.=) 'quota';
-    IF NOT super THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'duplicate_schema',
-            MESSAGE = pg_catalog.format('schema "quota" already exists and is owned by role %I, which is not a superuser', owner),
-            DETAIL  = 'pg_quota installs into a schema of its own, which only superusers may own or change.',
-            HINT    = 'Drop or rename the existing schema "quota", then run CREATE EXTENSION pg_quota again.';
-    END IF;
-    SELECT pg_catalog.string_agg(CASE WHEN a.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
-                                      ELSE pg_catalog.quote_ident(r.rolname) END, ', ')
-      INTO creators
-      FROM pg_catalog.pg_namespace n,
-           LATERAL pg_catalog.aclexplode(n.nspacl) a
-           LEFT JOIN pg_catalog.pg_roles r ON r.oid OPERATOR(pg_catalog.=) a.grantee
-     WHERE n.nspname OPERATOR(pg_catalog.=) 'quota'
-       AND a.privilege_type OPERATOR(pg_catalog.=) 'CREATE'
-       AND NOT coalesce(r.rolsuper, false);
-    IF creators IS NOT NULL THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'duplicate_schema',
-            MESSAGE = pg_catalog.format('schema "quota" already exists and lets %s create objects in it', creators),
-            HINT    = 'Revoke CREATE on schema "quota" from every role that is not a superuser, or drop the schema, then run CREATE EXTENSION pg_quota again.';
-    END IF;
-    SELECT (SELECT pg_catalog.count(*) FROM pg_catalog.pg_class c
-             WHERE c.relnamespace OPERATOR(pg_catalog.=) 'quota'::pg_catalog.regnamespace)
-         OPERATOR(pg_catalog.+)
-           (SELECT pg_catalog.count(*) FROM pg_catalog.pg_proc p
-             WHERE p.pronamespace OPERATOR(pg_catalog.=) 'quota'::pg_catalog.regnamespace)
-         OPERATOR(pg_catalog.+)
-           (SELECT pg_catalog.count(*) FROM pg_catalog.pg_type t
-             WHERE t.typnamespace OPERATOR(pg_catalog.=) 'quota'::pg_catalog.regnamespace)
-      INTO objects;
-    IF objects OPERATOR(pg_catalog.>) 0 THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'duplicate_schema',
-            MESSAGE = 'schema "quota" already exists and is not empty',
-            HINT    = 'Move or drop the objects in schema "quota", then run CREATE EXTENSION pg_quota again.';
-    END IF;
-END
-$guard$;
+-- If a schema "quota" already existed, CREATE EXTENSION would install into it. The
+-- library refuses that unless a superuser owns it, only superusers may create objects
+-- in it and it is empty, before this script runs (src/guard.rs, in the ProcessUtility
+-- hook; the library is preloaded, or this script fails at its first C function).
 
 -- The ledger: one row per ticket. Only the ledger writer inserts and purges, and only
 -- quota.finish() updates, acting as the owner. Nobody else has any privilege on it (I5).
@@ -125,9 +76,12 @@ CREATE TRIGGER ledger_written AFTER INSERT OR UPDATE OR DELETE ON quota.ledger
     FOR EACH STATEMENT EXECUTE FUNCTION quota.ledger_written();
 CREATE TRIGGER ledger_truncated AFTER TRUNCATE ON quota.ledger
     FOR EACH STATEMENT EXECUTE FUNCTION quota.ledger_written();
--- Fire also under session_replication_role = replica (logical replication apply,
--- pg_restore --disable-triggers does not use it): pg_quota's counters rely on them
--- (src/scopes.rs) and are not used while they are missing or disabled.
+-- Fire also under session_replication_role = replica: pg_quota's counters rely on them
+-- (src/scopes.rs) and are not used while they are missing or disabled. From 0.3.1 the
+-- library keeps them so: ENABLE TRIGGER (ALL) sets them back to ENABLE ALWAYS, and any
+-- change to their state empties the summary (src/guard.rs). (Logical replication's
+-- apply worker fires no statement triggers at all: replicating pg_quota's tables into
+-- another server is not supported.)
 ALTER TABLE quota.ledger ENABLE ALWAYS TRIGGER ledger_written;
 ALTER TABLE quota.ledger ENABLE ALWAYS TRIGGER ledger_truncated;
 
@@ -143,16 +97,51 @@ $$;
 REVOKE ALL ON FUNCTION quota.summary_written() FROM PUBLIC;
 CREATE TRIGGER summary_written BEFORE INSERT OR UPDATE ON quota.summary
     FOR EACH ROW EXECUTE FUNCTION quota.summary_written();
+-- From 0.3.1 it fires under session_replication_role = replica too, as the ledger's do.
+ALTER TABLE quota.summary ENABLE ALWAYS TRIGGER summary_written;
+
+-- 0.3.1: pg_repack copies a table, replays what its row trigger "repack_trigger" logged
+-- meanwhile, and swaps. pg_quota's own writes fire no trigger, so every ticket committed
+-- during the copy was lost. A trigger of that name makes pg_repack skip the table before
+-- it copies anything (it takes it for the leftover of an interrupted run) and go on
+-- with the other tables. These two are disabled and do nothing. The library refuses
+-- any other trigger on pg_quota's tables, and DROP or RENAME of pg_quota's own
+-- (src/guard.rs).
+CREATE FUNCTION quota.repack_placeholder() RETURNS trigger
+    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN NULL;
+END
+$$;
+REVOKE ALL ON FUNCTION quota.repack_placeholder() FROM PUBLIC;
+CREATE TRIGGER repack_trigger AFTER INSERT ON quota.ledger
+    FOR EACH STATEMENT EXECUTE FUNCTION quota.repack_placeholder();
+ALTER TABLE quota.ledger DISABLE TRIGGER repack_trigger;
+CREATE TRIGGER repack_trigger AFTER INSERT ON quota.summary
+    FOR EACH STATEMENT EXECUTE FUNCTION quota.repack_placeholder();
+ALTER TABLE quota.summary DISABLE TRIGGER repack_trigger;
+COMMENT ON TRIGGER repack_trigger ON quota.ledger IS
+    'pg_quota: keeps pg_repack off this table, whose changes its trigger cannot see; see "Reclaiming space" in the user guide';
+COMMENT ON TRIGGER repack_trigger ON quota.summary IS
+    'pg_quota: keeps pg_repack off this table, whose changes its trigger cannot see; see "Reclaiming space" in the user guide';
 
 GRANT USAGE ON SCHEMA quota TO PUBLIC;
 
--- Usage per role, for the roles that have retained tickets. Superusers see every row,
--- other roles their own. "retained" uses the quota.retention of the reading session.
--- A ticket whose lease ran out counts as ended at its lease_until, whether or not the
--- ledger writer has written that down yet.
+-- 0.3.1: the reading session's quota.retention, from the library, so that quota.usage
+-- says "pg_quota must be loaded via shared_preload_libraries" (55000) where the library
+-- is not preloaded, as every function does, rather than that the setting is unknown.
+CREATE FUNCTION quota.current_retention() RETURNS interval
+    STABLE PARALLEL SAFE
+    LANGUAGE c AS 'MODULE_PATHNAME', 'current_retention_wrapper';
+
+-- Usage per role, for the roles that have retained tickets. A role sees the rows of
+-- the roles whose tickets it may finish: its own and those of roles it is a member of;
+-- superusers and members of pg_read_all_stats see every row. "retained" uses the
+-- quota.retention of the reading session. A ticket whose lease ran out counts as ended
+-- at its lease_until, whether or not the ledger writer has written that down yet.
 CREATE VIEW quota.usage WITH (security_barrier) AS
 WITH params AS (
-    SELECT pg_catalog.current_setting('quota.retention')::pg_catalog.interval AS retention,
+    SELECT quota.current_retention() AS retention,
            pg_catalog.now() AS now
 ), tickets AS (
     SELECT l.role,
@@ -161,11 +150,7 @@ WITH params AS (
            p.retention,
            p.now
       FROM quota.ledger l, params p
-     WHERE l.role::pg_catalog.oid OPERATOR(pg_catalog.=)
-             (SELECT r.oid FROM pg_catalog.pg_roles r
-               WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER)
-        OR (SELECT r.rolsuper FROM pg_catalog.pg_roles r
-             WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER)
+     WHERE pg_catalog.pg_has_role(CURRENT_USER, l.role::pg_catalog.oid, 'MEMBER')
         OR (SELECT pg_catalog.pg_has_role(CURRENT_USER, 'pg_read_all_stats', 'USAGE'))
 )
 SELECT t.role                                                        AS role,
@@ -179,10 +164,11 @@ SELECT t.role                                                        AS role,
 
 GRANT SELECT ON quota.usage TO PUBLIC;
 
--- The holders: one row per ticket in the ledger. Roles see their own tickets,
--- superusers all; a role can find its orphans here (after a cancelled start() or a
--- lost client) and finish them. pid is the backend that started the ticket. A
--- ticket whose lease ran out shows as ended at lease_until with outcome 'expired'.
+-- The holders: one row per ticket in the ledger. A role sees the tickets it may finish:
+-- its own and those of roles it is a member of; superusers and members of
+-- pg_read_all_stats see all (labels are shown as pg_stat_activity shows queries). pid
+-- is the backend that started the ticket. A ticket whose lease ran out shows as ended
+-- at lease_until with outcome 'expired'.
 CREATE VIEW quota.tickets WITH (security_barrier) AS
 SELECT l.id,
        l.role,
@@ -196,10 +182,7 @@ SELECT l.id,
        l.idempotency_key,
        l.pid
   FROM quota.ledger l
- WHERE l.role::pg_catalog.oid OPERATOR(pg_catalog.=)
-         (SELECT r.oid FROM pg_catalog.pg_roles r
-           WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER)
-    OR (SELECT r.rolsuper FROM pg_catalog.pg_roles r
-         WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER);
+ WHERE pg_catalog.pg_has_role(CURRENT_USER, l.role::pg_catalog.oid, 'MEMBER')
+    OR (SELECT pg_catalog.pg_has_role(CURRENT_USER, 'pg_read_all_stats', 'USAGE'));
 
 GRANT SELECT ON quota.tickets TO PUBLIC;

@@ -139,10 +139,12 @@ struct ScopeLock(pg_sys::LOCKTAG);
 
 impl ScopeLock {
     fn acquire(role: pg_sys::Oid) -> ScopeLock {
+        // The role is not in the tag as its OID: see shmem::scope_tag.
+        let (field2, field3) = shmem::scope_tag(shmem::my_db(), role);
         let tag = pg_sys::LOCKTAG {
             locktag_field1: u32::from(shmem::my_db()),
-            locktag_field2: u32::from(role),
-            locktag_field3: 0,
+            locktag_field2: field2,
+            locktag_field3: field3,
             locktag_field4: SCOPE_LOCK_FIELD4,
             locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
             locktag_lockmethodid: pg_sys::DEFAULT_LOCKMETHOD as u8,
@@ -434,12 +436,10 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
             let scope = (r.kind != RefusalKind::Database).then_some(role);
             earliest(counts::next_expiry(&reader.rels, &snap, scope, now), r.next)
         };
-        writer::nap(crate::core::lease::wait_ms(
-            now,
-            deadline,
-            next,
-            crate::waiters::POLL_MS,
-        ));
+        writer::nap(
+            crate::core::lease::wait_ms(now, deadline, next, crate::waiters::POLL_MS),
+            crate::compat::Wait::Capacity,
+        );
     }
 }
 
@@ -672,7 +672,7 @@ fn admit_under_lock(
         // gone, bring up a new one (or fail clearly) rather than wait for ever.
         drop(snap);
         drop(reader);
-        writer::nap(INFLIGHT_POLL_MS);
+        writer::nap(INFLIGHT_POLL_MS, crate::compat::Wait::InFlight);
         waited.check_writer();
     }
     writer::enqueue(fill);

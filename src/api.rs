@@ -142,6 +142,19 @@ fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool, Er
     Ok(finish::finish(ticket, outcome)?)
 }
 
+/// The session's quota.retention as an interval, for quota.usage (declared by hand in
+/// sql/schema.sql, which creates the view before pgrx's functions exist).
+#[pg_extern(stable, parallel_safe, sql = false)]
+fn current_retention() -> Interval {
+    admission::require_preloaded();
+    Interval::new(
+        0,
+        0,
+        crate::gucs::retention_secs().saturating_mul(1_000_000),
+    )
+    .expect("a retention in seconds is a valid interval")
+}
+
 /// Extends a ticket's lease to `lease` from now; returns the new expiry.
 #[pg_extern(
     volatile,
@@ -191,13 +204,19 @@ fn sees_all_stats() -> bool {
 }
 
 /// The statistics rows the caller may see: every row for superusers and members of
-/// pg_read_all_stats, otherwise those of its current_user.
+/// pg_read_all_stats, otherwise those of the roles whose tickets it may finish (its
+/// current_user and the roles it is a member of), as in quota.tickets and quota.usage.
 fn visible_stats() -> Vec<crate::stats::Row> {
     admission::require_preloaded();
     let all = sees_all_stats();
     // SAFETY: a plain read of backend state.
-    let me = u32::from(unsafe { pg_sys::GetUserId() });
-    crate::stats::rows(|role| all || role == me)
+    let me = unsafe { pg_sys::GetUserId() };
+    crate::stats::rows(|role| {
+        all || role == u32::from(me)
+            // SAFETY: a membership lookup in the backend's role cache; role 0 (the
+            // rows of roles no longer listed) is nobody's.
+            || (role != 0 && unsafe { pg_sys::is_member_of_role(me, pg_sys::Oid::from(role)) })
+    })
 }
 
 /// The rows of quota.stats the caller may see.

@@ -272,3 +272,72 @@ pub unsafe fn pqsignal(signo: i32, handler: pg_sys::pqsigfunc) {
         }
     }
 }
+
+/// The session timeouts a background worker can inherit from `ALTER DATABASE|ROLE …
+/// SET` and that would end it or its transactions: the ledger writer sets each to 0.
+/// PostgreSQL 17 added transaction_timeout, which, unlike statement_timeout, is armed
+/// in background workers too (StartTransaction) and ends them with FATAL.
+#[cfg(any(feature = "pg15", feature = "pg16"))]
+pub const SESSION_TIMEOUTS: &[&std::ffi::CStr] =
+    &[c"statement_timeout", c"idle_in_transaction_session_timeout"];
+#[cfg(not(any(feature = "pg15", feature = "pg16")))]
+pub const SESSION_TIMEOUTS: &[&std::ffi::CStr] = &[
+    c"statement_timeout",
+    c"idle_in_transaction_session_timeout",
+    c"transaction_timeout",
+];
+
+/// What a pg_quota process waits for, as pg_stat_activity names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// A start() waiting for its ledger writer to answer.
+    WriterReply,
+    /// A start() waiting for capacity (its `wait` argument).
+    Capacity,
+    /// A start() waiting, under its scope lock, for requests of its scope that the
+    /// writer has not answered yet.
+    InFlight,
+    /// The ledger writer waiting for requests.
+    WriterMain,
+    /// A new ledger writer waiting for its predecessor to leave.
+    WriterStart,
+    /// DROP DATABASE waiting for the database's ledger writer to be gone.
+    WriterExit,
+}
+
+/// The wait event to report for `w`. From PostgreSQL 17 each has a name of its own
+/// in pg_stat_activity (WaitEventExtensionNew; wait_event_type "Extension"), so that a
+/// DBA tells a quota wait from any other; through 16 all are "Extension".
+pub fn wait_event(w: Wait) -> u32 {
+    #[cfg(any(feature = "pg15", feature = "pg16"))]
+    {
+        let _ = w;
+        pg_sys::PG_WAIT_EXTENSION
+    }
+    #[cfg(not(any(feature = "pg15", feature = "pg16")))]
+    {
+        const NAMES: [(Wait, &std::ffi::CStr); 6] = [
+            (Wait::WriterReply, c"QuotaWriterReply"),
+            (Wait::Capacity, c"QuotaCapacity"),
+            (Wait::InFlight, c"QuotaInFlight"),
+            (Wait::WriterMain, c"QuotaWriterMain"),
+            (Wait::WriterStart, c"QuotaWriterStart"),
+            (Wait::WriterExit, c"QuotaWriterExit"),
+        ];
+        // Backend-local cache of the ids the shared registry gave out: a lookup there
+        // takes a lock, and a backend runs one thread.
+        static mut IDS: [u32; 6] = [0; 6];
+        let k = NAMES
+            .iter()
+            .position(|(n, _)| *n == w)
+            .expect("every wait is named");
+        // SAFETY: single-threaded backend state; WaitEventExtensionNew returns the same
+        // id for the same name in every process (a shared hash table).
+        unsafe {
+            if IDS[k] == 0 {
+                IDS[k] = pg_sys::WaitEventExtensionNew(NAMES[k].1.as_ptr());
+            }
+            IDS[k]
+        }
+    }
+}

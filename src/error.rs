@@ -22,6 +22,10 @@ fn errcode(s: Sqlstate) -> PgSqlErrorCode {
         Sqlstate::OperatorIntervention => PgSqlErrorCode::ERRCODE_OPERATOR_INTERVENTION,
         Sqlstate::LockNotAvailable => PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE,
         Sqlstate::FeatureNotSupported => PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+        Sqlstate::DependentObjectsStillExist => {
+            PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST
+        }
+        Sqlstate::DuplicateSchema => PgSqlErrorCode::ERRCODE_DUPLICATE_SCHEMA,
     }
 }
 

@@ -48,6 +48,17 @@ unsafe extern "C-unwind" fn object_access(
         if let Some(prev) = PREV_OBJECT_ACCESS_HOOK {
             prev(access, class_id, object_id, sub_id, arg);
         }
+        if class_id == pg_sys::TriggerRelationId {
+            // CREATE TRIGGER on pg_quota's tables is refused; a change to its own
+            // triggers' state is acted on after the command (see guard.rs).
+            if access == pg_sys::ObjectAccessType::OAT_POST_CREATE {
+                crate::guard::trigger_created(object_id);
+            } else if access == pg_sys::ObjectAccessType::OAT_POST_ALTER {
+                ensure_callbacks();
+                crate::guard::trigger_altered(object_id);
+            }
+            return;
+        }
         if access == pg_sys::ObjectAccessType::OAT_POST_ALTER
             && class_id == pg_sys::ExtensionRelationId
         {
@@ -64,9 +75,12 @@ unsafe extern "C-unwind" fn object_access(
         if access != pg_sys::ObjectAccessType::OAT_DROP {
             return;
         }
-        // dropdb() runs this hook before it counts the sessions still connected.
+        // dropdb() runs this hook before it terminates (WITH (FORCE)) and counts the
+        // sessions still connected. The writer must be gone by then, not merely asked
+        // to leave: FORCE terminates sessions with the dropping user's rights, and a
+        // database owner who is not a superuser has none over a background worker.
         if class_id == pg_sys::DatabaseRelationId {
-            crate::writer::request_exit(object_id, true);
+            crate::writer::stop(object_id);
             crate::scopes::forget(object_id, None);
             note_dropped(None, Some(object_id));
         } else if class_id == pg_sys::ExtensionRelationId {
@@ -85,13 +99,9 @@ unsafe extern "C-unwind" fn object_access(
 /// quota.stats hear of it when the transaction commits, not before: until then the
 /// role still exists for them.
 fn note_dropped(role: Option<pg_sys::Oid>, db: Option<pg_sys::Oid>) {
-    // SAFETY: single-threaded backend state; the callbacks are registered once.
+    ensure_callbacks();
+    // SAFETY: single-threaded backend state.
     unsafe {
-        if !XACT_CALLBACK_REGISTERED {
-            pg_sys::RegisterXactCallback(Some(xact_event), std::ptr::null_mut());
-            pg_sys::RegisterSubXactCallback(Some(subxact_event), std::ptr::null_mut());
-            XACT_CALLBACK_REGISTERED = true;
-        }
         let level = pg_sys::GetCurrentTransactionNestLevel();
         if let Some(r) = role {
             (*std::ptr::addr_of_mut!(DROPPED_ROLES)).push((r, level));
@@ -102,11 +112,26 @@ fn note_dropped(role: Option<pg_sys::Oid>, db: Option<pg_sys::Oid>) {
     }
 }
 
+/// Registers this module's transaction callbacks, once per backend.
+fn ensure_callbacks() {
+    // SAFETY: single-threaded backend state; the callbacks are registered once.
+    unsafe {
+        if !XACT_CALLBACK_REGISTERED {
+            pg_sys::RegisterXactCallback(Some(xact_event), std::ptr::null_mut());
+            pg_sys::RegisterSubXactCallback(Some(subxact_event), std::ptr::null_mut());
+            XACT_CALLBACK_REGISTERED = true;
+        }
+    }
+}
+
 #[pg_guard]
 unsafe extern "C-unwind" fn xact_event(
     event: pg_sys::XactEvent::Type,
     _arg: *mut std::ffi::c_void,
 ) {
+    if event == pg_sys::XactEvent::XACT_EVENT_ABORT {
+        crate::guard::at_abort();
+    }
     // SAFETY: single-threaded backend state; the shared counter is atomic.
     unsafe {
         let roles = &mut *std::ptr::addr_of_mut!(DROPPED_ROLES);
@@ -255,9 +280,20 @@ unsafe fn option(
 #[pg_guard]
 unsafe extern "C-unwind" fn before_utility(pstmt: *mut pg_sys::PlannedStmt) {
     // SAFETY: we only read the parse tree.
-    if let Some(db) = unsafe { database_needed_alone((*pstmt).utilityStmt) } {
-        crate::writer::request_exit(db, false);
+    unsafe {
+        let node = (*pstmt).utilityStmt;
+        if let Some(db) = database_needed_alone(node) {
+            crate::writer::request_exit(db, false);
+        }
+        crate::guard::before_utility(node);
     }
+}
+
+/// After a utility command that succeeded: see guard::after_utility. Guarded, as
+/// `before_utility`.
+#[pg_guard]
+unsafe extern "C-unwind" fn after_utility() {
+    crate::guard::after_utility();
 }
 
 unsafe extern "C-unwind" {
@@ -318,5 +354,6 @@ unsafe extern "C-unwind" fn process_utility(
                 qc,
             ),
         }
+        after_utility();
     }
 }

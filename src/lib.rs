@@ -13,6 +13,7 @@ mod compat;
 mod counts;
 mod error;
 mod finish;
+mod guard;
 mod gucs;
 mod heap;
 mod hooks;

@@ -235,10 +235,14 @@ pub fn publish(changes: &[(pg_sys::Oid, i64, i64)]) -> Vec<pg_sys::Oid> {
     overflow
 }
 
-/// After this backend's transaction ended: applies its published changes if it
-/// committed (those a rebuild absorbed are not applied again), and clears them.
-/// Never raises an error: it runs inside commit.
-pub fn apply_mine(committed: bool) {
+/// After a transaction of this backend ended: applies each of its published changes
+/// whose transaction committed (those a rebuild absorbed are not applied again), and
+/// clears them all. Each change is judged by the transaction id it was published with,
+/// not by what the caller believes ended: the writer's exit callback cannot know
+/// whether its last change was a batch's or the expiry sweep's, and a transaction
+/// still in progress (a FATAL in the middle of it) has not committed. Never raises an
+/// error: it runs inside commit.
+pub fn apply_mine() {
     if !shmem::available() {
         return;
     }
@@ -260,7 +264,14 @@ pub fn apply_mine(committed: bool) {
                 Ordering::Acquire,
             )
             .is_ok();
-        if set && committed {
+        // SAFETY: a commit log lookup of a transaction that has ended or is ours.
+        let committed = set
+            && unsafe {
+                pg_sys::TransactionIdDidCommit(pg_sys::TransactionId::from_inner(
+                    p.xid.load(Ordering::Relaxed),
+                ))
+            };
+        if committed {
             if let Some(e) = find(p.db.load(Ordering::Relaxed), p.role.load(Ordering::Relaxed)) {
                 e.active
                     .fetch_add(p.d_active.load(Ordering::Relaxed), Ordering::AcqRel);
@@ -397,7 +408,7 @@ unsafe extern "C-unwind" fn xact_event(
                 .report(PgLogLevel::ERROR);
             }
             pg_sys::XactEvent::XACT_EVENT_COMMIT => {
-                apply_mine(true);
+                apply_mine();
                 invalidate(overflow);
                 // Freed slots: starts waiting in this scope or for the database cap
                 // look again (see waiters.rs).
@@ -412,7 +423,7 @@ unsafe extern "C-unwind" fn xact_event(
                 overflow.clear();
             }
             pg_sys::XactEvent::XACT_EVENT_ABORT => {
-                apply_mine(false);
+                apply_mine();
                 finished.clear();
                 overflow.clear();
             }

@@ -140,6 +140,9 @@ struct Header {
     wait_seq: AtomicU64,
     /// How many backends are in the line of waiting starts right now.
     waiting: AtomicU64,
+    /// Random bytes drawn when the server starts, which the scope lock's tag is made
+    /// from (see `scope_tag`).
+    secret: [u64; 2],
 }
 
 const SHMEM_NAME: &CStr = c"pg_quota";
@@ -217,6 +220,12 @@ unsafe extern "C-unwind" fn shmem_startup() {
             (*header).scope_lock = &mut (*locks.add(1)).lock;
             (*header).n_writers = n_writers;
             (*header).n_slots = n_slots;
+            if !pg_sys::pg_strong_random(
+                (*header).secret.as_mut_ptr().cast(),
+                std::mem::size_of::<[u64; 2]>(),
+            ) {
+                pgrx::error!("pg_quota: could not generate random bytes for its lock tags");
+            }
             for i in 0..n_writers {
                 (*writer_ptr(header, i)).procno = -1;
             }
@@ -325,6 +334,23 @@ pub fn wait_seq() -> &'static AtomicU64 {
 pub fn scope_lock() -> *mut pg_sys::LWLock {
     // SAFETY: set at startup.
     unsafe { (*header()).scope_lock }
+}
+
+/// The two lock tag fields that stand for scope (db, role) in the scope lock: a keyed
+/// hash of the pair, the key drawn at server start. pg_locks, which every role can
+/// read, shows lock tags; the role's OID there would tell any tenant which roles are
+/// being admitted right now, which the rest of pg_quota shows no tenant. Two scopes
+/// whose hashes collide (a chance of one in 2^64) would only share a lock.
+pub fn scope_tag(db: pg_sys::Oid, role: pg_sys::Oid) -> (u32, u32) {
+    use std::hash::{Hash, Hasher};
+    // DefaultHasher::new() is SipHash with fixed keys, the same in every process of
+    // this build; the secret, hashed first, is what keys it.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    // SAFETY: the header lives as long as the server; the secret never changes.
+    unsafe { (*header()).secret }.hash(&mut h);
+    (u32::from(db), u32::from(role)).hash(&mut h);
+    let v = h.finish();
+    (v as u32, (v >> 32) as u32)
 }
 
 /// Holds the writer-table LWLock; released on drop, including during an unwind.

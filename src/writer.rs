@@ -50,6 +50,12 @@ const TWIN_GUARD_WAIT: Duration = Duration::from_secs(5);
 /// The writer never waits longer than this for a lock: a caller holding a lock the
 /// writer needs would otherwise deadlock with it unseen by the deadlock detector.
 const WRITER_LOCK_TIMEOUT: &std::ffi::CStr = c"5s";
+/// How often the writer tries again to purge the tickets of dropped roles after a
+/// purge failed (a lock held by maintenance, say).
+const PURGE_RETRY: Duration = Duration::from_secs(1);
+/// How long DROP DATABASE waits for the database's writer to leave by itself before it
+/// terminates it, and as long again for it to be gone (see `stop`).
+const STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// The twin guard: a session lock that only one writer per database can hold. Its
 /// field4 is private to pg_quota, so no SQL advisory lock call can produce it (I4).
@@ -165,16 +171,16 @@ pub fn inflight_db() -> i64 {
         .count() as i64
 }
 
-/// Sleeps up to `ms` milliseconds on our latch, then checks for interrupts. Returns
-/// true if the time ran out, false if the latch was set.
-pub fn nap(ms: i64) -> bool {
+/// Sleeps up to `ms` milliseconds on our latch, reporting `wait` meanwhile, then checks
+/// for interrupts. Returns true if the time ran out, false if the latch was set.
+pub fn nap(ms: i64, wait: compat::Wait) -> bool {
     // SAFETY: our own latch; WL_EXIT_ON_PM_DEATH ends us with the postmaster.
     let rc = unsafe {
         let rc = pg_sys::WaitLatch(
             pg_sys::MyLatch,
             (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
             ms,
-            pg_sys::PG_WAIT_EXTENSION,
+            compat::wait_event(wait),
         );
         pg_sys::ResetLatch(pg_sys::MyLatch);
         rc
@@ -315,7 +321,7 @@ pub fn wait() -> Answer {
             std::mem::forget(guard);
             return take_reply(slot);
         }
-        nap(POLL_MS);
+        nap(POLL_MS, compat::Wait::WriterReply);
         if load_state(slot) != SLOT_DONE {
             patience.check_writer();
         }
@@ -357,7 +363,7 @@ fn reclaim(slot: &'static Slot) {
                 withdraw_mine();
             }
             _ => {
-                nap(POLL_MS);
+                nap(POLL_MS, compat::Wait::WriterReply);
             }
         }
     }
@@ -566,9 +572,9 @@ pub extern "C-unwind" fn pg_quota_writer_main(arg: pg_sys::Datum) {
     configure_session();
     // Before anything is admitted: tickets of roles dropped while no writer ran.
     let roles_dropped = shmem::roles_dropped().load(Ordering::Acquire);
-    purge_dropped_roles_and_counters();
+    let purge_due = (!purge_dropped_roles_and_counters()).then(|| Instant::now() + PURGE_RETRY);
     try_in_transaction("rebuild the summary", rebuild_summary);
-    main_loop(idx, db, roles_dropped);
+    main_loop(idx, db, roles_dropped, purge_due);
 }
 
 /// The tag of the twin guard of database `db`. It lives in the user lock method, as
@@ -609,7 +615,7 @@ fn take_twin_guard(db: pg_sys::Oid) -> bool {
         if began.elapsed() >= TWIN_GUARD_WAIT {
             return false;
         }
-        nap(50);
+        nap(50, compat::Wait::WriterStart);
     }
 }
 
@@ -636,6 +642,12 @@ fn configure_session() {
         }
     };
     set(c"lock_timeout", WRITER_LOCK_TIMEOUT);
+    // A database's or role's timeouts reach background workers too (PostgreSQL 17's
+    // transaction_timeout ends the worker with FATAL). The writer bounds its own waits
+    // with lock_timeout and fails just the batch; nothing else may end it.
+    for name in crate::compat::SESSION_TIMEOUTS {
+        set(name, c"0");
+    }
     set(c"search_path", c"pg_catalog, pg_temp");
     // The writer's exact count relies on a fresh snapshot per batch, and it never
     // takes part in SSI.
@@ -645,12 +657,13 @@ fn configure_session() {
     unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_IDLE, std::ptr::null()) };
 }
 
-fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64) {
+fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64, mut purge_due: Option<Instant>) {
     let mut last_work = Instant::now();
     let mut last_sweep = Instant::now() - SWEEP_EVERY;
     // A role drop is purged twice: at once, and a second later. The dropping backend
     // wakes us before it sends its catalog invalidations, so the first purge may still
-    // see the role in our syscache.
+    // see the role in our syscache. A purge that fails is tried again every
+    // PURGE_RETRY until one commits.
     let mut purge_again: Option<Instant> = None;
     loop {
         // SAFETY: our own latch; reset before looking for work so no wake-up is lost.
@@ -675,11 +688,15 @@ fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64) {
             return;
         }
         let dropped = shmem::roles_dropped().load(Ordering::Acquire);
-        if dropped != roles_dropped || purge_again.is_some_and(|t| Instant::now() >= t) {
-            purge_again =
-                (dropped != roles_dropped).then(|| Instant::now() + Duration::from_secs(1));
+        let due = |t: Option<Instant>| t.is_some_and(|t| Instant::now() >= t);
+        if dropped != roles_dropped || due(purge_again) || due(purge_due) {
+            if dropped != roles_dropped {
+                purge_again = Some(Instant::now() + Duration::from_secs(1));
+            } else if due(purge_again) {
+                purge_again = None;
+            }
             roles_dropped = dropped;
-            purge_dropped_roles_and_counters();
+            purge_due = (!purge_dropped_roles_and_counters()).then(|| Instant::now() + PURGE_RETRY);
         }
         if w.rebuild_summary.swap(false, Ordering::AcqRel) {
             try_in_transaction("rebuild the summary", rebuild_summary);
@@ -708,7 +725,7 @@ fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64) {
                 pg_sys::MyLatch,
                 (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
                 POLL_MS,
-                pg_sys::PG_WAIT_EXTENSION,
+                compat::wait_event(compat::Wait::WriterMain),
             );
         }
     }
@@ -834,7 +851,7 @@ fn process(batch: Vec<usize>) {
             });
             // Before anyone is answered: a caller that no longer counts its request as
             // in flight must find it in the counter.
-            crate::scopes::apply_mine(true);
+            crate::scopes::apply_mine();
             crate::scopes::invalidate(&overflow);
             Ok(())
         })
@@ -854,7 +871,7 @@ fn process(batch: Vec<usize>) {
                     BATCH_XID = pg_sys::InvalidTransactionId;
                 }
                 crate::stats::writer_error(&msg);
-                crate::scopes::apply_mine(false);
+                crate::scopes::apply_mine();
                 let cancelled = code == PgSqlErrorCode::ERRCODE_QUERY_CANCELED as i32;
                 if cancelled && retries < MAX_CANCEL_RETRIES {
                     QUEUED.with_borrow_mut(|q| q.extend(&group));
@@ -1367,7 +1384,7 @@ fn sweep_expired_and_wake() {
     SWEPT.with_borrow_mut(Vec::clear);
     OVERFLOWED.with_borrow_mut(Vec::clear);
     let committed = try_in_transaction("end expired tickets", sweep_expired);
-    crate::scopes::apply_mine(committed);
+    crate::scopes::apply_mine();
     let swept = SWEPT.with_borrow_mut(std::mem::take);
     if !committed {
         return;
@@ -1505,21 +1522,20 @@ thread_local! {
 }
 
 /// `purge_dropped_roles` in a transaction of its own, then forgets the counters of the
-/// roles it purged.
-fn purge_dropped_roles_and_counters() {
+/// roles it purged. Returns whether the purge committed.
+fn purge_dropped_roles_and_counters() -> bool {
     DROPPED.with_borrow_mut(Vec::clear);
-    try_in_transaction("purge the tickets of dropped roles", purge_dropped_roles);
+    let committed = try_in_transaction("purge the tickets of dropped roles", purge_dropped_roles);
     let gone = DROPPED.with_borrow_mut(std::mem::take);
-    if !gone.is_empty() {
+    if committed && !gone.is_empty() {
         crate::scopes::forget(shmem::my_db(), Some(&gone));
     }
+    committed
 }
 
-/// Runs `f` in a transaction of its own. A failure (a lock held too long by
-/// maintenance, say) is logged and does not stop the writer: admissions go on, and the
-/// work is tried again on the next occasion.
-/// Runs `f` in a transaction of its own; returns whether it committed. A failure is
-/// logged as a warning, and the writer goes on.
+/// Runs `f` in a transaction of its own; returns whether it committed. A failure (a
+/// lock held too long by maintenance, say) is logged as a warning and does not stop
+/// the writer: admissions go on, and the caller says when the work is tried again.
 fn try_in_transaction(what: &str, f: fn()) -> bool {
     let failed = PgTryBuilder::new(|| {
         in_transaction(f);
@@ -1677,8 +1693,10 @@ unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
         release_twin_guard(db);
         let committed =
             BATCH_XID != pg_sys::InvalidTransactionId && pg_sys::TransactionIdDidCommit(BATCH_XID);
-        // Before the table lock: the scope lock is never taken while holding it.
-        crate::scopes::apply_mine(committed);
+        // Before the table lock: the scope lock is never taken while holding it. Each
+        // published change is judged by its own transaction: the last one may have been
+        // the expiry sweep's, not the batch's.
+        crate::scopes::apply_mine();
         let _lock = shmem::TableLock::acquire();
         let hand_back = |i: usize, done: bool| {
             let s = shmem::slot(i);
@@ -1730,6 +1748,57 @@ pub fn request_exit(db: pg_sys::Oid, force: bool) {
         if let Ok(p) = usize::try_from(w.procno) {
             shmem::wake(p);
         }
+    }
+}
+
+/// Makes the writer of database `db` leave and waits until its process is gone, for
+/// DROP DATABASE (hooks.rs). WITH (FORCE), PostgreSQL then terminates the database's
+/// other sessions with the dropping user's rights; those do not reach a background
+/// worker unless the user is a superuser, so the writer must be gone before the hook
+/// returns, not merely asked to leave. The writer leaves at its next look around
+/// (within a batch's lock wait at worst); after STOP_WAIT it is terminated. A writer
+/// that has not connected yet is not waited for: it cannot connect while the drop holds
+/// the database's lock, and finds the database gone afterwards.
+pub fn stop(db: pg_sys::Oid) {
+    if !shmem::available() {
+        return;
+    }
+    let handle = {
+        let _lock = shmem::TableLock::acquire();
+        let Some(i) = shmem::writer_of(db) else {
+            return;
+        };
+        let w = shmem::writer(i);
+        w.exit_requested.store(true, Ordering::Release);
+        let Ok(p) = usize::try_from(w.procno) else {
+            return;
+        };
+        shmem::wake(p);
+        w.handle
+    };
+    let began = Instant::now();
+    let mut terminated = false;
+    loop {
+        let mut pid = 0;
+        let mut h = handle;
+        // SAFETY: `h` has the layout of BackgroundWorkerHandle (see WorkerHandle); the
+        // postmaster's slot generation tells a reused slot apart.
+        let status = unsafe {
+            pg_sys::GetBackgroundWorkerPid(&mut h as *mut WorkerHandle as *mut _, &mut pid)
+        };
+        if status == pg_sys::BgwHandleStatus::BGWH_STOPPED
+            || status == pg_sys::BgwHandleStatus::BGWH_POSTMASTER_DIED
+            || began.elapsed() >= STOP_WAIT * 2
+        {
+            // Gone; or, at worst, PostgreSQL's own check reports the session left.
+            return;
+        }
+        if !terminated && began.elapsed() >= STOP_WAIT {
+            // SAFETY: as above; the postmaster sends the worker SIGTERM.
+            unsafe { pg_sys::TerminateBackgroundWorker(&mut h as *mut WorkerHandle as *mut _) };
+            terminated = true;
+        }
+        nap(10, compat::Wait::WriterExit);
     }
 }
 

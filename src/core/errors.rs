@@ -25,8 +25,13 @@ pub enum Sqlstate {
     OperatorIntervention,
     /// 55P03: a table pg_quota needs is locked by maintenance for too long.
     LockNotAvailable,
-    /// 0A000: an index or constraint on pg_quota's tables that it cannot maintain.
+    /// 0A000: an index, constraint or trigger on pg_quota's tables that it cannot
+    /// maintain or honour.
     FeatureNotSupported,
+    /// 2BP01: dropping a trigger that pg_quota's tables rely on.
+    DependentObjectsStillExist,
+    /// 42P06: CREATE EXTENSION into a schema "quota" that pg_quota cannot trust.
+    DuplicateSchema,
 }
 
 impl Sqlstate {
@@ -42,6 +47,8 @@ impl Sqlstate {
             Sqlstate::OperatorIntervention => "57000",
             Sqlstate::LockNotAvailable => "55P03",
             Sqlstate::FeatureNotSupported => "0A000",
+            Sqlstate::DependentObjectsStillExist => "2BP01",
+            Sqlstate::DuplicateSchema => "42P06",
         }
     }
 }
@@ -112,6 +119,30 @@ pub enum QuotaError {
         index: String,
         what: &'static str,
     },
+    /// A trigger on one of pg_quota's tables, which pg_quota's writes would never fire
+    /// (see guard.rs).
+    #[error("cannot create trigger \"{trigger}\" on table \"{table}\"")]
+    TriggerRefused { table: String, trigger: String },
+    /// CREATE EXTENSION pg_quota while a schema "quota" exists that a role other than
+    /// a superuser owns (`owner`, quoted as an identifier).
+    #[error(
+        "schema \"quota\" already exists and is owned by role {owner}, which is not a superuser"
+    )]
+    SchemaNotOurs { owner: String },
+    /// … that roles other than superusers may create objects in (`creators`, quoted).
+    #[error("schema \"quota\" already exists and lets {creators} create objects in it")]
+    SchemaOpen { creators: String },
+    /// … that already holds objects.
+    #[error("schema \"quota\" already exists and is not empty")]
+    SchemaNotEmpty,
+    /// DROP TRIGGER or ALTER TRIGGER … RENAME of one of pg_quota's own triggers.
+    #[error("cannot {action} trigger \"{trigger}\" on table \"{table}\" because extension pg_quota requires it")]
+    TriggerRequired {
+        table: String,
+        trigger: String,
+        /// "drop" or "rename".
+        action: &'static str,
+    },
 }
 
 fn tickets(n: i64) -> &'static str {
@@ -123,21 +154,54 @@ fn tickets(n: i64) -> &'static str {
 }
 
 fn refusal_message(role: &str, database: &str, r: &Refusal) -> String {
-    let (n, what, guc) = match r.kind {
-        RefusalKind::Active => (r.usage.active, "active", "quota.max_active_per_role"),
-        RefusalKind::Retained => (r.usage.retained, "retained", "quota.max_retained_per_role"),
-        RefusalKind::Database => {
-            let n = r.usage.db_active;
-            return format!(
-                "database \"{database}\" has {n} active {}, the limit set by quota.max_active_per_database",
-                tickets(n)
-            );
-        }
+    let (n, what, limit, guc) = match r.kind {
+        RefusalKind::Active => (
+            r.usage.active,
+            "active",
+            r.limits.max_active,
+            "quota.max_active_per_role",
+        ),
+        RefusalKind::Retained => (
+            r.usage.retained,
+            "retained",
+            r.limits.max_retained,
+            "quota.max_retained_per_role",
+        ),
+        RefusalKind::Database => (
+            r.usage.db_active,
+            "active",
+            r.limits.max_db,
+            "quota.max_active_per_database",
+        ),
     };
-    format!(
-        "role \"{role}\" has {n} {what} {}, the limit set by {guc}",
-        tickets(n)
-    )
+    let who = match r.kind {
+        RefusalKind::Database => format!("database \"{database}\""),
+        _ => format!("role \"{role}\""),
+    };
+    // Earlier starts still waiting in line take the next free slots; they are not
+    // tickets yet, so they are named apart from the count.
+    let waiting = match r.usage.ahead {
+        0 => String::new(),
+        1 => " and 1 earlier start waiting for capacity".to_string(),
+        a => format!(" and {a} earlier starts waiting for capacity"),
+    };
+    // A scope can hold more than a session's limit: sessions of one role may run with
+    // different limits, and a superuser may have written tickets by hand.
+    let reached = if n + r.usage.ahead > limit {
+        format!("more than the limit of {limit} set by {guc}")
+    } else {
+        format!("the limit set by {guc}")
+    };
+    format!("{who} has {n} {what} {}{waiting}, {reached}", tickets(n))
+}
+
+/// "3 of 5", "3 of unlimited", or, for a count above its limit, "3, over the limit of 2".
+fn count_of(n: i64, limit: i64) -> String {
+    if limit > 0 && n > limit {
+        format!("{n}, over the limit of {limit}")
+    } else {
+        format!("{n} of {}", limit_text(limit))
+    }
 }
 
 fn limit_text(limit: i64) -> String {
@@ -171,7 +235,19 @@ impl QuotaError {
             | QuotaError::NotExtensionMember { .. }
             | QuotaError::BadShape { .. } => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::LockTimeout { .. } => Sqlstate::LockNotAvailable,
-            QuotaError::UnsupportedIndex { .. } => Sqlstate::FeatureNotSupported,
+            QuotaError::SchemaNotOurs { .. }
+            | QuotaError::SchemaOpen { .. }
+            | QuotaError::SchemaNotEmpty => Sqlstate::DuplicateSchema,
+            QuotaError::UnsupportedIndex { .. } | QuotaError::TriggerRefused { .. } => {
+                Sqlstate::FeatureNotSupported
+            }
+            QuotaError::TriggerRequired { action, .. } => {
+                if *action == "drop" {
+                    Sqlstate::DependentObjectsStillExist
+                } else {
+                    Sqlstate::FeatureNotSupported
+                }
+            }
         }
     }
 
@@ -180,24 +256,24 @@ impl QuotaError {
             QuotaError::Refused { refusal: r, .. } => {
                 let counts = if r.kind == RefusalKind::Database {
                     format!(
-                        "Active tickets in the database, all roles together: {} of {}. Active tickets of this role: {}.",
-                        r.usage.db_active, r.limits.max_db, r.usage.active,
+                        "Active tickets in the database, all roles together: {}. Active tickets of this role: {}.",
+                        count_of(r.usage.db_active, r.limits.max_db),
+                        r.usage.active,
                     )
                 } else {
                     format!(
-                        "Active tickets: {} of {}. Retained tickets: {} of {}.",
-                        r.usage.active,
-                        limit_text(r.limits.max_active),
-                        r.usage.retained,
-                        limit_text(r.limits.max_retained),
+                        "Active tickets: {}. Retained tickets: {}.",
+                        count_of(r.usage.active, r.limits.max_active),
+                        count_of(r.usage.retained, r.limits.max_retained),
                     )
                 };
                 Some(match r.usage.ahead {
                     0 => counts,
+                    1 => format!(
+                        "{counts} 1 earlier start() is still waiting for capacity and goes first."
+                    ),
                     n => format!(
-                        "{counts} The counts include {n} earlier {} still waiting for capacity, which {} first.",
-                        if n == 1 { "start()" } else { "starts" },
-                        if n == 1 { "goes" } else { "go" },
+                        "{counts} {n} earlier starts are still waiting for capacity and go first."
                     ),
                 })
             }
@@ -233,6 +309,18 @@ impl QuotaError {
             )),
             QuotaError::UnknownTicket(_) => Some(
                 "It was never issued in this database, or it ended longer ago than quota.retention and was purged."
+                    .to_string(),
+            ),
+            QuotaError::SchemaNotOurs { .. } => Some(
+                "pg_quota installs into a schema of its own, which only superusers may own or change."
+                    .to_string(),
+            ),
+            QuotaError::TriggerRefused { .. } => Some(
+                "pg_quota writes its tables below SQL, where no trigger fires: a tool that copies a table through a trigger (pg_repack, an audit or replication trigger) would lose tickets, and a foreign key to it would go unchecked."
+                    .to_string(),
+            ),
+            QuotaError::TriggerRequired { .. } => Some(
+                "pg_quota keeps its counters and its summary exact with its triggers, and keeps pg_repack off its tables with repack_trigger."
                     .to_string(),
             ),
             _ => None,
@@ -291,9 +379,53 @@ impl QuotaError {
             QuotaError::UnsupportedIndex { .. } => {
                 Some("Drop it; pg_quota creates the indexes it needs.".to_string())
             }
+            QuotaError::SchemaNotOurs { .. } => Some(
+                "Drop or rename the existing schema \"quota\", then run CREATE EXTENSION pg_quota again.".to_string(),
+            ),
+            QuotaError::SchemaOpen { .. } => Some(
+                "Revoke CREATE on schema \"quota\" from every role that is not a superuser, or drop the schema, then run CREATE EXTENSION pg_quota again.".to_string(),
+            ),
+            QuotaError::SchemaNotEmpty => Some(
+                "Move or drop the objects in schema \"quota\", then run CREATE EXTENSION pg_quota again.".to_string(),
+            ),
+            QuotaError::TriggerRefused { .. } => Some(
+                "To compact pg_quota's tables, see \"Reclaiming space\" in pg_quota's user guide; pg_repack skips them by itself, and --exclude-extension=pg_quota leaves them out.".to_string(),
+            ),
+            QuotaError::TriggerRequired { action, .. } => Some(if *action == "drop" {
+                "To stop it firing, use ALTER TABLE … DISABLE TRIGGER; pg_quota then counts from the ledger. To remove it, drop extension pg_quota.".to_string()
+            } else {
+                "Leave pg_quota's triggers their names.".to_string()
+            }),
             _ => None,
         }
     }
+}
+
+/// The NOTICE after pg_quota set enabled data triggers back to ENABLE ALWAYS (see
+/// guard.rs); `triggers` name them as "name on table".
+pub fn triggers_promoted(triggers: &[String]) -> String {
+    format!(
+        "pg_quota set {} {} back to ENABLE ALWAYS, so that {} whatever session_replication_role says",
+        if triggers.len() == 1 { "trigger" } else { "triggers" },
+        triggers.join(", "),
+        if triggers.len() == 1 { "it fires" } else { "they fire" },
+    )
+}
+
+/// The WARNING, DETAIL and HINT for data triggers a DBA disabled (see guard.rs);
+/// `triggers` name them as "name on table".
+pub fn triggers_disabled(triggers: &[String]) -> (String, String, String) {
+    let one = triggers.len() == 1;
+    (
+        format!(
+            "pg_quota's {} {} {} disabled",
+            if one { "trigger" } else { "triggers" },
+            triggers.join(", "),
+            if one { "is" } else { "are" },
+        ),
+        "Until it is enabled again, admission counts from the ledger instead of its counters, which is slower while long transactions are open. What SQL writes to pg_quota's tables meanwhile is counted afresh once it is enabled again.".to_string(),
+        "Enable it again with ALTER TABLE … ENABLE ALWAYS TRIGGER.".to_string(),
+    )
 }
 
 #[cfg(test)]
@@ -386,6 +518,7 @@ mod tests {
     #[test]
     fn refusal_counting_waiters_says_so() {
         let mut r = refusal(RefusalKind::Active);
+        r.usage.active = 2;
         r.usage.ahead = 1;
         let e = QuotaError::Refused {
             role: "erin".into(),
@@ -393,9 +526,87 @@ mod tests {
             refusal: r,
             next_ageout: None,
         };
-        assert!(e.detail().unwrap().ends_with(
-            "The counts include 1 earlier start() still waiting for capacity, which goes first."
-        ));
+        assert_eq!(
+            e.to_string(),
+            "role \"erin\" has 2 active tickets and 1 earlier start waiting for capacity, the limit set by quota.max_active_per_role"
+        );
+        // The counts are tickets only: "2 of 3", not the tickets plus the line ("3 of 3"),
+        // which a reader would take for tickets.
+        assert_eq!(
+            e.detail().unwrap(),
+            "Active tickets: 2 of 3. Retained tickets: 7 of unlimited. 1 earlier start() is still waiting for capacity and goes first."
+        );
+        r.usage.ahead = 2;
+        let e = QuotaError::Refused {
+            role: "erin".into(),
+            database: "app".into(),
+            refusal: r,
+            next_ageout: None,
+        };
+        assert!(e
+            .detail()
+            .unwrap()
+            .ends_with("2 earlier starts are still waiting for capacity and go first."));
+    }
+
+    /// A session with a lower limit than the one that admitted the tickets (sessions
+    /// of one role may differ, SET ROLE keeps the login role's settings) sees more
+    /// tickets than its limit: the texts say so rather than "2 of 1".
+    #[test]
+    fn refusal_over_the_limit_reads_true() {
+        let mut r = refusal(RefusalKind::Active);
+        r.usage.active = 5;
+        let e = QuotaError::Refused {
+            role: "frank".into(),
+            database: "app".into(),
+            refusal: r,
+            next_ageout: None,
+        };
+        assert_eq!(
+            e.to_string(),
+            "role \"frank\" has 5 active tickets, more than the limit of 3 set by quota.max_active_per_role"
+        );
+        assert_eq!(
+            e.detail().unwrap(),
+            "Active tickets: 5, over the limit of 3. Retained tickets: 7 of unlimited."
+        );
+    }
+
+    #[test]
+    fn trigger_texts_name_the_triggers() {
+        let one = vec!["ledger_written on quota.ledger".to_string()];
+        assert_eq!(
+            triggers_promoted(&one),
+            "pg_quota set trigger ledger_written on quota.ledger back to ENABLE ALWAYS, so that it fires whatever session_replication_role says"
+        );
+        let two = vec![
+            one[0].clone(),
+            "ledger_truncated on quota.ledger".to_string(),
+        ];
+        assert!(triggers_promoted(&two)
+            .starts_with("pg_quota set triggers ledger_written on quota.ledger, ledger_truncated"));
+        let (msg, detail, hint) = triggers_disabled(&two);
+        assert_eq!(
+            msg,
+            "pg_quota's triggers ledger_written on quota.ledger, ledger_truncated on quota.ledger are disabled"
+        );
+        assert!(detail.ends_with('.') && hint.ends_with('.'));
+        let e = QuotaError::TriggerRequired {
+            table: "quota.ledger".into(),
+            trigger: "ledger_written".into(),
+            action: "drop",
+        };
+        assert_eq!(e.sqlstate().code(), "2BP01");
+        assert_eq!(
+            e.to_string(),
+            "cannot drop trigger \"ledger_written\" on table \"quota.ledger\" because extension pg_quota requires it"
+        );
+        let e = QuotaError::TriggerRefused {
+            table: "quota.ledger".into(),
+            trigger: "repack_trigger".into(),
+        };
+        assert_eq!(e.sqlstate().code(), "0A000");
+        assert!(e.hint().unwrap().contains("Reclaiming space"));
     }
 
     #[test]
@@ -442,6 +653,22 @@ mod tests {
                 index: "u".into(),
                 what: "a unique index",
             },
+            QuotaError::TriggerRefused {
+                table: "quota.ledger".into(),
+                trigger: "t".into(),
+            },
+            QuotaError::TriggerRequired {
+                table: "quota.ledger".into(),
+                trigger: "t".into(),
+                action: "rename",
+            },
+            QuotaError::SchemaNotOurs {
+                owner: "mallory".into(),
+            },
+            QuotaError::SchemaOpen {
+                creators: "PUBLIC".into(),
+            },
+            QuotaError::SchemaNotEmpty,
         ];
         for e in all {
             let m = e.to_string();

@@ -1,0 +1,374 @@
+//! What DDL may do to pg_quota's own tables, quota.ledger and quota.summary (I9).
+//!
+//! pg_quota writes these tables below SQL (heap.rs), where no trigger fires. Two kinds
+//! of DDL would silently break the accounting, so hooks.rs routes them here:
+//!
+//! - **A trigger of someone else's.** A row trigger on the ledger sees only the writes
+//!   made through SQL, never pg_quota's. A tool that copies a table through such a
+//!   trigger (pg_repack: copy, then replay what its trigger logged, then swap) loses
+//!   every ticket committed during the copy; an audit or replication trigger misses
+//!   them; a foreign key to the ledger (whose checks are triggers) is never checked
+//!   when the writer purges. So CREATE TRIGGER on pg_quota's tables is refused, outside
+//!   pg_quota's own extension scripts. Each table also carries a disabled trigger that
+//!   does nothing, named `repack_trigger`: pg_repack takes a table with a trigger of that
+//!   name for the leftover of an interrupted run and skips it, with a warning, before it
+//!   copies anything, and goes on with the other tables of a `-d` or `--all` run.
+//!   pg_quota's own triggers cannot be dropped or renamed.
+//! - **A change to the triggers pg_quota relies on.** After SQL-level writes to the
+//!   ledger, the statement triggers ledger_written and ledger_truncated empty the
+//!   summary, which also resets every scope counter (scopes.rs: a counter is valid only
+//!   for the summary's relfilenode). While a DBA has them disabled, writes go unseen, so
+//!   the summary and any counter built before may be stale afterwards. So any
+//!   ALTER TABLE that touches the state of one of pg_quota's data triggers empties the
+//!   summary in the same transaction: whatever happened while they were off is counted
+//!   afresh from the ledger. And because they must fire under
+//!   session_replication_role = replica too, a trigger that is enabled but not ENABLE
+//!   ALWAYS (ENABLE TRIGGER ALL, as `pg_restore --disable-triggers` runs it, leaves
+//!   ENABLE) is set back to ENABLE ALWAYS, with a NOTICE. A disabled one stays
+//!   disabled, with a WARNING that says what that costs.
+
+use std::ffi::CStr;
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+use crate::core::QuotaError;
+use crate::error::raise;
+
+/// pg_quota's data triggers, by table: the counters and the summary rely on them.
+const DATA_TRIGGERS: [(&str, &str); 3] = [
+    ("ledger", "ledger_written"),
+    ("ledger", "ledger_truncated"),
+    ("summary", "summary_written"),
+];
+
+/// The placeholder that keeps pg_repack off each table (see above).
+const PLACEHOLDER: &str = "repack_trigger";
+
+/// Whether `name` is one of the triggers pg_quota creates on `table`.
+fn is_own_trigger(table: &str, name: &str) -> bool {
+    name == PLACEHOLDER || DATA_TRIGGERS.contains(&(table, name))
+}
+
+/// Whether the running command is one of pg_quota's own extension scripts (CREATE
+/// EXTENSION pg_quota, ALTER EXTENSION pg_quota UPDATE), which set up the triggers.
+fn in_own_script() -> bool {
+    // SAFETY: plain reads of backend state, and a catalog lookup.
+    unsafe {
+        pg_sys::creating_extension && {
+            let name = pg_sys::get_extension_name(pg_sys::CurrentExtensionObject);
+            !name.is_null() && CStr::from_ptr(name) == c"pg_quota"
+        }
+    }
+}
+
+/// Which of pg_quota's tables `relid` is ("ledger" or "summary"), if it is one: a
+/// relation of that name in schema `quota` that belongs to extension pg_quota.
+pub fn our_table(relid: pg_sys::Oid) -> Option<&'static str> {
+    if relid == pg_sys::InvalidOid {
+        return None;
+    }
+    // SAFETY: syscache and pg_depend lookups; each returns NULL or InvalidOid when the
+    // object is missing.
+    unsafe {
+        let ns = pg_sys::get_namespace_oid(c"quota".as_ptr(), true);
+        if ns == pg_sys::InvalidOid || pg_sys::get_rel_namespace(relid) != ns {
+            return None;
+        }
+        let name = pg_sys::get_rel_name(relid);
+        if name.is_null() {
+            return None;
+        }
+        let table = match CStr::from_ptr(name).to_bytes() {
+            b"ledger" => "ledger",
+            b"summary" => "summary",
+            _ => return None,
+        };
+        let ext = pg_sys::get_extension_oid(c"pg_quota".as_ptr(), true);
+        (ext != pg_sys::InvalidOid
+            && pg_sys::getExtensionOfObject(pg_sys::RelationRelationId, relid) == ext)
+            .then_some(table)
+    }
+}
+
+/// The table and name of trigger `trigoid`. SnapshotSelf, as sepgsql reads objects in
+/// its hooks: the row may have been written by the current command, before any
+/// CommandCounterIncrement.
+fn trigger_of(trigoid: pg_sys::Oid) -> Option<(pg_sys::Oid, String)> {
+    // SAFETY: an index scan of pg_trigger by OID; the tuple is read while the scan is
+    // open, and its fixed part is FormData_pg_trigger.
+    unsafe {
+        let rel = pg_sys::table_open(pg_sys::TriggerRelationId, pg_sys::AccessShareLock as i32);
+        let mut key: pg_sys::ScanKeyData = std::mem::zeroed();
+        pg_sys::ScanKeyInit(
+            &mut key,
+            pg_sys::Anum_pg_trigger_oid as pg_sys::AttrNumber,
+            pg_sys::BTEqualStrategyNumber as u16,
+            pg_sys::Oid::from(pg_sys::F_OIDEQ),
+            trigoid.into(),
+        );
+        let scan = pg_sys::systable_beginscan(
+            rel,
+            pg_sys::Oid::from(pg_sys::TriggerOidIndexId),
+            true,
+            std::ptr::addr_of_mut!(pg_sys::SnapshotSelfData),
+            1,
+            &mut key,
+        );
+        let tup = pg_sys::systable_getnext(scan);
+        let found = (!tup.is_null()).then(|| {
+            let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_trigger>(tup);
+            (
+                (*form).tgrelid,
+                pg_sys::name_data_to_str(&(*form).tgname).to_string(),
+            )
+        });
+        pg_sys::systable_endscan(scan);
+        pg_sys::table_close(rel, pg_sys::AccessShareLock as i32);
+        found
+    }
+}
+
+// Single-threaded backend state: whether the current command changed the state of one
+// of pg_quota's data triggers, and whether we are acting on that now.
+static mut DATA_TRIGGERS_CHANGED: bool = false;
+static mut FIXING: bool = false;
+
+/// A trigger was created (object_access_hook, OAT_POST_CREATE): refused on pg_quota's
+/// tables, unless by pg_quota's own scripts.
+pub fn trigger_created(trigoid: pg_sys::Oid) {
+    if in_own_script() {
+        return;
+    }
+    if let Some((rel, name)) = trigger_of(trigoid) {
+        if let Some(table) = our_table(rel) {
+            raise(QuotaError::TriggerRefused {
+                table: format!("quota.{table}"),
+                trigger: name,
+            });
+        }
+    }
+}
+
+/// A trigger was altered (OAT_POST_ALTER: enabled, disabled, or renamed): remembers
+/// that one of pg_quota's data triggers changed, for `after_utility`.
+pub fn trigger_altered(trigoid: pg_sys::Oid) {
+    // SAFETY: single-threaded backend state.
+    if in_own_script() || unsafe { FIXING } {
+        return;
+    }
+    if let Some((rel, name)) = trigger_of(trigoid) {
+        if let Some(table) = our_table(rel) {
+            if DATA_TRIGGERS.contains(&(table, name.as_str())) {
+                // SAFETY: single-threaded backend state.
+                unsafe { DATA_TRIGGERS_CHANGED = true };
+            }
+        }
+    }
+}
+
+/// Forgets a change noted by a command that failed (the transaction aborts).
+pub fn at_abort() {
+    // SAFETY: single-threaded backend state.
+    unsafe {
+        DATA_TRIGGERS_CHANGED = false;
+        FIXING = false;
+    }
+}
+
+/// The relation a qualified or unqualified name list (`[schema,] table`) names, if any.
+///
+/// # Safety
+/// `names` is a List of String nodes.
+unsafe fn relation_of(names: *mut pg_sys::List) -> pg_sys::Oid {
+    // SAFETY: per the contract above; no lock is taken, missing_ok.
+    unsafe {
+        let rv = pg_sys::makeRangeVarFromNameList(names);
+        pg_sys::RangeVarGetRelidExtended(
+            rv,
+            pg_sys::NoLock as i32,
+            pg_sys::RVROption::RVR_MISSING_OK,
+            None,
+            std::ptr::null_mut(),
+        )
+    }
+}
+
+/// Refuses DROP TRIGGER and ALTER TRIGGER … RENAME of pg_quota's own triggers, before
+/// the command runs. DROP TABLE and DROP EXTENSION drop them along with the table,
+/// which is fine.
+///
+/// # Safety
+/// `node` is a parse tree node.
+pub unsafe fn before_utility(node: *mut pg_sys::Node) {
+    // SAFETY: each cast follows its node tag check.
+    unsafe {
+        if pgrx::is_a(node, pg_sys::NodeTag::T_CreateExtensionStmt) {
+            let stmt = node as *mut pg_sys::CreateExtensionStmt;
+            if !(*stmt).extname.is_null() && CStr::from_ptr((*stmt).extname) == c"pg_quota" {
+                check_install_schema();
+            }
+            return;
+        }
+        if in_own_script() {
+            return;
+        }
+        let mut targets: Vec<(pg_sys::Oid, String, &'static str)> = Vec::new();
+        if pgrx::is_a(node, pg_sys::NodeTag::T_DropStmt) {
+            let stmt = node as *mut pg_sys::DropStmt;
+            if (*stmt).removeType != pg_sys::ObjectType::OBJECT_TRIGGER || (*stmt).objects.is_null()
+            {
+                return;
+            }
+            let objects = (*stmt).objects;
+            for i in 0..(*objects).length as usize {
+                // [schema,] table, trigger: the trigger's name comes last.
+                let names =
+                    pg_sys::list_copy((*(*objects).elements.add(i)).ptr_value as *mut pg_sys::List);
+                let n = (*names).length as usize;
+                if n < 2 {
+                    continue;
+                }
+                let last = (*(*names).elements.add(n - 1)).ptr_value as *mut pg_sys::String;
+                let trigger = CStr::from_ptr((*last).sval).to_string_lossy().into_owned();
+                let table = pg_sys::list_truncate(names, (n - 1) as i32);
+                targets.push((relation_of(table), trigger, "drop"));
+            }
+        } else if pgrx::is_a(node, pg_sys::NodeTag::T_RenameStmt) {
+            let stmt = node as *mut pg_sys::RenameStmt;
+            if (*stmt).renameType != pg_sys::ObjectType::OBJECT_TRIGGER
+                || (*stmt).relation.is_null()
+                || (*stmt).subname.is_null()
+            {
+                return;
+            }
+            let rel = pg_sys::RangeVarGetRelidExtended(
+                (*stmt).relation,
+                pg_sys::NoLock as i32,
+                pg_sys::RVROption::RVR_MISSING_OK,
+                None,
+                std::ptr::null_mut(),
+            );
+            let trigger = CStr::from_ptr((*stmt).subname)
+                .to_string_lossy()
+                .into_owned();
+            targets.push((rel, trigger, "rename"));
+        }
+        for (rel, trigger, action) in targets {
+            if let Some(table) = our_table(rel) {
+                if is_own_trigger(table, &trigger) {
+                    raise(QuotaError::TriggerRequired {
+                        table: format!("quota.{table}"),
+                        trigger,
+                        action,
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Before CREATE EXTENSION pg_quota: if the schema "quota" already exists, CREATE
+/// EXTENSION would install into it. Its owner could then rename it, put look-alike
+/// tables in its place, and so bypass every limit. Install only into a schema that a
+/// superuser owns, that only superusers may create objects in, and that holds nothing
+/// yet. (0.3.0 and earlier checked this in a DO block of the install script, whose
+/// whole text PostgreSQL then printed as the error's CONTEXT.)
+fn check_install_schema() {
+    let owner = Spi::get_two::<String, bool>(
+        "SELECT pg_catalog.quote_ident(r.rolname)::pg_catalog.text, r.rolsuper
+           FROM pg_catalog.pg_namespace n
+           JOIN pg_catalog.pg_roles r ON r.oid OPERATOR(pg_catalog.=) n.nspowner
+          WHERE n.nspname OPERATOR(pg_catalog.=) 'quota'",
+    );
+    let Ok((Some(owner), Some(superuser))) = owner else {
+        return; // no such schema: CREATE EXTENSION creates it
+    };
+    if !superuser {
+        raise(QuotaError::SchemaNotOurs { owner });
+    }
+    let creators = Spi::get_one::<String>(
+        "SELECT pg_catalog.string_agg(CASE WHEN a.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+                                           ELSE pg_catalog.quote_ident(r.rolname)::pg_catalog.text END,
+                                      ', ')
+           FROM pg_catalog.pg_namespace n,
+                LATERAL pg_catalog.aclexplode(n.nspacl) a
+                LEFT JOIN pg_catalog.pg_roles r ON r.oid OPERATOR(pg_catalog.=) a.grantee
+          WHERE n.nspname OPERATOR(pg_catalog.=) 'quota'
+            AND a.privilege_type OPERATOR(pg_catalog.=) 'CREATE'
+            AND NOT coalesce(r.rolsuper, false)",
+    );
+    if let Ok(Some(creators)) = creators {
+        raise(QuotaError::SchemaOpen { creators });
+    }
+    let objects = Spi::get_one::<i64>(
+        "SELECT (SELECT pg_catalog.count(*) FROM pg_catalog.pg_class c
+                  WHERE c.relnamespace OPERATOR(pg_catalog.=) 'quota'::pg_catalog.regnamespace)
+              OPERATOR(pg_catalog.+)
+                (SELECT pg_catalog.count(*) FROM pg_catalog.pg_proc p
+                  WHERE p.pronamespace OPERATOR(pg_catalog.=) 'quota'::pg_catalog.regnamespace)
+              OPERATOR(pg_catalog.+)
+                (SELECT pg_catalog.count(*) FROM pg_catalog.pg_type t
+                  WHERE t.typnamespace OPERATOR(pg_catalog.=) 'quota'::pg_catalog.regnamespace)",
+    );
+    if objects.ok().flatten().unwrap_or(0) > 0 {
+        raise(QuotaError::SchemaNotEmpty);
+    }
+}
+
+/// After a utility command: if it changed the state of one of pg_quota's data
+/// triggers, empties the summary and sets enabled triggers back to ENABLE ALWAYS, in
+/// the command's own transaction (see the top of this file). Guarded by the caller.
+pub fn after_utility() {
+    // SAFETY: single-threaded backend state.
+    unsafe {
+        if !DATA_TRIGGERS_CHANGED || FIXING {
+            return;
+        }
+        DATA_TRIGGERS_CHANGED = false;
+        FIXING = true;
+    }
+    // SAFETY: makes the command's catalog changes visible to the queries below, as
+    // between two statements of a transaction.
+    unsafe { pg_sys::CommandCounterIncrement() };
+    let mut promoted = Vec::new();
+    let mut disabled = Vec::new();
+    for (table, trigger) in DATA_TRIGGERS {
+        let state = Spi::get_one::<String>(&format!(
+            "SELECT t.tgenabled::pg_catalog.text
+               FROM pg_catalog.pg_trigger t
+              WHERE t.tgrelid OPERATOR(pg_catalog.=) 'quota.{table}'::pg_catalog.regclass
+                AND t.tgname OPERATOR(pg_catalog.=) '{trigger}'"
+        ));
+        match state.ok().flatten().as_deref() {
+            Some("A") => {}
+            Some("D") => disabled.push(format!("{trigger} on quota.{table}")),
+            Some(_) => {
+                Spi::run(&format!(
+                    "ALTER TABLE quota.{table} ENABLE ALWAYS TRIGGER {trigger}"
+                ))
+                .unwrap_or_else(|e| pgrx::error!("pg_quota: {e}"));
+                promoted.push(format!("{trigger} on quota.{table}"));
+            }
+            // Missing (dropped before 0.3.1 refused that): nothing to keep.
+            None => {}
+        }
+    }
+    Spi::run("TRUNCATE quota.summary").unwrap_or_else(|e| pgrx::error!("pg_quota: {e}"));
+    if !promoted.is_empty() {
+        let msg = crate::core::errors::triggers_promoted(&promoted);
+        pgrx::notice!("{msg}");
+    }
+    if !disabled.is_empty() {
+        let (msg, detail, hint) = crate::core::errors::triggers_disabled(&disabled);
+        pgrx::pg_sys::panic::ErrorReport::new(PgSqlErrorCode::ERRCODE_WARNING, msg, "pg_quota")
+            .set_detail(detail)
+            .set_hint(hint)
+            .report(PgLogLevel::WARNING);
+    }
+    // SAFETY: single-threaded backend state.
+    unsafe {
+        DATA_TRIGGERS_CHANGED = false;
+        FIXING = false;
+    }
+}

@@ -592,14 +592,14 @@ fn admit_under_lock(
             } else {
                 refusal_numbers(reader, snap, role, now, cutoff, retention, kind)
             };
+            // The counts stay tickets; the starts waiting ahead are named apart (see
+            // core::errors), so that a refusal never reads "2 of 1".
             usage.db_active = db_active;
-            if kind == RefusalKind::Database {
-                usage.ahead = ahead.1;
+            usage.ahead = if kind == RefusalKind::Database {
+                ahead.1
             } else {
-                usage.active += ahead.0;
-                usage.retained += ahead.0;
-                usage.ahead = ahead.0;
-            }
+                ahead.0
+            };
             Ok(Err(Refused { kind, usage, next }))
         };
     // Starts waiting ahead of this one take the next free slots (see waiters.rs).
@@ -619,7 +619,7 @@ fn admit_under_lock(
         let snap = Latest::take();
         let usage = usage_for(&reader, &snap, role, now, cutoff, limits);
         if let Decision::Refuse(r) = decide(limits, with_ahead(usage, ahead), false) {
-            return refuse(&reader, &snap, r.kind, ahead, r.usage.db_active, usage);
+            return refuse(&reader, &snap, r.kind, ahead, usage.db_active, usage);
         }
     }
 
@@ -656,7 +656,7 @@ fn admit_under_lock(
         let counted = usage_for(&reader, &snap, role, now, cutoff, limits);
         let usage = with_ahead(counted, ahead);
         if let Decision::Refuse(r) = decide(limits, usage, false) {
-            return refuse(&reader, &snap, r.kind, ahead, r.usage.db_active, counted);
+            return refuse(&reader, &snap, r.kind, ahead, counted.db_active, counted);
         }
         let with_inflight = Usage {
             active: usage.active + inflight,

@@ -22,8 +22,9 @@ pub struct Usage {
     pub retained: i64,
     /// Active tickets of every role in the database (counted only when `max_db` is set).
     pub db_active: i64,
-    /// How many of the counts above are starts still waiting ahead of this one (see
-    /// waiters.rs): they take the next free slots.
+    /// Starts still waiting ahead of this one (see waiters.rs): they take the next free
+    /// slots. Admission decides on the counts plus these; a refusal reports the counts
+    /// of tickets alone, and these apart.
     pub ahead: i64,
 }
 

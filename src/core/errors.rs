@@ -423,8 +423,14 @@ pub fn triggers_disabled(triggers: &[String]) -> (String, String, String) {
             triggers.join(", "),
             if one { "is" } else { "are" },
         ),
-        "Until it is enabled again, admission counts from the ledger instead of its counters, which is slower while long transactions are open. What SQL writes to pg_quota's tables meanwhile is counted afresh once it is enabled again.".to_string(),
-        "Enable it again with ALTER TABLE … ENABLE ALWAYS TRIGGER.".to_string(),
+        format!(
+            "Until {it} enabled again, admission counts from the ledger instead of its counters, which is slower while long transactions are open. What SQL writes to pg_quota's tables meanwhile is counted afresh once {it} enabled again.",
+            it = if one { "it is" } else { "they are" },
+        ),
+        format!(
+            "Enable {} again with ALTER TABLE … ENABLE ALWAYS TRIGGER.",
+            if one { "it" } else { "them" }
+        ),
     )
 }
 

@@ -1,6 +1,7 @@
 -- quota.tickets (0.2.0): one row per ledger row, with the starting backend's pid and
--- the idempotency key. Roles see their own tickets, superusers all (I5: a tenant
--- learns nothing about other roles' tickets, not even through a leaky function).
+-- the idempotency key. Roles see their own tickets and those of roles they are members
+-- of, superusers and pg_read_all_stats members all (I5: a tenant learns nothing about
+-- other roles' tickets, not even through a leaky function).
 -- A tenant finds its orphan tickets here (a start whose transaction rolled back keeps
 -- its charge, I2) and finishes them.
 -- How this test fails: other roles' rows visible to a tenant ("others_visible" > 0,
@@ -73,3 +74,25 @@ SELECT CASE WHEN role = current_user::regrole THEN 'superuser' ELSE role::text E
   FROM quota.tickets
  WHERE role IN ('tv_a'::regrole, 'tv_b'::regrole) OR id = :'s1'
  ORDER BY started_at;
+
+-- tickets_follow_finish_rights (0.3.1): a member of a role sees that role's tickets, as
+-- it may finish and renew them; a member of pg_read_all_stats (pg_monitor) sees every
+-- ticket, as it sees every row of quota.usage and quota.stats, but may not finish any.
+-- Before 0.3.1 both saw none ("member_rows" and "monitor_rows" 0).
+CREATE ROLE tv_member LOGIN;
+GRANT tv_b TO tv_member;
+CREATE ROLE tv_monitor LOGIN;
+GRANT pg_monitor TO tv_monitor;
+\c - tv_member
+SELECT count(*) AS member_rows, bool_and(role = 'tv_b'::regrole) AS only_tv_b FROM quota.tickets;
+SELECT role, active FROM quota.usage;
+SELECT quota.finish(:'b1') AS member_finished;
+\c - tv_monitor
+SELECT count(*) AS monitor_rows FROM quota.tickets
+ WHERE role IN ('tv_a'::regrole, 'tv_b'::regrole) OR id = :'s1';
+\set VERBOSITY sqlstate
+SELECT quota.finish(:'a1');
+\set VERBOSITY default
+\c - :su
+DROP ROLE tv_member;
+DROP ROLE tv_monitor;

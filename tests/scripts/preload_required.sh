@@ -21,6 +21,13 @@ check "the hint says how to fix it" \
   grep -q "HINT:  Add pg_quota to shared_preload_libraries in postgresql.conf and restart the server." <<<"$out"
 out=$(err -c "SELECT quota.finish('00000000-0000-0000-0000-000000000000')")
 check "finish() fails the same way" grep -q "55000" <<<"$out"
+# The views fail the same way (0.3.1: quota.usage read current_setting('quota.retention')
+# and said 42704 "unrecognized configuration parameter" instead).
+for v in quota.usage quota.stats quota.stats_info; do
+  out=$(err -c "SELECT * FROM $v")
+  check "SELECT * FROM $v fails with 55000 and the hint" \
+    grep -q "HINT:  Add pg_quota to shared_preload_libraries" <<<"$(grep -A3 "ERROR:  55000: pg_quota must be loaded via shared_preload_libraries" <<<"$out")"
+done
 
 sql -c "CREATE DATABASE fresh"
 out=$(err -d fresh -c "CREATE EXTENSION pg_quota")

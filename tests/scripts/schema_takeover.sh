@@ -42,6 +42,14 @@ expect_eq "the tenant creates schema quota in a database where it may create sch
 expect_eq "CREATE EXTENSION pg_quota refuses the tenant's schema quota with 42P06" 42P06 \
   "$(state postgres st_take "CREATE EXTENSION pg_quota")"
 expect_eq "... and leaves no extension behind" 0 "$(has_ext st_take)"
+out=$("$PG_BIN/psql" -X -q -h "$CL" -p "$PORT" -U postgres -d st_take -c "CREATE EXTENSION pg_quota" 2>&1 || true)
+expect_eq "the refusal names the schema's owner" \
+  'ERROR:  schema "quota" already exists and is owned by role st_tenant, which is not a superuser' "$(head -n1 <<<"$out")"
+# 0.3.0 checked this in a DO block of the install script, and PostgreSQL printed the
+# block's 45 lines as the error's CONTEXT. From 0.3.1 the library checks it first.
+expect_eq "... with a DETAIL and a HINT, and no script quoted as CONTEXT" "DETAIL HINT" \
+  "$(sed -n 's/^\([A-Z]*\):  .*/\1/p' <<<"$out" | tail -n +2 | paste -sd' ')"
+expect_eq "... in $(wc -l <<<"$out") lines" 3 "$(wc -l <<<"$out")"
 expect_eq "... and no pg_quota object in the tenant's schema" 0 \
   "$(sql -d st_take -c "SELECT (SELECT count(*) FROM pg_class WHERE relnamespace = 'quota'::regnamespace)
                               + (SELECT count(*) FROM pg_proc WHERE pronamespace = 'quota'::regnamespace)")"

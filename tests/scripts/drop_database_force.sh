@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# DROP DATABASE … WITH (FORCE) by the database's owner, a CREATEDB role that is not a
+# superuser, right after a tenant used pg_quota there (design.md I9; 0.3.1, item 2).
+# With FORCE, PostgreSQL terminates the database's other sessions with the dropping
+# user's rights, which reach no background worker. 0.3.0 only asked the ledger writer
+# to leave, and the drop failed with 42501 "permission denied to terminate process"
+# whenever the writer was still there (3 of 5 tries). The drop hook now waits until the
+# writer is gone. Five rounds, each with a writer that is surely running (it stays an
+# hour when idle), must all succeed.
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
+with_cluster drop_force "quota.writer_idle_timeout = '1h'"
+sql -c "CREATE ROLE df_owner LOGIN CREATEDB" -c "CREATE ROLE df_tenant LOGIN" >/dev/null
+writer_pid() {
+  sql -c "SELECT pid FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer' AND datname = '$1'"
+}
+for round in 1 2 3 4 5; do
+  sql -c "CREATE DATABASE df_app OWNER df_owner" >/dev/null
+  sql -d df_app -c "CREATE EXTENSION pg_quota" >/dev/null
+  expect_eq "round $round: the tenant's start() is admitted" t "$(as df_tenant df_app "SELECT quota.start() IS NOT NULL")"
+  pid=$(writer_pid df_app)
+  check "round $round: the writer runs (pid ${pid:-none})" test -n "$pid"
+  out=$("$PG_BIN/psql" -X -q -h "$CL" -p "$PORT" -U df_owner -d postgres -c "DROP DATABASE df_app WITH (FORCE)" 2>&1) \
+    && rc=0 || rc=$?
+  check "round $round: the owner's DROP DATABASE … WITH (FORCE) succeeds${out:+: $out}" test "$rc" = 0
+  expect_eq "round $round: the database is gone" 0 "$(sql -c "SELECT count(*) FROM pg_database WHERE datname = 'df_app'")"
+  expect_eq "round $round: its writer is gone" 0 "$(sql -c "SELECT count(*) FROM pg_stat_activity WHERE pid = ${pid:-0}")"
+  # A failed round leaves the database behind for the next.
+  sql -c "DROP DATABASE IF EXISTS df_app WITH (FORCE)" >/dev/null 2>&1 || true
+done
+# The writer left cleanly, by itself: no writer was terminated.
+expect_eq "no writer ended with FATAL" 0 "$(grep -c 'FATAL:  terminating background worker "pg_quota' "$CL/server.log" || true)"
+finish_checks

@@ -1,6 +1,8 @@
-//! Every `quota.*` setting. All are PGC_SUSET: only superusers (or roles granted
-//! `SET ON PARAMETER`) change them, so a tenant cannot raise its own limits, and
-//! `ALTER ROLE … SET` / `ALTER DATABASE … SET` give per-role and per-database limits.
+//! Every `quota.*` setting. The limits, retention, lease and log_refusals are
+//! PGC_SUSET: only superusers (or roles granted `SET ON PARAMETER`) change them, so a
+//! tenant cannot raise its own limits, and `ALTER ROLE … SET` / `ALTER DATABASE … SET`
+//! give per-role and per-database values. writer_idle_timeout is server-wide
+//! (PGC_SIGHUP) and stats_max sizes shared memory (PGC_POSTMASTER).
 
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 

@@ -345,16 +345,18 @@ expect_eq "the caller's own start() is charged to the caller" ht_caller \
   "$(sql -c "SELECT role::regrole FROM quota.ledger WHERE id = '$(as ht_caller "SELECT quota.start('own')")'")"
 
 # ------------------------------------------------------------------------------------
-# 7. No internal helper: the extension's functions are the public API, and the two
+# 7. No internal helper: the extension's functions are the public API, the two
 #    trigger functions that keep quota.summary consistent with SQL-level writes to the
-#    ledger, which nobody but their owner may execute (and only as triggers).
+#    ledger and the placeholder that keeps pg_repack away (0.3.1), which nobody but
+#    their owner may execute (and only as triggers), and current_retention() (0.3.1),
+#    which quota.usage reads.
 # ------------------------------------------------------------------------------------
-expect_eq "the trigger functions are not executable by PUBLIC" "false false" \
+expect_eq "the trigger functions are not executable by PUBLIC" "false false false" \
   "$(sql -c "SELECT string_agg(has_function_privilege('ht_tenant', p.oid, 'EXECUTE')::text, ' ')
               FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace AND p.prorettype = 'trigger'::regtype")"
 refused "a tenant cannot call a trigger function" 42501 $T "SELECT quota.ledger_written()"
-FUNCTIONS="quota.finish(uuid,text), quota.ledger_written(), quota.renew(uuid,interval), quota.start(text,interval,text,interval), quota.stats_info_row(), quota.stats_reset(regrole), quota.stats_rows(), quota.summary_written(), quota.try_start(text,interval,text,interval), quota.wait_histogram_rows(), quota.writer_stats_rows()"
-expect_eq "schema quota has exactly finish, renew, start, try_start, the 0.3.0 statistics functions and the two trigger functions" \
+FUNCTIONS="quota.current_retention(), quota.finish(uuid,text), quota.ledger_written(), quota.renew(uuid,interval), quota.repack_placeholder(), quota.start(text,interval,text,interval), quota.stats_info_row(), quota.stats_reset(regrole), quota.stats_rows(), quota.summary_written(), quota.try_start(text,interval,text,interval), quota.wait_histogram_rows(), quota.writer_stats_rows()"
+expect_eq "schema quota has exactly finish, renew, start, try_start, current_retention, the 0.3.0 statistics functions and the three trigger functions" \
   "$FUNCTIONS" \
   "$(sql -c "SELECT string_agg(p.oid::regprocedure::text, ', ' ORDER BY p.oid::regprocedure::text COLLATE \"C\") FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace")"
 expect_eq "stats_reset() is not executable by PUBLIC; the statistics readers are (they filter rows themselves)" \

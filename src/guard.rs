@@ -50,15 +50,19 @@ fn is_own_trigger(table: &str, name: &str) -> bool {
     name == PLACEHOLDER || DATA_TRIGGERS.contains(&(table, name))
 }
 
-/// Whether the running command is one of pg_quota's own extension scripts (CREATE
-/// EXTENSION pg_quota, ALTER EXTENSION pg_quota UPDATE), which set up the triggers.
-fn in_own_script() -> bool {
+/// Whether the running command sets up pg_quota's tables as they are meant to be, so
+/// that none of the rules here apply: one of pg_quota's own extension scripts (CREATE
+/// EXTENSION pg_quota, ALTER EXTENSION pg_quota UPDATE), or pg_upgrade, whose
+/// --binary-upgrade restore creates an extension's objects one by one, its triggers
+/// included, outside any script.
+fn setting_up() -> bool {
     // SAFETY: plain reads of backend state, and a catalog lookup.
     unsafe {
-        pg_sys::creating_extension && {
-            let name = pg_sys::get_extension_name(pg_sys::CurrentExtensionObject);
-            !name.is_null() && CStr::from_ptr(name) == c"pg_quota"
-        }
+        pg_sys::IsBinaryUpgrade
+            || (pg_sys::creating_extension && {
+                let name = pg_sys::get_extension_name(pg_sys::CurrentExtensionObject);
+                !name.is_null() && CStr::from_ptr(name) == c"pg_quota"
+            })
     }
 }
 
@@ -137,7 +141,7 @@ static mut FIXING: bool = false;
 /// A trigger was created (object_access_hook, OAT_POST_CREATE): refused on pg_quota's
 /// tables, unless by pg_quota's own scripts.
 pub fn trigger_created(trigoid: pg_sys::Oid) {
-    if in_own_script() {
+    if setting_up() {
         return;
     }
     if let Some((rel, name)) = trigger_of(trigoid) {
@@ -154,7 +158,7 @@ pub fn trigger_created(trigoid: pg_sys::Oid) {
 /// that one of pg_quota's data triggers changed, for `after_utility`.
 pub fn trigger_altered(trigoid: pg_sys::Oid) {
     // SAFETY: single-threaded backend state.
-    if in_own_script() || unsafe { FIXING } {
+    if setting_up() || unsafe { FIXING } {
         return;
     }
     if let Some((rel, name)) = trigger_of(trigoid) {
@@ -210,7 +214,7 @@ pub unsafe fn before_utility(node: *mut pg_sys::Node) {
             }
             return;
         }
-        if in_own_script() {
+        if setting_up() {
             return;
         }
         let mut targets: Vec<(pg_sys::Oid, String, &'static str)> = Vec::new();

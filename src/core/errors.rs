@@ -178,21 +178,27 @@ fn refusal_message(role: &str, database: &str, r: &Refusal) -> String {
         RefusalKind::Database => format!("database \"{database}\""),
         _ => format!("role \"{role}\""),
     };
-    // Earlier starts still waiting in line take the next free slots; they are not
-    // tickets yet, so they are named apart from the count.
-    let waiting = match r.usage.ahead {
-        0 => String::new(),
-        1 => " and 1 earlier start waiting for capacity".to_string(),
-        a => format!(" and {a} earlier starts waiting for capacity"),
-    };
     // A scope can hold more than a session's limit: sessions of one role may run with
-    // different limits, and a superuser may have written tickets by hand.
-    let reached = if n + r.usage.ahead > limit {
+    // different limits, and a superuser may have written tickets by hand. Below the
+    // limit, the refusal is the doing of earlier starts still waiting in line, which
+    // take the next free slots; they are not tickets, so they are named apart.
+    let tail = if n > limit {
         format!("more than the limit of {limit} set by {guc}")
-    } else {
+    } else if n == limit || r.usage.ahead == 0 {
         format!("the limit set by {guc}")
+    } else {
+        let a = r.usage.ahead;
+        format!(
+            "and {a} earlier {} waiting for capacity, which fill the limit of {limit} set by {guc}",
+            if a == 1 { "start" } else { "starts" }
+        )
     };
-    format!("{who} has {n} {what} {}{waiting}, {reached}", tickets(n))
+    let sep = if n < limit && r.usage.ahead > 0 {
+        " "
+    } else {
+        ", "
+    };
+    format!("{who} has {n} {what} {}{sep}{tail}", tickets(n))
 }
 
 /// "3 of 5", "3 of unlimited", or, for a count above its limit, "3, over the limit of 2".
@@ -534,7 +540,7 @@ mod tests {
         };
         assert_eq!(
             e.to_string(),
-            "role \"erin\" has 2 active tickets and 1 earlier start waiting for capacity, the limit set by quota.max_active_per_role"
+            "role \"erin\" has 2 active tickets and 1 earlier start waiting for capacity, which fill the limit of 3 set by quota.max_active_per_role"
         );
         // The counts are tickets only: "2 of 3", not the tickets plus the line ("3 of 3"),
         // which a reader would take for tickets.

@@ -362,12 +362,13 @@ scrape_steady default sql_default
 exporter_healthy default "$QUERIES"
 families default "$QUERIES" "$FAMILIES_DEFAULT"
 # The flags that contrib/prometheus/queries.yaml names give pg_quota only: besides its
-# families there are just the exporter's own (pg_up, pg_exporter_*, and the Go client's
+# families there are just the exporter's own (pg_up, pg_exporter_*,
+# postgres_exporter_build_info, and the Go client's
 # go_*, process_*, promhttp_*), none of the default collectors' pg_stat_*, pg_database_*
 # or pg_settings_*.
 expect_eq "default: the scrape has no family but pg_quota's and the exporter's own" "" \
   "$(sed -n 's/^TYPE \([^ ]*\) .*/\1/p' "$CL/scrape.default" \
-      | grep -Ev '^(pg_quota_|pg_up$|pg_exporter_|go_|process_|promhttp_)' | sort | paste -sd' ')"
+      | grep -Ev '^(pg_quota_|pg_up$|pg_exporter_|postgres_exporter_build_info$|go_|process_|promhttp_)' | sort | paste -sd' ')"
 samples default | grep '^pg_quota' | sort > "$CL/got.default"
 same "default: every pg_quota sample equals the SQL on the views ($(wc -l < "$CL/sql.default") samples)" \
   "$CL/sql.default" "$CL/got.default"

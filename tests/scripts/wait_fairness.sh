@@ -120,7 +120,7 @@ for r in $(seq 1 $ROUNDS); do
   check "round $r: the waiter waits in line" napping "$wpid"
   out=$(probe)
   check "round $r: a newcomer's start() is refused counting the waiter ahead of it [$out]" \
-    grep -q "Active tickets: 2 of 1\. .* The counts include 1 earlier start() still waiting for capacity, which goes first\..*SQLSTATE=53400" <<<"$out"
+    grep -q "Active tickets: 1 of 1\. .* 1 earlier start() is still waiting for capacity and goes first\..*SQLSTATE=53400" <<<"$out"
   sleep 1
   say holder "SELECT quota.finish(:'h');"
   say holder "SELECT 'freed_$r=' || $TS;"

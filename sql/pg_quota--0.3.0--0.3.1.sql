@@ -10,10 +10,11 @@
 --    other CREATE TRIGGER on these tables, and a DROP or RENAME of pg_quota's own.) An
 --    existing trigger of that name is pg_repack's own, left by an interrupted run: the
 --    update stops and says so, since its log table would otherwise be kept filling.
--- 2. summary_written fires ALWAYS, as the ledger's triggers do; any of the ledger's
---    data triggers left at ENABLE (by ENABLE TRIGGER ALL, as pg_restore
---    --disable-triggers runs it) is set back to ENABLE ALWAYS, so that pg_quota uses
---    its counters again. A trigger a DBA disabled stays disabled.
+-- 2. summary_written fires ALWAYS, as the ledger's triggers do (0.3.0 created it at
+--    ENABLE); any of the ledger's data triggers left at ENABLE (by ENABLE TRIGGER ALL,
+--    as pg_restore --disable-triggers runs it) is set back to ENABLE ALWAYS, so that
+--    pg_quota uses its counters again. A trigger a DBA disabled stays disabled, and
+--    one a DBA dropped stays missing.
 -- 3. quota.summary is emptied once: 0.3.0 kept trusting it, and the counters built from
 --    it, across a time when the triggers were disabled and SQL wrote to the ledger
 --    unseen. Each role's rows are counted from the ledger again, and the writer
@@ -73,7 +74,6 @@ COMMENT ON TRIGGER repack_trigger ON quota.summary IS
     'pg_quota: keeps pg_repack off this table, whose changes its trigger cannot see; see "Reclaiming space" in the user guide';
 
 -- 2.
-ALTER TABLE quota.summary ENABLE ALWAYS TRIGGER summary_written;
 DO $always$
 DECLARE
     t record;
@@ -81,8 +81,10 @@ BEGIN
     FOR t IN SELECT c.relname, g.tgname
                FROM pg_catalog.pg_trigger g
                JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) g.tgrelid
-              WHERE c.oid OPERATOR(pg_catalog.=) 'quota.ledger'::pg_catalog.regclass
-                AND g.tgname OPERATOR(pg_catalog.=) ANY (ARRAY['ledger_written', 'ledger_truncated'])
+              WHERE ((c.oid OPERATOR(pg_catalog.=) 'quota.ledger'::pg_catalog.regclass
+                      AND g.tgname OPERATOR(pg_catalog.=) ANY (ARRAY['ledger_written', 'ledger_truncated']))
+                  OR (c.oid OPERATOR(pg_catalog.=) 'quota.summary'::pg_catalog.regclass
+                      AND g.tgname OPERATOR(pg_catalog.=) 'summary_written'))
                 AND g.tgenabled OPERATOR(pg_catalog.<>) ALL (ARRAY['A', 'D']::"char"[]) LOOP
         EXECUTE pg_catalog.format('ALTER TABLE quota.%I ENABLE ALWAYS TRIGGER %I', t.relname, t.tgname);
     END LOOP;

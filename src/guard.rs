@@ -133,9 +133,59 @@ fn trigger_of(trigoid: pg_sys::Oid) -> Option<(pg_sys::Oid, String)> {
     }
 }
 
-// Single-threaded backend state: whether the current command changed the state of one
-// of pg_quota's data triggers, and whether we are acting on that now.
-static mut DATA_TRIGGERS_CHANGED: bool = false;
+/// The name of extension `extoid`, seen with SnapshotSelf: in its post-create hook the
+/// row is the current command's own.
+fn extension_name(extoid: pg_sys::Oid) -> Option<String> {
+    // SAFETY: an index scan of pg_extension by OID; the tuple is read while the scan is
+    // open, and its fixed part is FormData_pg_extension.
+    unsafe {
+        let rel = pg_sys::table_open(pg_sys::ExtensionRelationId, pg_sys::AccessShareLock as i32);
+        let mut key: pg_sys::ScanKeyData = std::mem::zeroed();
+        pg_sys::ScanKeyInit(
+            &mut key,
+            pg_sys::Anum_pg_extension_oid as pg_sys::AttrNumber,
+            pg_sys::BTEqualStrategyNumber as u16,
+            pg_sys::Oid::from(pg_sys::F_OIDEQ),
+            extoid.into(),
+        );
+        let scan = pg_sys::systable_beginscan(
+            rel,
+            pg_sys::Oid::from(pg_sys::ExtensionOidIndexId),
+            true,
+            std::ptr::addr_of_mut!(pg_sys::SnapshotSelfData),
+            1,
+            &mut key,
+        );
+        let tup = pg_sys::systable_getnext(scan);
+        let found = (!tup.is_null()).then(|| {
+            let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_extension>(tup);
+            pg_sys::name_data_to_str(&(*form).extname).to_string()
+        });
+        pg_sys::systable_endscan(scan);
+        pg_sys::table_close(rel, pg_sys::AccessShareLock as i32);
+        found
+    }
+}
+
+/// An extension was created (OAT_POST_CREATE): for pg_quota, checks the schema it is
+/// about to install into. The hook runs once PostgreSQL has decided to install (so
+/// not for CREATE EXTENSION IF NOT EXISTS of an installed one), for CREATE EXTENSION …
+/// CASCADE of an extension that requires pg_quota too, and before the script runs.
+pub fn extension_created(extoid: pg_sys::Oid) {
+    // SAFETY: a plain read of a backend flag.
+    if unsafe { pg_sys::IsBinaryUpgrade } {
+        return;
+    }
+    if extension_name(extoid).as_deref() == Some("pg_quota") {
+        check_install_schema();
+    }
+}
+
+// Single-threaded backend state: the lowest subtransaction nesting level at which a
+// command of the current transaction changed the state of one of pg_quota's data
+// triggers and `after_utility` has not acted on it yet (0: none), and whether
+// `after_utility` is acting on it now.
+static mut CHANGED_AT: i32 = 0;
 static mut FIXING: bool = false;
 
 /// A trigger was created (object_access_hook, OAT_POST_CREATE): refused on pg_quota's
@@ -164,18 +214,28 @@ pub fn trigger_altered(trigoid: pg_sys::Oid) {
     if let Some((rel, name)) = trigger_of(trigoid) {
         if let Some(table) = our_table(rel) {
             if DATA_TRIGGERS.contains(&(table, name.as_str())) {
-                // SAFETY: single-threaded backend state.
-                unsafe { DATA_TRIGGERS_CHANGED = true };
+                // SAFETY: single-threaded backend state, and a plain read of
+                // transaction state.
+                unsafe {
+                    let level = pg_sys::GetCurrentTransactionNestLevel();
+                    if CHANGED_AT == 0 || level < CHANGED_AT {
+                        CHANGED_AT = level;
+                    }
+                }
             }
         }
     }
 }
 
-/// Forgets a change noted by a command that failed (the transaction aborts).
-pub fn at_abort() {
+/// At the end of a (sub)transaction: a change noted in one that aborts did not happen
+/// (a failed ALTER TABLE, a rolled-back savepoint, a caught error). `level` is the
+/// nesting level that ends; a top-level abort is level 1.
+pub fn at_abort(level: i32) {
     // SAFETY: single-threaded backend state.
     unsafe {
-        DATA_TRIGGERS_CHANGED = false;
+        if CHANGED_AT >= level {
+            CHANGED_AT = 0;
+        }
         FIXING = false;
     }
 }
@@ -207,13 +267,6 @@ unsafe fn relation_of(names: *mut pg_sys::List) -> pg_sys::Oid {
 pub unsafe fn before_utility(node: *mut pg_sys::Node) {
     // SAFETY: each cast follows its node tag check.
     unsafe {
-        if pgrx::is_a(node, pg_sys::NodeTag::T_CreateExtensionStmt) {
-            let stmt = node as *mut pg_sys::CreateExtensionStmt;
-            if !(*stmt).extname.is_null() && CStr::from_ptr((*stmt).extname) == c"pg_quota" {
-                check_install_schema();
-            }
-            return;
-        }
         if setting_up() {
             return;
         }
@@ -272,12 +325,13 @@ pub unsafe fn before_utility(node: *mut pg_sys::Node) {
     }
 }
 
-/// Before CREATE EXTENSION pg_quota: if the schema "quota" already exists, CREATE
+/// As CREATE EXTENSION pg_quota begins: if the schema "quota" already exists, CREATE
 /// EXTENSION would install into it. Its owner could then rename it, put look-alike
 /// tables in its place, and so bypass every limit. Install only into a schema that a
 /// superuser owns, that only superusers may create objects in, and that holds nothing
 /// yet. (0.3.0 and earlier checked this in a DO block of the install script, whose
-/// whole text PostgreSQL then printed as the error's CONTEXT.)
+/// whole text PostgreSQL then printed as the error's CONTEXT.) A schema that this very
+/// command created is empty and a superuser's: it passes.
 fn check_install_schema() {
     let owner = Spi::get_two::<String, bool>(
         "SELECT pg_catalog.quote_ident(r.rolname)::pg_catalog.text, r.rolsuper
@@ -320,18 +374,42 @@ fn check_install_schema() {
     }
 }
 
-/// After a utility command: if it changed the state of one of pg_quota's data
+/// After a utility command: if a command changed the state of one of pg_quota's data
 /// triggers, empties the summary and sets enabled triggers back to ENABLE ALWAYS, in
 /// the command's own transaction (see the top of this file). Guarded by the caller.
 pub fn after_utility() {
-    // SAFETY: single-threaded backend state.
+    // SAFETY: single-threaded backend state, and plain reads of transaction state:
+    // nothing is done outside a transaction, or in one that failed (a ROLLBACK TO that
+    // psql's ON_ERROR_ROLLBACK sends ends up here too, after the abort forgot the
+    // change).
     unsafe {
-        if !DATA_TRIGGERS_CHANGED || FIXING {
+        if CHANGED_AT == 0
+            || FIXING
+            || !pg_sys::IsTransactionState()
+            || pg_sys::IsAbortedTransactionBlockState()
+        {
             return;
         }
-        DATA_TRIGGERS_CHANGED = false;
-        FIXING = true;
+        CHANGED_AT = 0;
     }
+    // FIXING keeps the ALTER TABLEs below from noting changes of their own, and goes
+    // back to false however this ends: an ERROR here unwinds through the guard, and the
+    // (sub)transaction's abort would not clear it if an exception block caught it.
+    struct Fixing;
+    impl Fixing {
+        fn start() -> Fixing {
+            // SAFETY: single-threaded backend state.
+            unsafe { FIXING = true };
+            Fixing
+        }
+    }
+    impl Drop for Fixing {
+        fn drop(&mut self) {
+            // SAFETY: single-threaded backend state.
+            unsafe { FIXING = false };
+        }
+    }
+    let _fixing = Fixing::start();
     // SAFETY: makes the command's catalog changes visible to the queries below, as
     // between two statements of a transaction.
     unsafe { pg_sys::CommandCounterIncrement() };
@@ -370,9 +448,6 @@ pub fn after_utility() {
             .set_hint(hint)
             .report(PgLogLevel::WARNING);
     }
-    // SAFETY: single-threaded backend state.
-    unsafe {
-        DATA_TRIGGERS_CHANGED = false;
-        FIXING = false;
-    }
+    // SAFETY: single-threaded backend state: the ALTER TABLEs above noted nothing.
+    unsafe { CHANGED_AT = 0 };
 }

@@ -59,6 +59,12 @@ unsafe extern "C-unwind" fn object_access(
             }
             return;
         }
+        if access == pg_sys::ObjectAccessType::OAT_POST_CREATE
+            && class_id == pg_sys::ExtensionRelationId
+        {
+            crate::guard::extension_created(object_id);
+            return;
+        }
         if access == pg_sys::ObjectAccessType::OAT_POST_ALTER
             && class_id == pg_sys::ExtensionRelationId
         {
@@ -130,7 +136,7 @@ unsafe extern "C-unwind" fn xact_event(
     _arg: *mut std::ffi::c_void,
 ) {
     if event == pg_sys::XactEvent::XACT_EVENT_ABORT {
-        crate::guard::at_abort();
+        crate::guard::at_abort(1);
     }
     // SAFETY: single-threaded backend state; the shared counter is atomic.
     unsafe {
@@ -180,6 +186,10 @@ unsafe extern "C-unwind" fn subxact_event(
     _parent_subid: pg_sys::SubTransactionId,
     _arg: *mut std::ffi::c_void,
 ) {
+    if event == pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB {
+        // SAFETY: a plain read of transaction state.
+        crate::guard::at_abort(unsafe { pg_sys::GetCurrentTransactionNestLevel() });
+    }
     // SAFETY: single-threaded backend state.
     unsafe {
         // A DROP ROLE in a rolled-back savepoint did not happen.

@@ -124,6 +124,10 @@ pub struct WriterEntry {
     /// Set by a caller that found a role without a summary row and a long history:
     /// the writer rebuilds missing summary rows.
     pub rebuild_summary: AtomicBool,
+    /// The database and handle of the last writer that gave up this entry: it may still
+    /// be connected while it exits, and DROP DATABASE waits for it (writer::stop).
+    pub left_db: pg_sys::Oid,
+    pub left_handle: WorkerHandle,
 }
 
 #[repr(C)]

@@ -1662,6 +1662,8 @@ fn leave(idx: usize, db: pg_sys::Oid, force: bool) -> bool {
     // The guard first: a new writer may take the entry the moment it is free.
     release_twin_guard(db);
     let w = shmem::writer(idx);
+    w.left_db = db;
+    w.left_handle = w.handle;
     w.dboid = pg_sys::InvalidOid;
     w.procno = -1;
     w.exit_requested.store(false, Ordering::Release);
@@ -1754,51 +1756,69 @@ pub fn request_exit(db: pg_sys::Oid, force: bool) {
 /// Makes the writer of database `db` leave and waits until its process is gone, for
 /// DROP DATABASE (hooks.rs). WITH (FORCE), PostgreSQL then terminates the database's
 /// other sessions with the dropping user's rights; those do not reach a background
-/// worker unless the user is a superuser, so the writer must be gone before the hook
-/// returns, not merely asked to leave. The writer leaves at its next look around
-/// (within a batch's lock wait at worst); after STOP_WAIT it is terminated. A writer
-/// that has not connected yet is not waited for: it cannot connect while the drop holds
-/// the database's lock, and finds the database gone afterwards.
+/// worker unless the user is a superuser, so every writer connected to the database
+/// must be gone before the hook returns, not merely asked to leave:
+/// - the running writer leaves at its next look around (within a batch's lock wait at
+///   worst), and is terminated after STOP_WAIT;
+/// - one that is still starting (its entry has no PGPROC number yet) has served nothing
+///   and may already be connected: it is terminated at once. One that is not connected
+///   yet cannot connect while the drop holds the database's lock, and finds the
+///   database gone afterwards;
+/// - one that gave up its entry a moment ago (an idle exit) may still be connected
+///   while it exits: it is waited for too.
 pub fn stop(db: pg_sys::Oid) {
     if !shmem::available() {
         return;
     }
-    let handle = {
+    let mut handles: Vec<(WorkerHandle, bool)> = Vec::new();
+    {
         let _lock = shmem::TableLock::acquire();
-        let Some(i) = shmem::writer_of(db) else {
-            return;
-        };
-        let w = shmem::writer(i);
-        w.exit_requested.store(true, Ordering::Release);
-        let Ok(p) = usize::try_from(w.procno) else {
-            return;
-        };
-        shmem::wake(p);
-        w.handle
-    };
+        for i in 0..shmem::n_writers() {
+            let w = shmem::writer(i);
+            if w.dboid == db {
+                w.exit_requested.store(true, Ordering::Release);
+                match usize::try_from(w.procno) {
+                    Ok(p) => {
+                        shmem::wake(p);
+                        handles.push((w.handle, false));
+                    }
+                    Err(_) => handles.push((w.handle, true)),
+                }
+            }
+            if w.left_db == db {
+                handles.push((w.left_handle, false));
+            }
+        }
+    }
     let began = Instant::now();
-    let mut terminated = false;
-    loop {
-        let mut pid = 0;
-        let mut h = handle;
-        // SAFETY: `h` has the layout of BackgroundWorkerHandle (see WorkerHandle); the
-        // postmaster's slot generation tells a reused slot apart.
-        let status = unsafe {
-            pg_sys::GetBackgroundWorkerPid(&mut h as *mut WorkerHandle as *mut _, &mut pid)
-        };
-        if status == pg_sys::BgwHandleStatus::BGWH_STOPPED
-            || status == pg_sys::BgwHandleStatus::BGWH_POSTMASTER_DIED
-            || began.elapsed() >= STOP_WAIT * 2
-        {
-            // Gone; or, at worst, PostgreSQL's own check reports the session left.
-            return;
+    for (handle, starting) in handles {
+        let mut terminated = false;
+        loop {
+            let mut pid = 0;
+            let mut h = handle;
+            // SAFETY: `h` has the layout of BackgroundWorkerHandle (see WorkerHandle);
+            // the postmaster's slot generation tells a reused slot apart.
+            let status = unsafe {
+                pg_sys::GetBackgroundWorkerPid(&mut h as *mut WorkerHandle as *mut _, &mut pid)
+            };
+            if status == pg_sys::BgwHandleStatus::BGWH_STOPPED
+                || status == pg_sys::BgwHandleStatus::BGWH_POSTMASTER_DIED
+                || (starting && status == pg_sys::BgwHandleStatus::BGWH_NOT_YET_STARTED)
+                || began.elapsed() >= STOP_WAIT * 2
+            {
+                // Gone, or not forked yet; or, at worst, PostgreSQL's own check reports
+                // the session left.
+                break;
+            }
+            if !terminated && (starting || began.elapsed() >= STOP_WAIT) {
+                // SAFETY: as above; the postmaster sends the worker SIGTERM.
+                unsafe {
+                    pg_sys::TerminateBackgroundWorker(&mut h as *mut WorkerHandle as *mut _)
+                };
+                terminated = true;
+            }
+            nap(10, compat::Wait::WriterExit);
         }
-        if !terminated && began.elapsed() >= STOP_WAIT {
-            // SAFETY: as above; the postmaster sends the worker SIGTERM.
-            unsafe { pg_sys::TerminateBackgroundWorker(&mut h as *mut WorkerHandle as *mut _) };
-            terminated = true;
-        }
-        nap(10, compat::Wait::WriterExit);
     }
 }
 

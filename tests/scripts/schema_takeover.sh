@@ -53,6 +53,16 @@ expect_eq "... in $(wc -l <<<"$out") lines" 3 "$(wc -l <<<"$out")"
 expect_eq "... and no pg_quota object in the tenant's schema" 0 \
   "$(sql -d st_take -c "SELECT (SELECT count(*) FROM pg_class WHERE relnamespace = 'quota'::regnamespace)
                               + (SELECT count(*) FROM pg_proc WHERE pronamespace = 'quota'::regnamespace)")"
+# CREATE EXTENSION … CASCADE of an extension that requires pg_quota installs pg_quota
+# without a CREATE EXTENSION pg_quota statement: the check holds there too.
+EXTDIR="$("$PG_CONFIG" --sharedir)/extension"
+printf "comment = 'test: requires pg_quota'\ndefault_version = '1.0'\nrequires = 'pg_quota'\nrelocatable = true\n" \
+  > "$EXTDIR/pg_quota_dep.control"
+echo "SELECT 1;" > "$EXTDIR/pg_quota_dep--1.0.sql"
+trap 'rc=$?; rm -f "$EXTDIR/pg_quota_dep.control" "$EXTDIR/pg_quota_dep--1.0.sql"; (exit $rc); cleanup_at_exit' EXIT
+expect_eq "CREATE EXTENSION pg_quota_dep CASCADE (which requires pg_quota) is refused the same way" 42P06 \
+  "$(state postgres st_take "CREATE EXTENSION pg_quota_dep CASCADE")"
+expect_eq "... and leaves no extension behind" 0 "$(has_ext st_take)"
 as st_tenant st_take2 "CREATE SCHEMA quota" >/dev/null
 expect_eq "CREATE EXTENSION pg_quota SCHEMA quota is refused the same way" 42P06 \
   "$(state postgres st_take2 "CREATE EXTENSION pg_quota SCHEMA quota")"

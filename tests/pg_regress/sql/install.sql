@@ -1,6 +1,11 @@
 -- pg_quota installs into its own schema, "quota", with a ledger nobody but the
 -- extension owner can touch, and functions everyone can call.
 CREATE EXTENSION pg_quota;
+-- Once installed, IF NOT EXISTS skips it, and a second CREATE EXTENSION says that it
+-- exists (0.3.1 review: the schema check ran first and said 42P06).
+CREATE EXTENSION IF NOT EXISTS pg_quota;
+CREATE EXTENSION pg_quota;
+\echo :LAST_ERROR_SQLSTATE
 
 SELECT extname, extversion, nspname
   FROM pg_extension e JOIN pg_namespace n ON n.oid = e.extnamespace

@@ -95,76 +95,73 @@ pub fn our_table(relid: pg_sys::Oid) -> Option<&'static str> {
     }
 }
 
-/// The table and name of trigger `trigoid`. SnapshotSelf, as sepgsql reads objects in
-/// its hooks: the row may have been written by the current command, before any
-/// CommandCounterIncrement.
-fn trigger_of(trigoid: pg_sys::Oid) -> Option<(pg_sys::Oid, String)> {
-    // SAFETY: an index scan of pg_trigger by OID; the tuple is read while the scan is
-    // open, and its fixed part is FormData_pg_trigger.
+/// The catalog row with OID `oid` in catalog `catalog` (found through its OID index
+/// `index`, the OID being column 1), handed to `read`. SnapshotSelf, as sepgsql reads
+/// objects in its hooks: in a post-create or post-alter hook the row may have been
+/// written by the current command, before any CommandCounterIncrement.
+fn catalog_row<T>(
+    catalog: pg_sys::Oid,
+    index: u32,
+    oid: pg_sys::Oid,
+    read: impl FnOnce(pg_sys::HeapTuple) -> T,
+) -> Option<T> {
+    // SAFETY: an index scan of a catalog by OID; `read` sees the tuple while the scan
+    // is open.
     unsafe {
-        let rel = pg_sys::table_open(pg_sys::TriggerRelationId, pg_sys::AccessShareLock as i32);
+        let rel = pg_sys::table_open(catalog, pg_sys::AccessShareLock as i32);
         let mut key: pg_sys::ScanKeyData = std::mem::zeroed();
         pg_sys::ScanKeyInit(
             &mut key,
-            pg_sys::Anum_pg_trigger_oid as pg_sys::AttrNumber,
+            1,
             pg_sys::BTEqualStrategyNumber as u16,
             pg_sys::Oid::from(pg_sys::F_OIDEQ),
-            trigoid.into(),
+            oid.into(),
         );
         let scan = pg_sys::systable_beginscan(
             rel,
-            pg_sys::Oid::from(pg_sys::TriggerOidIndexId),
+            pg_sys::Oid::from(index),
             true,
             std::ptr::addr_of_mut!(pg_sys::SnapshotSelfData),
             1,
             &mut key,
         );
         let tup = pg_sys::systable_getnext(scan);
-        let found = (!tup.is_null()).then(|| {
-            let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_trigger>(tup);
-            (
-                (*form).tgrelid,
-                pg_sys::name_data_to_str(&(*form).tgname).to_string(),
-            )
-        });
+        let found = (!tup.is_null()).then(|| read(tup));
         pg_sys::systable_endscan(scan);
         pg_sys::table_close(rel, pg_sys::AccessShareLock as i32);
         found
     }
 }
 
-/// The name of extension `extoid`, seen with SnapshotSelf: in its post-create hook the
-/// row is the current command's own.
+/// The table and name of trigger `trigoid`.
+fn trigger_of(trigoid: pg_sys::Oid) -> Option<(pg_sys::Oid, String)> {
+    catalog_row(
+        pg_sys::TriggerRelationId,
+        pg_sys::TriggerOidIndexId,
+        trigoid,
+        // SAFETY: a pg_trigger tuple, whose fixed part is FormData_pg_trigger.
+        |tup| unsafe {
+            let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_trigger>(tup);
+            (
+                (*form).tgrelid,
+                pg_sys::name_data_to_str(&(*form).tgname).to_string(),
+            )
+        },
+    )
+}
+
+/// The name of extension `extoid`.
 fn extension_name(extoid: pg_sys::Oid) -> Option<String> {
-    // SAFETY: an index scan of pg_extension by OID; the tuple is read while the scan is
-    // open, and its fixed part is FormData_pg_extension.
-    unsafe {
-        let rel = pg_sys::table_open(pg_sys::ExtensionRelationId, pg_sys::AccessShareLock as i32);
-        let mut key: pg_sys::ScanKeyData = std::mem::zeroed();
-        pg_sys::ScanKeyInit(
-            &mut key,
-            pg_sys::Anum_pg_extension_oid as pg_sys::AttrNumber,
-            pg_sys::BTEqualStrategyNumber as u16,
-            pg_sys::Oid::from(pg_sys::F_OIDEQ),
-            extoid.into(),
-        );
-        let scan = pg_sys::systable_beginscan(
-            rel,
-            pg_sys::Oid::from(pg_sys::ExtensionOidIndexId),
-            true,
-            std::ptr::addr_of_mut!(pg_sys::SnapshotSelfData),
-            1,
-            &mut key,
-        );
-        let tup = pg_sys::systable_getnext(scan);
-        let found = (!tup.is_null()).then(|| {
+    catalog_row(
+        pg_sys::ExtensionRelationId,
+        pg_sys::ExtensionOidIndexId,
+        extoid,
+        // SAFETY: a pg_extension tuple, whose fixed part is FormData_pg_extension.
+        |tup| unsafe {
             let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_extension>(tup);
             pg_sys::name_data_to_str(&(*form).extname).to_string()
-        });
-        pg_sys::systable_endscan(scan);
-        pg_sys::table_close(rel, pg_sys::AccessShareLock as i32);
-        found
-    }
+        },
+    )
 }
 
 /// An extension was created (OAT_POST_CREATE): for pg_quota, checks the schema it is

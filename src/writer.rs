@@ -1812,9 +1812,7 @@ pub fn stop(db: pg_sys::Oid) {
             }
             if !terminated && (starting || began.elapsed() >= STOP_WAIT) {
                 // SAFETY: as above; the postmaster sends the worker SIGTERM.
-                unsafe {
-                    pg_sys::TerminateBackgroundWorker(&mut h as *mut WorkerHandle as *mut _)
-                };
+                unsafe { pg_sys::TerminateBackgroundWorker(&mut h as *mut WorkerHandle as *mut _) };
                 terminated = true;
             }
             nap(10, compat::Wait::WriterExit);

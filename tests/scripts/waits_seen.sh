@@ -22,22 +22,30 @@ sql -c "CREATE EXTENSION pg_quota" -c "CREATE ROLE ws_a LOGIN" -c "CREATE ROLE w
     -c "ALTER ROLE ws_c SET quota.max_active_per_role = 1" >/dev/null
 if [ "$PG_MAJOR" -ge 17 ]; then named=1; else named=0; fi
 ev() { if [ "$named" = 1 ]; then echo "Extension|$1"; else echo "Extension|Extension"; fi; }
-event_of() {  # event_of PID: wait_event_type|wait_event of that backend, as ws_b sees it
-  sql -c "SELECT wait_event_type || '|' || wait_event FROM pg_stat_activity WHERE pid = $1"
+# event_of PID WANT: wait_event_type|wait_event of that backend; WANT if it shows that
+# within 2 s (a backend that naps 1 ms between looks is not always asleep when sampled).
+event_of() {
+  local got
+  for _ in $(seq 1 40); do
+    got=$(sql -c "SELECT wait_event_type || '|' || wait_event FROM pg_stat_activity WHERE pid = $1")
+    [ "$got" = "$2" ] && break
+    sleep 0.05
+  done
+  echo "$got"
 }
 pid_of() { timeout 10 bash -c "until grep -q '^pid ' '$CL/$1.out' 2>/dev/null; do sleep 0.05; done"; sed -n 's/^pid //p' "$CL/$1.out"; }
 
 expect_eq "a start() brings the writer up" t "$(as ws_c postgres "SELECT quota.start('held') IS NOT NULL")"
 WPID=$(sql -c "SELECT pid FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer'")
 sleep 0.5
-expect_eq "the idle writer waits as $(ev QuotaWriterMain)" "$(ev QuotaWriterMain)" "$(event_of "$WPID")"
+expect_eq "the idle writer waits as $(ev QuotaWriterMain)" "$(ev QuotaWriterMain)" "$(event_of "$WPID" "$(ev QuotaWriterMain)")"
 
 # ws_c is at its limit: a start with a wait waits for capacity.
 : > "$CL/cap.out"
 bg bash -c "'$PG_BIN/psql' -X -q -At -h '$CL' -p '$PORT' -U ws_c -d postgres \
     -c \"SELECT 'pid ' || pg_backend_pid()\" -c \"SELECT quota.try_start('waits', wait => '4 s') IS NULL\" > '$CL/cap.out' 2>&1"
 CPID=$(pid_of cap); sleep 0.5
-expect_eq "a start() waiting for capacity waits as $(ev QuotaCapacity)" "$(ev QuotaCapacity)" "$(event_of "$CPID")"
+expect_eq "a start() waiting for capacity waits as $(ev QuotaCapacity)" "$(ev QuotaCapacity)" "$(event_of "$CPID" "$(ev QuotaCapacity)")"
 
 : > "$CL/lock.out"
 bg bash -c "'$PG_BIN/psql' -X -q -At -h '$CL' -p '$PORT' -U postgres -d postgres \
@@ -51,8 +59,8 @@ for k in 1 2; do
   P[$k]=$(pid_of "a$k")
   sleep 0.5
 done
-expect_eq "a start() whose request the writer holds waits as $(ev QuotaWriterReply)" "$(ev QuotaWriterReply)" "$(event_of "${P[1]}")"
-expect_eq "a start() waiting for it under the scope lock waits as $(ev QuotaInFlight)" "$(ev QuotaInFlight)" "$(event_of "${P[2]}")"
+expect_eq "a start() whose request the writer holds waits as $(ev QuotaWriterReply)" "$(ev QuotaWriterReply)" "$(event_of "${P[1]}" "$(ev QuotaWriterReply)")"
+expect_eq "a start() waiting for it under the scope lock waits as $(ev QuotaInFlight)" "$(ev QuotaInFlight)" "$(event_of "${P[2]}" "$(ev QuotaInFlight)")"
 
 A_OID=$(sql -c "SELECT 'ws_a'::regrole::oid")
 locks=$(psql_as ws_b -c "SELECT classid::oid::text || ' ' || objid::text FROM pg_locks

@@ -207,3 +207,15 @@ RESET quota.max_retained_per_role;
 RESET quota.retention;
 SELECT role, label, outcome FROM quota.tickets
  WHERE role IN ('lease_x'::regrole, 'lease_r'::regrole) ORDER BY started_at;
+
+-- A lease that takes the end of the ticket past what timestamptz can hold is
+-- PostgreSQL's own 22008 (datetime_field_overflow), for start() and renew() alike, and
+-- charges nothing (USER_GUIDE's SQLSTATE tables list it from 0.3.1).
+SELECT quota.start('renewed too far') AS far \gset
+SELECT count(*) AS before FROM quota.ledger \gset
+\set VERBOSITY sqlstate
+SELECT quota.start('too far', lease => '1000000 years');
+SELECT quota.renew(:'far', '1000000 years');
+\set VERBOSITY default
+SELECT count(*) = :before AS nothing_charged FROM quota.ledger;
+SELECT quota.finish(:'far') AS finished;

@@ -1,17 +1,23 @@
-//! The start path in the caller's backend: argument checks, the scope lock, the fast
-//! path that refuses without bothering the writer, and the hand-off to the writer.
+//! Layer 5, the paths: start() in the caller's backend. Argument checks, the scope
+//! lock, the fast path that refuses without bothering the writer, the hand-off to the
+//! writer (queue/caller.rs), and the wait for capacity (waiters.rs).
 
 use pgrx::pg_sys;
 
+use crate::catalog::{database_name, role_name};
+use crate::compat::{self, nap};
 use crate::core::lease::earliest;
 use crate::core::stats::Counter;
 use crate::core::{
     check_key, check_label, decide, Decision, Limits, QuotaError, Refusal, RefusalKind, Usage,
 };
-use crate::counts::{self, Latest, Reader};
-use crate::error::raise;
-use crate::writer::{self, Answer};
-use crate::{gucs, shmem, stats};
+use crate::ledger::count::{db_active, next_expiry, retained_with_key};
+use crate::ledger::rels::{rels, Reader};
+use crate::ledger::scan::Latest;
+use crate::queue::caller::{self as queue, Answer, Patience};
+use crate::queue::Request;
+use crate::timestamps::{cutoff, format_ts, interval_text, lease_until};
+use crate::{gucs, scopes, shmem, stats};
 
 /// The scope lock's field4. SQL advisory locks live in the user lock method with
 /// field4 = 1 or 2; ours lives in the default lock method (so that transaction end
@@ -24,11 +30,6 @@ pub const SCOPE_LOCK_FIELD4: u16 = 0x5153; // "QS"
 /// limit are in the writer's hands. They resolve within one writer commit.
 const INFLIGHT_POLL_MS: i64 = 1;
 
-/// The instant before which ended tickets no longer count.
-pub fn cutoff(now: pg_sys::TimestampTz, retention_secs: i64) -> pg_sys::TimestampTz {
-    now.saturating_sub(retention_secs.saturating_mul(1_000_000))
-}
-
 /// What admission needs to count for `limits`: the active count up to the limit (one
 /// more would not change the decision), the retained count only if it is limited.
 pub fn usage_for(
@@ -40,7 +41,7 @@ pub fn usage_for(
     limits: Limits,
 ) -> Usage {
     let max_active = (limits.max_active > 0).then_some(limits.max_active);
-    let mut u = counts::usage(
+    let mut u = scopes::usage(
         r,
         snap,
         role,
@@ -50,80 +51,9 @@ pub fn usage_for(
         limits.max_retained > 0,
     );
     if limits.max_db > 0 {
-        u.db_active = counts::db_active(&r.rels, snap, now, limits.max_db);
+        u.db_active = db_active(&r.rels, snap, now, limits.max_db);
     }
     u
-}
-
-/// The ticket of `role` with idempotency key `key` (bytes in the server encoding)
-/// that is still retained for a caller whose retention starts at `cutoff`, if any.
-pub fn retained_with_key(
-    rels: &counts::Rels,
-    snap: &Latest,
-    role: pg_sys::Oid,
-    key: &[u8],
-    now: pg_sys::TimestampTz,
-    cutoff: pg_sys::TimestampTz,
-) -> Option<[u8; 16]> {
-    let datum = counts::text_datum(key);
-    // Sessions of one role may run with different retentions, so more than one ticket
-    // with the key may be retained here: the newest is the one a retry should get.
-    counts::with_key(rels, snap, role, datum)
-        .into_iter()
-        .filter(|k| crate::core::lease::is_retained(k.ended_at, k.lease_until, now, cutoff))
-        .max_by_key(|k| k.started_at)
-        .map(|k| k.id)
-}
-
-/// The full numbers for a refusal's message, and when capacity returns if the
-/// retained limit is the one reached.
-pub fn refusal_numbers(
-    reader: &Reader,
-    snap: &Latest,
-    role: pg_sys::Oid,
-    now: pg_sys::TimestampTz,
-    cutoff: pg_sys::TimestampTz,
-    retention_secs: i64,
-    kind: RefusalKind,
-) -> (Usage, Option<pg_sys::TimestampTz>) {
-    let r = &reader.rels;
-    let (active, rows) = counts::scope(reader, snap, role);
-    // As in counts::usage: a snapshot that sees every purge and sweep the counter
-    // reflects.
-    let after = Latest::take();
-    let lapsed = counts::lapsed(r, &after, role, now);
-    let usage = Usage {
-        active: active - lapsed.expired(),
-        retained: rows - counts::expired(r, &after, role, cutoff) - lapsed.aged_out(cutoff),
-        ..Usage::default()
-    };
-    let next = (kind == RefusalKind::Retained)
-        .then(|| {
-            earliest(
-                counts::oldest_ended(r, snap, role, cutoff),
-                lapsed.oldest_retained(cutoff),
-            )
-        })
-        .flatten()
-        .map(|t| t.saturating_add(retention_secs.saturating_mul(1_000_000)));
-    (usage, next)
-}
-
-/// Checks that the library was preloaded (its shared memory exists).
-pub fn require_preloaded() {
-    if !shmem::available() {
-        raise(QuotaError::NotPreloaded);
-    }
-}
-
-/// The checks every pg_quota function makes first: the library is preloaded, and we
-/// are not in a parallel operation. A parallel worker cannot write, nor hand a request
-/// to the writer on the leader's behalf, so pg_quota refuses there as nextval() does
-/// (25000), even when a user's wrapper function is wrongly marked PARALLEL SAFE.
-pub fn require_callable(name: &std::ffi::CStr) {
-    require_preloaded();
-    // SAFETY: raises ERROR or returns.
-    unsafe { pg_sys::PreventCommandIfParallelMode(name.as_ptr()) };
 }
 
 /// Holds the scope lock for (database, role) until dropped.
@@ -139,8 +69,8 @@ struct ScopeLock(pg_sys::LOCKTAG);
 
 impl ScopeLock {
     fn acquire(role: pg_sys::Oid) -> ScopeLock {
-        // The role is not in the tag as its OID: see shmem::scope_tag.
-        let (field2, field3) = shmem::scope_tag(shmem::my_db(), role);
+        // The role is not in the tag as its OID: see scopes::scope_tag.
+        let (field2, field3) = scopes::scope_tag(shmem::my_db(), role);
         let tag = pg_sys::LOCKTAG {
             locktag_field1: u32::from(shmem::my_db()),
             locktag_field2: field2,
@@ -188,27 +118,6 @@ fn with_top_owner<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-pub fn role_name(role: pg_sys::Oid) -> String {
-    // SAFETY: returns a palloc'd copy; noerr so a dropped role prints its oid.
-    unsafe {
-        let p = pg_sys::GetUserNameFromId(role, true);
-        if p.is_null() {
-            u32::from(role).to_string()
-        } else {
-            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
-        }
-    }
-}
-
-fn format_ts(ts: pg_sys::TimestampTz) -> String {
-    // SAFETY: timestamptz_to_str formats into a static buffer that we copy at once.
-    unsafe {
-        std::ffi::CStr::from_ptr(pg_sys::timestamptz_to_str(ts))
-            .to_string_lossy()
-            .into_owned()
-    }
-}
-
 fn refusal(
     role: pg_sys::Oid,
     kind: RefusalKind,
@@ -217,7 +126,7 @@ fn refusal(
 ) -> QuotaError {
     QuotaError::Refused {
         role: role_name(role),
-        database: writer::database_name(shmem::my_db()),
+        database: database_name(shmem::my_db()),
         refusal: Refusal {
             kind,
             usage,
@@ -252,66 +161,6 @@ impl StartArgs<'_> {
     }
 }
 
-/// `ts + interval`, as PostgreSQL computes `timestamptz + interval` in this session
-/// (months and days follow the calendar in the session's time zone).
-pub fn plus(ts: pg_sys::TimestampTz, interval: pg_sys::Datum) -> pg_sys::TimestampTz {
-    // SAFETY: timestamptz_pl_interval takes a timestamptz and an interval datum, and
-    // raises 22008 when the result is out of range.
-    unsafe {
-        pgrx::fcinfo::direct_function_call_as_datum(
-            pg_sys::timestamptz_pl_interval,
-            &[Some(ts.into()), Some(interval)],
-        )
-        .expect("timestamptz + interval is not null")
-        .value() as i64
-    }
-}
-
-/// The interval's text, for error messages.
-pub fn interval_text(interval: pg_sys::Datum) -> String {
-    // SAFETY: interval_out returns a palloc'd C string.
-    unsafe {
-        let p =
-            pgrx::fcinfo::direct_function_call_as_datum(pg_sys::interval_out, &[Some(interval)])
-                .expect("interval_out is not null");
-        std::ffi::CStr::from_ptr(p.cast_mut_ptr())
-            .to_string_lossy()
-            .into_owned()
-    }
-}
-
-/// `now + lease`, for a lease that must be longer than zero (22023 otherwise): what
-/// start() and renew() give a ticket.
-pub fn lease_end(
-    now: pg_sys::TimestampTz,
-    lease: pg_sys::Datum,
-) -> Result<pg_sys::TimestampTz, QuotaError> {
-    let until = plus(now, lease);
-    if until <= now {
-        return Err(QuotaError::InvalidInterval {
-            what: "lease",
-            value: interval_text(lease),
-        });
-    }
-    Ok(until)
-}
-
-/// When the lease of a ticket started at `now` runs out: `now + lease`, or, without
-/// one, `now + quota.default_lease` (None when that is 0: the ticket never expires).
-/// A lease must be longer than zero.
-pub fn lease_until(
-    now: pg_sys::TimestampTz,
-    lease: Option<pg_sys::Datum>,
-) -> Result<Option<pg_sys::TimestampTz>, QuotaError> {
-    match lease {
-        Some(l) => lease_end(now, l).map(Some),
-        None => Ok(match gucs::default_lease_secs() {
-            0 => None,
-            secs => Some(now.saturating_add(secs.saturating_mul(1_000_000))),
-        }),
-    }
-}
-
 /// Counts the characters of `bytes` in the server encoding.
 fn chars(bytes: &[u8]) -> usize {
     // SAFETY: the length is that of a text datum, which fits in an int.
@@ -334,7 +183,7 @@ struct Refused {
 /// is up. The wait sleeps on the latch, so statement_timeout and pg_cancel_backend end
 /// it; nothing is charged for a wait that ends so.
 pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, QuotaError> {
-    require_callable(name);
+    shmem::require_callable(name);
     // A standby or a read-only transaction refuses with 25006, as nextval() does:
     // the charge is a write, even though it is not the caller's own.
     // SAFETY: both raise ERROR or return.
@@ -358,7 +207,7 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
         )
     };
     let limits = gucs::limits();
-    let rels = counts::rels();
+    let rels = rels();
     if !rels.v2() {
         // The library is newer than the database's schema: 0.1.x's calls work as
         // they did; what needs 0.2.0's columns says how to get them.
@@ -392,12 +241,12 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
     let mut place: Option<(crate::waiters::Place, WaitTimer)> = None;
     loop {
         if place.is_some() {
-            writer::drop_abandoned_answer();
+            queue::drop_abandoned_answer();
         }
         let seq = place.as_ref().map_or(u64::MAX, |p| p.0.seq);
         let r = match attempt(args, role, exempt, limits, seq)? {
             Ok((id, found_here)) => {
-                // The writer counts what it answers (see writer::count_admitted); a
+                // The writer counts what it answers (see writer/batch.rs, count_admitted); a
                 // repeat found by this session never reached it.
                 if found_here {
                     stats::add(role, Counter::IdempotentHits, 1);
@@ -434,11 +283,11 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
             let reader = Reader::open();
             let snap = Latest::take();
             let scope = (r.kind != RefusalKind::Database).then_some(role);
-            earliest(counts::next_expiry(&reader.rels, &snap, scope, now), r.next)
+            earliest(next_expiry(&reader.rels, &snap, scope, now), r.next)
         };
-        writer::nap(
+        nap(
             crate::core::lease::wait_ms(now, deadline, next, crate::waiters::POLL_MS),
-            crate::compat::Wait::Capacity,
+            compat::Wait::Capacity,
         );
     }
 }
@@ -478,7 +327,7 @@ fn count_refusal(role: pg_sys::Oid, r: &Refused) {
     if let Some(suppressed) = stats::refused(role, Counter::refused(r.kind), log) {
         let line = crate::core::stats::refusal_log_line(
             &role_name(role),
-            &writer::database_name(shmem::my_db()),
+            &database_name(shmem::my_db()),
             r.kind,
             r.usage,
             gucs::limits(),
@@ -521,7 +370,7 @@ fn attempt(
     let lease_until = lease_until(now, args.lease)?;
     // SAFETY: a plain read of backend state.
     let pid = unsafe { pg_sys::MyProcPid };
-    let fill = |r: &mut shmem::Request| {
+    let fill = |r: &mut Request| {
         r.exempt = exempt;
         r.max_active = limits.max_active;
         r.max_retained = limits.max_retained;
@@ -543,11 +392,11 @@ fn attempt(
     let answer = if exempt || unlimited {
         // I7: superusers are never refused; the writer still records their ticket.
         // With every limit off there is nothing to count either.
-        writer::enqueue(fill);
-        writer::wait()
+        queue::enqueue(fill);
+        queue::wait(crate::waiters::leave)
     } else {
         match admit_under_lock(args, role, limits, now, retention, seq, fill) {
-            Ok(Ok(())) => writer::wait(),
+            Ok(Ok(())) => queue::wait(crate::waiters::leave),
             Ok(Err(refused)) => return Ok(Err(refused)),
             Err(id) => return Ok(Ok((id, true))),
         }
@@ -568,7 +417,7 @@ fn admit_under_lock(
     now: pg_sys::TimestampTz,
     retention: i64,
     seq: u64,
-    fill: impl FnOnce(&mut shmem::Request),
+    fill: impl FnOnce(&mut Request),
 ) -> Result<Result<(), Refused>, pgrx::Uuid> {
     let cutoff = cutoff(now, retention);
     // `counted`: the counts the decision was made on, without the waiters ahead. Where
@@ -590,7 +439,7 @@ fn admit_under_lock(
             let (mut usage, next) = if complete && kind != RefusalKind::Retained {
                 (counted, None)
             } else {
-                refusal_numbers(reader, snap, role, now, cutoff, retention, kind)
+                scopes::refusal_numbers(reader, snap, role, now, cutoff, retention, kind)
             };
             // The counts stay tickets; the starts waiting ahead are named apart (see
             // core::errors), so that a refusal never reads "2 of 1".
@@ -631,7 +480,7 @@ fn admit_under_lock(
     // authority: for the database cap, which spans scopes, it is the only exact
     // check), so this only keeps refusals off the writer.
     let _lock = ScopeLock::acquire(role);
-    let mut waited = writer::Patience::new();
+    let mut waited = Patience::new();
     loop {
         // Read the requests in flight BEFORE taking the snapshot: a request that the
         // writer commits in between is then counted twice (we wait and count again),
@@ -639,9 +488,9 @@ fn admit_under_lock(
         // Waiters ahead first: one moves from the line (slot free) into flight, never
         // back, so read in this order it is counted at least once.
         let ahead = crate::waiters::ahead(role, seq);
-        let inflight = writer::inflight(role);
+        let inflight = queue::inflight(role);
         let inflight_db = if limits.max_db > 0 {
-            writer::inflight_db()
+            queue::inflight_db()
         } else {
             0
         };
@@ -672,9 +521,9 @@ fn admit_under_lock(
         // gone, bring up a new one (or fail clearly) rather than wait for ever.
         drop(snap);
         drop(reader);
-        writer::nap(INFLIGHT_POLL_MS, crate::compat::Wait::InFlight);
+        nap(INFLIGHT_POLL_MS, compat::Wait::InFlight);
         waited.check_writer();
     }
-    writer::enqueue(fill);
+    queue::enqueue(fill);
     Ok(Ok(()))
 }

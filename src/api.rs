@@ -146,7 +146,7 @@ fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool, Er
 /// sql/schema.sql, which creates the view before pgrx's functions exist).
 #[pg_extern(stable, parallel_safe, sql = false)]
 fn current_retention() -> Interval {
-    admission::require_preloaded();
+    crate::shmem::require_preloaded();
     Interval::new(
         0,
         0,
@@ -207,7 +207,7 @@ fn sees_all_stats() -> bool {
 /// pg_read_all_stats, otherwise those of the roles whose tickets it may finish (its
 /// current_user and the roles it is a member of), as in quota.tickets and quota.usage.
 fn visible_stats() -> Vec<crate::stats::Row> {
-    admission::require_preloaded();
+    crate::shmem::require_preloaded();
     let all = sees_all_stats();
     // SAFETY: a plain read of backend state.
     let me = unsafe { pg_sys::GetUserId() };
@@ -308,7 +308,7 @@ fn stats_info_row() -> TableIterator<
         name!(stats_reset, pgrx::datum::TimestampWithTimeZone),
     ),
 > {
-    admission::require_preloaded();
+    crate::shmem::require_preloaded();
     let (max, entries, evicted, suppressed, reset) = crate::stats::info();
     TableIterator::once((max, entries, evicted, suppressed, tstz(reset)))
 }
@@ -344,7 +344,7 @@ fn writer_stats_rows() -> TableIterator<
         name!(last_error_at, Option<pgrx::datum::TimestampWithTimeZone>),
     ),
 > {
-    admission::require_preloaded();
+    crate::shmem::require_preloaded();
     let rows = if sees_all_stats() {
         crate::stats::writer_rows()
     } else {
@@ -385,7 +385,7 @@ AS 'MODULE_PATHNAME', 'stats_reset_wrapper';
 "#
 )]
 fn stats_reset(role: Option<pg_sys::Oid>) -> pgrx::datum::TimestampWithTimeZone {
-    admission::require_preloaded();
+    crate::shmem::require_preloaded();
     tstz(crate::stats::reset(role))
 }
 

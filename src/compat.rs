@@ -341,3 +341,21 @@ pub fn wait_event(w: Wait) -> u32 {
         }
     }
 }
+
+/// Sleeps up to `ms` milliseconds on our latch, reporting `wait` meanwhile, then checks
+/// for interrupts. Returns true if the time ran out, false if the latch was set.
+pub fn nap(ms: i64, wait: Wait) -> bool {
+    // SAFETY: our own latch; WL_EXIT_ON_PM_DEATH ends us with the postmaster.
+    let rc = unsafe {
+        let rc = pg_sys::WaitLatch(
+            pg_sys::MyLatch,
+            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+            ms,
+            wait_event(wait),
+        );
+        pg_sys::ResetLatch(pg_sys::MyLatch);
+        rc
+    };
+    pgrx::check_for_interrupts!();
+    rc & pg_sys::WL_TIMEOUT as i32 != 0
+}

@@ -1,5 +1,7 @@
-//! The finish path. Unlike start(), finish is transactional: it updates the ticket in
-//! the caller's own transaction, so a rolled-back finish leaves the ticket active (I2).
+//! Layer 5, the paths: finish and renew. Unlike start(), finish is transactional: it
+//! updates the ticket in the caller's own transaction, so a rolled-back finish leaves
+//! the ticket active (I2). What the transaction finished reaches the scope counters,
+//! quota.stats and the waiters when (and only if) it commits (the callbacks below).
 //!
 //! The update goes straight to the heap and the indexes (see heap.rs), so the role
 //! check below is the access rule: the ledger's privileges are not consulted.
@@ -7,16 +9,17 @@
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
-use crate::admission::require_callable;
+use crate::core::stats::Counter;
 use crate::core::{parse_outcome, QuotaError};
-use crate::counts::{self, Key, Latest, Rels};
-use crate::heap::OpenRel;
-
-use crate::counts::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE};
+use crate::ledger::heap::OpenRel;
+use crate::ledger::rels::{self, Rels};
+use crate::ledger::scan::{scan_open, Key, Latest};
+use crate::ledger::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE};
+use crate::{scopes, shmem};
 
 /// The checks finish() and renew() make first.
 fn begin(name: &std::ffi::CStr) {
-    require_callable(name);
+    shmem::require_callable(name);
     // SAFETY: both raise 25006 (on a standby, in a read-only transaction) or return.
     unsafe {
         pg_sys::PreventCommandDuringRecovery(name.as_ptr());
@@ -48,8 +51,8 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
     let outcome = parse_outcome(outcome.ok_or(QuotaError::NullArgument("outcome"))?)?;
     // SAFETY: plain read of the clock.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let ledger = OpenRel::open(counts::rels().ledger, "ledger", COL_ID);
-    let rels = counts::rels();
+    let ledger = OpenRel::open(rels::rels().ledger, "ledger", COL_ID);
+    let rels = rels::rels();
 
     loop {
         // The latest snapshot, not the transaction's: under REPEATABLE READ a ticket
@@ -76,7 +79,7 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
         match ledger.update(found.tid, found.new_tuple, &[COL_ENDED_AT, COL_OUTCOME]) {
             pg_sys::TM_Result::TM_Ok => {
                 // The scope's active counter drops when this transaction commits.
-                crate::scopes::note_finish(found.holder, outcome);
+                note_finish(found.holder, outcome);
                 return Ok(true);
             }
             // A concurrent finish committed first (or, long after, a purge), or this
@@ -106,11 +109,11 @@ pub fn renew(
 ) -> Result<pg_sys::TimestampTz, QuotaError> {
     begin(c"quota.renew()");
     let ticket = ticket.ok_or(QuotaError::NullArgument("ticket"))?;
-    let rels = counts::rels();
+    let rels = rels::rels();
     rels.require_v2("quota.renew()");
     // SAFETY: plain read of the clock.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let until = crate::admission::lease_end(now, lease)?;
+    let until = crate::timestamps::lease_end(now, lease)?;
     let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
     loop {
         // As in finish().
@@ -149,7 +152,7 @@ pub fn renew(
             return ended(true);
         }
         // quota.stats counts the renewal when this transaction commits.
-        crate::scopes::note_renew(found.holder);
+        note_renew(found.holder);
         return Ok(until);
     }
 }
@@ -177,7 +180,7 @@ fn find(
     let ncols = rels.ncols;
     let key = ticket.into_datum().unwrap();
     let mut found = None;
-    counts::scan_open(
+    scan_open(
         ledger.heap,
         ledger.index(rels.ledger_pkey),
         snap,
@@ -212,4 +215,136 @@ fn find(
         },
     );
     found
+}
+
+// ---------------------------------------------------------------------------------
+// finish(): a backend's finished tickets, applied when its transaction commits
+// ---------------------------------------------------------------------------------
+
+// Single-threaded backend state: the tickets finished by the current transaction, as
+// (role, subtransaction nesting level), and the roles that did not fit when published.
+static mut FINISHED: Vec<(pg_sys::Oid, i32)> = Vec::new();
+static mut OVERFLOW: Vec<pg_sys::Oid> = Vec::new();
+/// The statistics the current transaction owes quota.stats when it commits: finishes
+/// by outcome and renewals, as ((role, counter), subtransaction nesting level).
+static mut STATS_OWED: Vec<((pg_sys::Oid, Counter), i32)> = Vec::new();
+static mut CALLBACKS_REGISTERED: bool = false;
+
+fn nest_level() -> i32 {
+    // SAFETY: single-threaded backend state; the callbacks are registered once.
+    unsafe {
+        if !CALLBACKS_REGISTERED {
+            pg_sys::RegisterXactCallback(Some(xact_event), std::ptr::null_mut());
+            pg_sys::RegisterSubXactCallback(Some(subxact_event), std::ptr::null_mut());
+            CALLBACKS_REGISTERED = true;
+        }
+        pg_sys::GetCurrentTransactionNestLevel()
+    }
+}
+
+/// Records that this transaction ended a ticket of `role` with `outcome`; its scope's
+/// counter drops, and quota.stats counts the finish, when (and only if) the
+/// transaction commits.
+pub fn note_finish(role: pg_sys::Oid, outcome: crate::core::Outcome) {
+    let level = nest_level();
+    // SAFETY: single-threaded backend state.
+    unsafe {
+        (*std::ptr::addr_of_mut!(FINISHED)).push((role, level));
+        (*std::ptr::addr_of_mut!(STATS_OWED)).push(((role, Counter::finished(outcome)), level));
+    }
+}
+
+/// Records that this transaction renewed a ticket of `role`: quota.stats counts it
+/// when (and only if) the transaction commits.
+pub fn note_renew(role: pg_sys::Oid) {
+    let level = nest_level();
+    // SAFETY: single-threaded backend state.
+    unsafe { (*std::ptr::addr_of_mut!(STATS_OWED)).push(((role, Counter::Renewed), level)) };
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn xact_event(
+    event: pg_sys::XactEvent::Type,
+    _arg: *mut std::ffi::c_void,
+) {
+    // SAFETY: single-threaded backend state.
+    unsafe {
+        let finished = &mut *std::ptr::addr_of_mut!(FINISHED);
+        let overflow = &mut *std::ptr::addr_of_mut!(OVERFLOW);
+        let owed = &mut *std::ptr::addr_of_mut!(STATS_OWED);
+        match event {
+            pg_sys::XactEvent::XACT_EVENT_COMMIT => {
+                for ((role, counter), _) in owed.drain(..) {
+                    crate::stats::add(role, counter, 1);
+                }
+            }
+            // A prepared renew commits elsewhere, later: not counted. Aborted work is
+            // not counted either.
+            pg_sys::XactEvent::XACT_EVENT_PREPARE | pg_sys::XactEvent::XACT_EVENT_ABORT => {
+                owed.clear();
+            }
+            _ => {}
+        }
+        match event {
+            pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT if !finished.is_empty() => {
+                let mut per_role: Vec<(pg_sys::Oid, i64, i64)> = Vec::new();
+                for &(role, _) in finished.iter() {
+                    match per_role.iter_mut().find(|(r, _, _)| *r == role) {
+                        Some(c) => c.1 -= 1,
+                        None => per_role.push((role, -1, 0)),
+                    }
+                }
+                *overflow = scopes::publish(&per_role);
+            }
+            pg_sys::XactEvent::XACT_EVENT_PRE_PREPARE if !finished.is_empty() => {
+                // COMMIT PREPARED runs elsewhere, later: its finish could not be
+                // applied to the counters.
+                pgrx::pg_sys::panic::ErrorReport::new(
+                    PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+                    "cannot PREPARE a transaction that has finished pg_quota tickets",
+                    "pg_quota",
+                )
+                .set_hint("Finish tickets in transactions that commit directly.")
+                .report(PgLogLevel::ERROR);
+            }
+            pg_sys::XactEvent::XACT_EVENT_COMMIT => {
+                scopes::apply_mine();
+                scopes::invalidate(overflow);
+                // Freed slots: starts waiting in this scope or for the database cap
+                // look again (see waiters.rs).
+                let mut woken: Vec<pg_sys::Oid> = Vec::new();
+                for &(role, _) in finished.iter() {
+                    if !woken.contains(&role) {
+                        woken.push(role);
+                        crate::waiters::wake(shmem::my_db(), role);
+                    }
+                }
+                finished.clear();
+                overflow.clear();
+            }
+            pg_sys::XactEvent::XACT_EVENT_ABORT => {
+                scopes::apply_mine();
+                finished.clear();
+                overflow.clear();
+            }
+            _ => {}
+        }
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn subxact_event(
+    event: pg_sys::SubXactEvent::Type,
+    _my_subid: pg_sys::SubTransactionId,
+    _parent_subid: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    // SAFETY: single-threaded backend state.
+    unsafe {
+        let finished = &mut *std::ptr::addr_of_mut!(FINISHED);
+        let owed = &mut *std::ptr::addr_of_mut!(STATS_OWED);
+        // A rolled-back savepoint (or a caught error) undoes its finishes and renewals.
+        crate::xact::at_subxact_end(finished, event);
+        crate::xact::at_subxact_end(owed, event);
+    }
 }

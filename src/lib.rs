@@ -1,27 +1,39 @@
 //! pg_quota: race-safe, rollback-proof admission quotas per role.
 //!
 //! `core` holds every decision and message as plain Rust; the other modules adapt it
-//! to PostgreSQL. See ../shared/design.md for the contract and invariants I1–I8.
+//! to PostgreSQL, in layers that each import only from the layers below them (see the
+//! module list, and README.md, "Layout"). See ../shared/design.md for the contract and
+//! invariants I1–I9.
 
 use pgrx::prelude::*;
 
 pub mod core;
 
-mod admission;
-mod api;
+// Layer 1: pure rules (core), version differences, settings, errors, and small helpers
+// over the server's catalogs, clock and transactions.
+mod catalog;
 mod compat;
-mod counts;
 mod error;
-mod finish;
-mod guard;
 mod gucs;
-mod heap;
-mod hooks;
-mod scopes;
+mod timestamps;
+mod xact;
+// Layer 2: shared memory, reserved and attached.
 mod shmem;
+// Layer 3: pg_quota's tables below SQL.
+mod ledger;
+// Layer 4: shared state, each owning its segment.
+mod queue;
+mod scopes;
 mod stats;
 mod waiters;
+mod workers;
+// Layer 5: the paths.
+mod admission;
+mod finish;
+mod hooks;
 mod writer;
+// Layer 6: the SQL surface.
+mod api;
 
 ::pgrx::pg_module_magic!();
 
@@ -39,7 +51,13 @@ pub extern "C-unwind" fn _PG_init() {
         error::raise(crate::core::QuotaError::NotPreloaded);
     }
     gucs::init();
-    shmem::init();
+    // Each subsystem's shared memory; the order is that of their LWLocks in the
+    // "pg_quota" tranche.
+    shmem::reserve(&workers::SEGMENT);
+    shmem::reserve(&queue::SEGMENT);
+    shmem::reserve(&scopes::SEGMENT);
+    shmem::reserve(&waiters::SEGMENT);
+    shmem::reserve(&stats::SEGMENT);
     hooks::init();
 }
 

@@ -30,14 +30,24 @@
 //! reinstall gives them new ones, and the next reader rebuilds. If the table is full,
 //! a role has no counter and admission counts from the ledger as before.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
+//!
+//! Layer 4, shared state: the counters live in a segment of their own, with their
+//! LWLock and the key of the scope lock's tag (`scope_tag`). Beside the counters, this
+//! file answers what a scope holds as admission and the writer need it: from the
+//! counter, or from the ledger where there is none (`scope`, `usage`,
+//! `refusal_numbers`).
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicPtr, AtomicU32, Ordering};
 
 use pgrx::pg_sys;
-use pgrx::prelude::*;
 
-use crate::core::stats::Counter;
-use crate::counts::Latest;
-use crate::shmem;
+use crate::core::lease::earliest;
+use crate::core::{RefusalKind, Usage};
+use crate::ledger::count::{active, expired, lapsed, oldest_ended, rows, summary_rows};
+use crate::ledger::rels::{Reader, Tags};
+use crate::ledger::scan::Latest;
+use crate::shmem::{self, Layout, Segment};
+use crate::workers;
 
 /// Counters for this many scopes across the cluster.
 pub const N_SCOPES: usize = 16384;
@@ -74,22 +84,15 @@ pub struct Pending {
     d_rows: AtomicI64,
 }
 
-/// The relfilenodes a counter was built from.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct Tags {
-    pub ledger: u32,
-    pub summary: u32,
-}
-
 /// Holds the scope lock. Lock order: never take it while holding the writer-table
-/// lock (shmem::TableLock); taking the table lock while holding this one is allowed (a
+/// lock (workers::TableLock); taking the table lock while holding this one is allowed (a
 /// rebuild may ask the writer to rebuild summary rows).
 struct Held;
 
 impl Held {
     fn acquire(mode: pg_sys::LWLockMode::Type) -> Held {
         // SAFETY: the lock was set up at startup; abort releases it after an ERROR.
-        unsafe { pg_sys::LWLockAcquire(shmem::scope_lock(), mode) };
+        unsafe { pg_sys::LWLockAcquire(scope_lock(), mode) };
         Held
     }
 }
@@ -98,8 +101,8 @@ impl Drop for Held {
     fn drop(&mut self) {
         // SAFETY: held since `acquire`, unless an abort released it already.
         unsafe {
-            if pg_sys::LWLockHeldByMe(shmem::scope_lock()) {
-                pg_sys::LWLockRelease(shmem::scope_lock());
+            if pg_sys::LWLockHeldByMe(scope_lock()) {
+                pg_sys::LWLockRelease(scope_lock());
             }
         }
     }
@@ -113,7 +116,7 @@ fn home(db: u32, role: u32) -> usize {
 
 /// The entry of (db, role). The caller holds the lock.
 fn find(db: u32, role: u32) -> Option<&'static Scope> {
-    let table = shmem::scopes();
+    let table = scopes();
     let start = home(db, role);
     for k in 0..N_SCOPES {
         let e = &table[(start + k) % N_SCOPES];
@@ -132,7 +135,7 @@ fn find_or_insert(db: u32, role: u32) -> Option<&'static Scope> {
     if let Some(e) = find(db, role) {
         return Some(e);
     }
-    let table = shmem::scopes();
+    let table = scopes();
     let start = home(db, role);
     (0..N_SCOPES)
         .map(|k| &table[(start + k) % N_SCOPES])
@@ -187,8 +190,8 @@ pub fn get(
     // SAFETY: `take` registered a private copy of the snapshot.
     unsafe { (*snap.0).curcid = pg_sys::FirstCommandId };
     let (active, rows) = count(&snap)?;
-    for procno in 0..shmem::n_slots() {
-        for p in shmem::pending(procno) {
+    for procno in 0..n_slots() {
+        for p in pending(procno) {
             if p.state.load(Ordering::Acquire) == PENDING_SET
                 && p.db.load(Ordering::Relaxed) == db
                 && p.role.load(Ordering::Relaxed) == role
@@ -216,7 +219,7 @@ pub fn get(
 /// (role, Δactive, Δrows). Returns the roles that did not fit; their counters must be
 /// invalidated once the transaction has committed (`invalidate`).
 pub fn publish(changes: &[(pg_sys::Oid, i64, i64)]) -> Vec<pg_sys::Oid> {
-    let mine = shmem::pending(shmem::my_procno());
+    let mine = pending(shmem::my_procno());
     // SAFETY: plain reads of backend state; the transaction wrote, so it has an id.
     let (db, xid) = unsafe { (shmem::my_db(), pg_sys::GetTopTransactionIdIfAny()) };
     let mut overflow = Vec::new();
@@ -246,7 +249,7 @@ pub fn apply_mine() {
     if !shmem::available() {
         return;
     }
-    let mine = shmem::pending(shmem::my_procno());
+    let mine = pending(shmem::my_procno());
     if mine
         .iter()
         .all(|p| p.state.load(Ordering::Acquire) == PENDING_FREE)
@@ -305,7 +308,7 @@ pub fn forget(db: pg_sys::Oid, roles: Option<&[pg_sys::Oid]>) {
     }
     let db = u32::from(db);
     let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
-    for e in shmem::scopes() {
+    for e in scopes() {
         if e.db.load(Ordering::Relaxed) != db {
             continue;
         }
@@ -318,150 +321,216 @@ pub fn forget(db: pg_sys::Oid, roles: Option<&[pg_sys::Oid]>) {
 }
 
 // ---------------------------------------------------------------------------------
-// finish(): a backend's finished tickets, applied when its transaction commits
+// The segment
 // ---------------------------------------------------------------------------------
 
-// Single-threaded backend state: the tickets finished by the current transaction, as
-// (role, subtransaction nesting level), and the roles that did not fit when published.
-static mut FINISHED: Vec<(pg_sys::Oid, i32)> = Vec::new();
-static mut OVERFLOW: Vec<pg_sys::Oid> = Vec::new();
-/// The statistics the current transaction owes quota.stats when it commits: finishes
-/// by outcome and renewals, as ((role, counter), subtransaction nesting level).
-static mut STATS_OWED: Vec<((pg_sys::Oid, Counter), i32)> = Vec::new();
-static mut CALLBACKS_REGISTERED: bool = false;
-
-fn nest_level() -> i32 {
-    // SAFETY: single-threaded backend state; the callbacks are registered once.
-    unsafe {
-        if !CALLBACKS_REGISTERED {
-            pg_sys::RegisterXactCallback(Some(xact_event), std::ptr::null_mut());
-            pg_sys::RegisterSubXactCallback(Some(subxact_event), std::ptr::null_mut());
-            CALLBACKS_REGISTERED = true;
-        }
-        pg_sys::GetCurrentTransactionNestLevel()
-    }
+#[repr(C)]
+struct Header {
+    lock: *mut pg_sys::LWLock,
+    n_slots: usize,
+    /// Random bytes drawn when the server starts, which the scope lock's tag is made
+    /// from (see `scope_tag`).
+    secret: [u64; 2],
 }
 
-/// Records that this transaction ended a ticket of `role` with `outcome`; its scope's
-/// counter drops, and quota.stats counts the finish, when (and only if) the
-/// transaction commits.
-pub fn note_finish(role: pg_sys::Oid, outcome: crate::core::Outcome) {
-    let level = nest_level();
-    // SAFETY: single-threaded backend state.
-    unsafe {
-        (*std::ptr::addr_of_mut!(FINISHED)).push((role, level));
-        (*std::ptr::addr_of_mut!(STATS_OWED)).push(((role, Counter::finished(outcome)), level));
-    }
+static BASE: AtomicPtr<u8> = AtomicPtr::new(std::ptr::null_mut());
+
+/// The segment's layout for `n` backends: the header, the counters, then each
+/// backend's pending changes.
+fn layout(n: usize) -> (Layout, usize, usize) {
+    let mut l = Layout::of::<Header>();
+    let scopes = l.array::<Scope>(N_SCOPES);
+    let pending = l.array::<Pending>(n * PENDING_PER_SLOT);
+    (l, scopes, pending)
 }
 
-/// Records that this transaction renewed a ticket of `role`: quota.stats counts it
-/// when (and only if) the transaction commits.
-pub fn note_renew(role: pg_sys::Oid) {
-    let level = nest_level();
-    // SAFETY: single-threaded backend state.
-    unsafe { (*std::ptr::addr_of_mut!(STATS_OWED)).push(((role, Counter::Renewed), level)) };
+fn size() -> usize {
+    layout(shmem::max_backends()).0.size()
 }
 
-#[pg_guard]
-unsafe extern "C-unwind" fn xact_event(
-    event: pg_sys::XactEvent::Type,
-    _arg: *mut std::ffi::c_void,
-) {
-    // SAFETY: single-threaded backend state.
+/// # Safety
+/// See shmem::Segment::attach.
+unsafe fn attach(base: *mut u8, found: bool, locks: *mut pg_sys::LWLockPadded) {
+    // SAFETY: the segment is ours and zeroed when not `found`; zero is a valid state of
+    // every counter and pending change (all atomics).
     unsafe {
-        let finished = &mut *std::ptr::addr_of_mut!(FINISHED);
-        let overflow = &mut *std::ptr::addr_of_mut!(OVERFLOW);
-        let owed = &mut *std::ptr::addr_of_mut!(STATS_OWED);
-        match event {
-            pg_sys::XactEvent::XACT_EVENT_COMMIT => {
-                for ((role, counter), _) in owed.drain(..) {
-                    crate::stats::add(role, counter, 1);
-                }
+        if !found {
+            let h = base as *mut Header;
+            (*h).lock = &mut (*locks).lock;
+            (*h).n_slots = shmem::max_backends();
+            if !pg_sys::pg_strong_random(
+                (*h).secret.as_mut_ptr().cast(),
+                std::mem::size_of::<[u64; 2]>(),
+            ) {
+                pgrx::error!("pg_quota: could not generate random bytes for its lock tags");
             }
-            // A prepared renew commits elsewhere, later: not counted. Aborted work is
-            // not counted either.
-            pg_sys::XactEvent::XACT_EVENT_PREPARE | pg_sys::XactEvent::XACT_EVENT_ABORT => {
-                owed.clear();
-            }
-            _ => {}
-        }
-        match event {
-            pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT if !finished.is_empty() => {
-                let mut per_role: Vec<(pg_sys::Oid, i64, i64)> = Vec::new();
-                for &(role, _) in finished.iter() {
-                    match per_role.iter_mut().find(|(r, _, _)| *r == role) {
-                        Some(c) => c.1 -= 1,
-                        None => per_role.push((role, -1, 0)),
-                    }
-                }
-                *overflow = publish(&per_role);
-            }
-            pg_sys::XactEvent::XACT_EVENT_PRE_PREPARE if !finished.is_empty() => {
-                // COMMIT PREPARED runs elsewhere, later: its finish could not be
-                // applied to the counters.
-                pgrx::pg_sys::panic::ErrorReport::new(
-                    PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
-                    "cannot PREPARE a transaction that has finished pg_quota tickets",
-                    "pg_quota",
-                )
-                .set_hint("Finish tickets in transactions that commit directly.")
-                .report(PgLogLevel::ERROR);
-            }
-            pg_sys::XactEvent::XACT_EVENT_COMMIT => {
-                apply_mine();
-                invalidate(overflow);
-                // Freed slots: starts waiting in this scope or for the database cap
-                // look again (see waiters.rs).
-                let mut woken: Vec<pg_sys::Oid> = Vec::new();
-                for &(role, _) in finished.iter() {
-                    if !woken.contains(&role) {
-                        woken.push(role);
-                        crate::waiters::wake(shmem::my_db(), role);
-                    }
-                }
-                finished.clear();
-                overflow.clear();
-            }
-            pg_sys::XactEvent::XACT_EVENT_ABORT => {
-                apply_mine();
-                finished.clear();
-                overflow.clear();
-            }
-            _ => {}
         }
     }
+    BASE.store(base, Ordering::Release);
 }
 
-#[pg_guard]
-unsafe extern "C-unwind" fn subxact_event(
-    event: pg_sys::SubXactEvent::Type,
-    _my_subid: pg_sys::SubTransactionId,
-    _parent_subid: pg_sys::SubTransactionId,
-    _arg: *mut std::ffi::c_void,
-) {
-    // SAFETY: single-threaded backend state.
+/// The scope counters' segment (see shmem.rs).
+pub static SEGMENT: Segment = Segment {
+    name: c"pg_quota scopes",
+    size,
+    extra: shmem::nothing,
+    locks: 1,
+    attach,
+};
+
+fn header() -> &'static Header {
+    assert!(
+        shmem::available(),
+        "pg_quota shared memory is not initialized"
+    );
+    // SAFETY: attached at startup, inherited by fork; immutable afterwards.
+    unsafe { &*(BASE.load(Ordering::Acquire) as *const Header) }
+}
+
+fn n_slots() -> usize {
+    header().n_slots
+}
+
+fn scope_lock() -> *mut pg_sys::LWLock {
+    header().lock
+}
+
+/// The scope counters, N_SCOPES of them.
+fn scopes() -> &'static [Scope] {
+    let (_, scopes, _) = layout(n_slots());
+    // SAFETY: in bounds of the segment; zeroed at creation, a valid state.
     unsafe {
-        let finished = &mut *std::ptr::addr_of_mut!(FINISHED);
-        let owed = &mut *std::ptr::addr_of_mut!(STATS_OWED);
-        // A rolled-back savepoint (or a caught error) undoes its finishes and renewals.
-        at_subxact_end(finished, event);
-        at_subxact_end(owed, event);
+        std::slice::from_raw_parts(
+            BASE.load(Ordering::Acquire).add(scopes) as *const Scope,
+            N_SCOPES,
+        )
     }
 }
 
-/// Keeps a list of what a transaction did, each item with the subtransaction nesting
-/// level that did it, in step with the subtransaction that ends: what a rolled-back
-/// one did is forgotten, what a committed one did becomes its parent's.
-pub fn at_subxact_end<T>(items: &mut Vec<(T, i32)>, event: pg_sys::SubXactEvent::Type) {
-    // SAFETY: a plain read of transaction state.
-    let level = unsafe { pg_sys::GetCurrentTransactionNestLevel() };
-    match event {
-        pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB => items.retain(|(_, l)| *l < level),
-        pg_sys::SubXactEvent::SUBXACT_EVENT_COMMIT_SUB => {
-            for item in items.iter_mut().filter(|i| i.1 >= level) {
-                item.1 = level - 1;
-            }
-        }
-        _ => {}
+/// The pending counter changes published by backend `procno`.
+fn pending(procno: usize) -> &'static [Pending] {
+    assert!(procno < n_slots());
+    let (_, _, pending) = layout(n_slots());
+    // SAFETY: in bounds of the segment; zeroed at creation, a valid state.
+    unsafe {
+        std::slice::from_raw_parts(
+            (BASE.load(Ordering::Acquire).add(pending) as *const Pending)
+                .add(procno * PENDING_PER_SLOT),
+            PENDING_PER_SLOT,
+        )
     }
+}
+
+/// The two lock tag fields that stand for scope (db, role) in the scope lock: a keyed
+/// hash of the pair, the key drawn at server start. pg_locks, which every role can
+/// read, shows lock tags; the role's OID there would tell any tenant which roles are
+/// being admitted right now, which the rest of pg_quota shows no tenant. Two scopes
+/// whose hashes collide (a chance of one in 2^64) would only share a lock.
+pub fn scope_tag(db: pg_sys::Oid, role: pg_sys::Oid) -> (u32, u32) {
+    use std::hash::{Hash, Hasher};
+    // DefaultHasher::new() is SipHash with fixed keys, the same in every process of
+    // this build; the secret, hashed first, is what keys it.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    header().secret.hash(&mut h);
+    (u32::from(db), u32::from(role)).hash(&mut h);
+    let v = h.finish();
+    (v as u32, (v >> 32) as u32)
+}
+
+// ---------------------------------------------------------------------------------
+// A scope's counts, as admission and the writer need them
+// ---------------------------------------------------------------------------------
+
+/// (active tickets, ledger rows) of `role`: from its scope counter (see scopes.rs),
+/// which is built from the ledger if missing or stale, or, if the counter table is
+/// full, counted from the ledger under `snap`.
+pub fn scope(reader: &Reader, snap: &Latest, role: pg_sys::Oid) -> (i64, i64) {
+    let r = &reader.rels;
+    reader
+        .tags
+        .and_then(|tags| {
+            get(shmem::my_db(), role, tags, |s| {
+                // A rebuild holds the counters' lock: never count a whole history
+                // under it. Without a summary row, count this once without a
+                // counter; the writer rebuilds the summary row meanwhile.
+                let rows = summary_rows(r, s, role)?;
+                Some((active(r, s, role, None), rows))
+            })
+        })
+        .unwrap_or_else(|| {
+            let (rows, rebuild) = rows(r, snap, role);
+            if rebuild {
+                workers::request_summary_rebuild();
+            }
+            (active(r, snap, role, None), rows)
+        })
+}
+
+/// The scope's usage as admission needs it: each count only where its limit is set
+/// (`None` means no limit, so that count is not needed to decide). Tickets whose lease
+/// ran out by `now` are neither active nor, once past the cutoff, retained.
+pub fn usage(
+    reader: &Reader,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    now: pg_sys::TimestampTz,
+    cutoff: pg_sys::TimestampTz,
+    max_active: Option<i64>,
+    count_retained: bool,
+) -> Usage {
+    if max_active.is_none() && !count_retained {
+        return Usage::default();
+    }
+    let (active, rows) = scope(reader, snap, role);
+    // A snapshot taken after the counter was read: it sees every purge and every
+    // expiry sweep the counter already reflects, so nothing is subtracted twice.
+    let after = Latest::take();
+    let lapsed = lapsed(&reader.rels, &after, role, now);
+    Usage {
+        active: if max_active.is_some() {
+            active - lapsed.expired()
+        } else {
+            0
+        },
+        retained: if count_retained {
+            rows - expired(&reader.rels, &after, role, cutoff) - lapsed.aged_out(cutoff)
+        } else {
+            0
+        },
+        ..Usage::default()
+    }
+}
+
+/// The full numbers for a refusal's message, and when capacity returns if the
+/// retained limit is the one reached.
+pub fn refusal_numbers(
+    reader: &Reader,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    now: pg_sys::TimestampTz,
+    cutoff: pg_sys::TimestampTz,
+    retention_secs: i64,
+    kind: RefusalKind,
+) -> (Usage, Option<pg_sys::TimestampTz>) {
+    let r = &reader.rels;
+    let (active, rows) = scope(reader, snap, role);
+    // As in counts::usage: a snapshot that sees every purge and sweep the counter
+    // reflects.
+    let after = Latest::take();
+    let lapsed = lapsed(r, &after, role, now);
+    let usage = Usage {
+        active: active - lapsed.expired(),
+        retained: rows - expired(r, &after, role, cutoff) - lapsed.aged_out(cutoff),
+        ..Usage::default()
+    };
+    let next = (kind == RefusalKind::Retained)
+        .then(|| {
+            earliest(
+                oldest_ended(r, snap, role, cutoff),
+                lapsed.oldest_retained(cutoff),
+            )
+        })
+        .flatten()
+        .map(|t| t.saturating_add(retention_secs.saturating_mul(1_000_000)));
+    (usage, next)
 }

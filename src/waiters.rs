@@ -1,4 +1,5 @@
-//! Starts that wait for capacity (`start(…, wait => interval)`), and their order.
+//! Layer 4, shared state: starts that wait for capacity (`start(…, wait =>
+//! interval)`), and their order, in a segment of their own.
 //!
 //! A waiting start() takes a place in line: a number from one cluster-wide counter,
 //! kept in its backend's entry with its database, its role and the limit that refused
@@ -13,12 +14,13 @@
 //! cleared when the start() returns or raises (a Drop guard), and at backend exit
 //! (before_shmem_exit: FATAL runs no destructor).
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 
 use pgrx::pg_sys;
 
 use crate::core::RefusalKind;
-use crate::shmem;
+use crate::queue;
+use crate::shmem::{self, Layout, Segment};
 
 /// The longest a waiter sleeps without looking again, in milliseconds: it bounds the
 /// cost of a wake-up that arrives while it is busy elsewhere.
@@ -39,8 +41,74 @@ pub struct Waiter {
     woken: AtomicBool,
 }
 
+#[repr(C)]
+struct Header {
+    n: usize,
+    /// The last place handed to a waiting start().
+    wait_seq: AtomicU64,
+    /// How many backends are in the line right now.
+    waiting: AtomicU64,
+}
+
+static BASE: AtomicPtr<u8> = AtomicPtr::new(std::ptr::null_mut());
+
+/// The segment's layout for `n` backends: the header, then one entry per backend.
+fn layout(n: usize) -> (Layout, usize) {
+    let mut l = Layout::of::<Header>();
+    let waiters = l.array::<Waiter>(n);
+    (l, waiters)
+}
+
+fn size() -> usize {
+    layout(shmem::max_backends()).0.size()
+}
+
+/// # Safety
+/// See shmem::Segment::attach.
+unsafe fn attach(base: *mut u8, found: bool, _locks: *mut pg_sys::LWLockPadded) {
+    // SAFETY: the segment is ours and zeroed when not `found`; zero is a valid state of
+    // every entry (all atomics): not waiting.
+    unsafe {
+        if !found {
+            (*(base as *mut Header)).n = shmem::max_backends();
+        }
+    }
+    BASE.store(base, Ordering::Release);
+}
+
+/// The line's segment (see shmem.rs).
+pub static SEGMENT: Segment = Segment {
+    name: c"pg_quota waiters",
+    size,
+    extra: shmem::nothing,
+    locks: 0,
+    attach,
+};
+
+fn header() -> &'static Header {
+    assert!(
+        shmem::available(),
+        "pg_quota shared memory is not initialized"
+    );
+    // SAFETY: attached at startup, inherited by fork.
+    unsafe { &*(BASE.load(Ordering::Acquire) as *const Header) }
+}
+
+/// The waiting starts, one entry per backend.
+fn waiters() -> &'static [Waiter] {
+    let n = header().n;
+    let (_, waiters) = layout(n);
+    // SAFETY: in bounds of the segment; zeroed at creation, a valid state.
+    unsafe {
+        std::slice::from_raw_parts(
+            BASE.load(Ordering::Acquire).add(waiters) as *const Waiter,
+            n,
+        )
+    }
+}
+
 fn mine() -> &'static Waiter {
-    &shmem::waiters()[shmem::my_procno()]
+    &waiters()[shmem::my_procno()]
 }
 
 // Single-threaded backend state.
@@ -48,7 +116,7 @@ static mut EXIT_CALLBACK_REGISTERED: bool = false;
 
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn leave_at_exit(_code: i32, _arg: pg_sys::Datum) {
-    if shmem::available() && shmem::my_procno() < shmem::n_slots() {
+    if shmem::available() && shmem::my_procno() < header().n {
         leave();
     }
 }
@@ -72,10 +140,10 @@ impl Place {
         w.db.store(u32::from(shmem::my_db()), Ordering::Relaxed);
         w.role.store(u32::from(role), Ordering::Relaxed);
         w.kind.store(kind_of(kind), Ordering::Relaxed);
-        let seq = shmem::wait_seq().fetch_add(1, Ordering::AcqRel) + 1;
+        let seq = header().wait_seq.fetch_add(1, Ordering::AcqRel) + 1;
         // Counted before the place is published (see `ahead`).
         if w.seq.load(Ordering::Acquire) == 0 {
-            shmem::waiting().fetch_add(1, Ordering::AcqRel);
+            header().waiting.fetch_add(1, Ordering::AcqRel);
         }
         w.seq.store(seq, Ordering::Release);
         Place { seq }
@@ -112,7 +180,7 @@ pub fn leave() {
     let was = w.seq.swap(0, Ordering::AcqRel);
     w.woken.store(false, Ordering::Release);
     if was != 0 {
-        shmem::waiting().fetch_sub(1, Ordering::AcqRel);
+        header().waiting.fetch_sub(1, Ordering::AcqRel);
         // Those behind us counted us as ahead of them: let them look again.
         let (db, role) = (
             pg_sys::Oid::from(w.db.load(Ordering::Relaxed)),
@@ -134,15 +202,15 @@ pub fn ahead(role: pg_sys::Oid, seq: u64) -> (i64, i64) {
     // Nobody in line, the common case: no walk over every backend's entry. A waiter
     // counts itself here before it publishes its place, so a place published before
     // this load is counted.
-    if shmem::waiting().load(Ordering::Acquire) == 0 {
+    if header().waiting.load(Ordering::Acquire) == 0 {
         return (of_role, of_db);
     }
-    for (procno, w) in shmem::waiters().iter().enumerate() {
+    for (procno, w) in waiters().iter().enumerate() {
         let s = w.seq.load(Ordering::Acquire);
         if s == 0 || s >= seq || w.db.load(Ordering::Relaxed) != db {
             continue;
         }
-        if shmem::load_state(shmem::slot(procno)) != shmem::SLOT_FREE {
+        if queue::load_state(queue::slot(procno)) != queue::SLOT_FREE {
             continue;
         }
         match w.kind.load(Ordering::Relaxed) {
@@ -157,11 +225,11 @@ pub fn ahead(role: pg_sys::Oid, seq: u64) -> (i64, i64) {
 /// Wakes the starts waiting in database `db` for `role`, and those waiting for the
 /// database cap: a slot of theirs may have freed. Never raises: it runs at commit.
 pub fn wake(db: pg_sys::Oid, role: pg_sys::Oid) {
-    if !shmem::available() || shmem::waiting().load(Ordering::Acquire) == 0 {
+    if !shmem::available() || header().waiting.load(Ordering::Acquire) == 0 {
         return;
     }
     let (db, role) = (u32::from(db), u32::from(role));
-    for (procno, w) in shmem::waiters().iter().enumerate() {
+    for (procno, w) in waiters().iter().enumerate() {
         if w.seq.load(Ordering::Acquire) == 0 || w.db.load(Ordering::Relaxed) != db {
             continue;
         }

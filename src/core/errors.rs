@@ -2,7 +2,6 @@
 //! PostgreSQL's style: lowercase messages, numbers in DETAIL, the fix in HINT.
 
 use super::decision::{Refusal, RefusalKind};
-use super::ticket::MAX_LABEL_CHARS;
 
 /// The SQLSTATEs pg_quota uses, each from PostgreSQL's table of error codes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,10 +64,11 @@ pub enum QuotaError {
         /// When the oldest retained, ended ticket ages out, already formatted, if any.
         next_ageout: Option<String>,
     },
+    /// A label of `chars` characters, of at most `max` (core::ticket says how many).
     #[error("label is too long")]
-    LabelTooLong { chars: usize },
+    LabelTooLong { chars: usize, max: usize },
     #[error("idempotency key is too long")]
-    KeyTooLong { chars: usize },
+    KeyTooLong { chars: usize, max: usize },
     /// A lease or wait that is not a positive (lease) or non-negative (wait) interval.
     #[error("invalid {what} \"{value}\"")]
     InvalidInterval { what: &'static str, value: String },
@@ -283,12 +283,11 @@ impl QuotaError {
                     ),
                 })
             }
-            QuotaError::LabelTooLong { chars } => Some(format!(
-                "The label has {chars} characters; at most {MAX_LABEL_CHARS} are allowed."
+            QuotaError::LabelTooLong { chars, max } => Some(format!(
+                "The label has {chars} characters; at most {max} are allowed."
             )),
-            QuotaError::KeyTooLong { chars } => Some(format!(
-                "The key has {chars} characters; at most {} are allowed.",
-                super::ticket::MAX_KEY_CHARS
+            QuotaError::KeyTooLong { chars, max } => Some(format!(
+                "The key has {chars} characters; at most {max} are allowed."
             )),
             QuotaError::InvalidInterval { what, .. } => Some(if *what == "lease" {
                 "A lease must be longer than zero.".to_string()
@@ -624,8 +623,14 @@ mod tests {
     #[test]
     fn messages_are_lowercase_postgres_style() {
         let all = [
-            QuotaError::LabelTooLong { chars: 201 },
-            QuotaError::KeyTooLong { chars: 201 },
+            QuotaError::LabelTooLong {
+                chars: 201,
+                max: 200,
+            },
+            QuotaError::KeyTooLong {
+                chars: 201,
+                max: 200,
+            },
             QuotaError::InvalidInterval {
                 what: "lease",
                 value: "-1 days".into(),
@@ -696,7 +701,12 @@ mod tests {
     #[test]
     fn sqlstates_match_the_contract() {
         assert_eq!(
-            QuotaError::LabelTooLong { chars: 300 }.sqlstate().code(),
+            QuotaError::LabelTooLong {
+                chars: 300,
+                max: 200
+            }
+            .sqlstate()
+            .code(),
             "22001"
         );
         assert_eq!(

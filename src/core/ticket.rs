@@ -18,7 +18,10 @@ pub const MAX_LABEL_BYTES: usize = MAX_LABEL_CHARS * MAX_CHAR_BYTES;
 /// labels that are not UTF-8), so the caller counts characters with the server's own
 /// rules and passes both numbers.
 pub fn check_label(chars: usize, bytes: usize) -> Result<(), QuotaError> {
-    check_text(MAX_LABEL_CHARS, chars, bytes).map_err(|chars| QuotaError::LabelTooLong { chars })
+    check_text(MAX_LABEL_CHARS, chars, bytes).map_err(|chars| QuotaError::LabelTooLong {
+        chars,
+        max: MAX_LABEL_CHARS,
+    })
 }
 
 /// Err(the length to report) when text of `chars` characters in `bytes` bytes is
@@ -41,7 +44,10 @@ pub const MAX_KEY_BYTES: usize = MAX_KEY_CHARS * MAX_CHAR_BYTES;
 
 /// Checks an idempotency key of `chars` characters in `bytes` bytes, as `check_label`.
 pub fn check_key(chars: usize, bytes: usize) -> Result<(), QuotaError> {
-    check_text(MAX_KEY_CHARS, chars, bytes).map_err(|chars| QuotaError::KeyTooLong { chars })
+    check_text(MAX_KEY_CHARS, chars, bytes).map_err(|chars| QuotaError::KeyTooLong {
+        chars,
+        max: MAX_KEY_CHARS,
+    })
 }
 
 /// How a ticket ended.
@@ -148,7 +154,13 @@ mod tests {
     #[test]
     fn label_of_201_characters_is_refused_with_22001() {
         let e = check_label(201, 201).unwrap_err();
-        assert_eq!(e, QuotaError::LabelTooLong { chars: 201 });
+        assert_eq!(
+            e,
+            QuotaError::LabelTooLong {
+                chars: 201,
+                max: 200
+            }
+        );
         assert_eq!(e.sqlstate().code(), "22001");
     }
 

@@ -1,7 +1,8 @@
-//! What DDL may do to pg_quota's own tables, quota.ledger and quota.summary (I9).
+//! Layer 5, the paths (part of hooks/): what DDL may do to pg_quota's own tables,
+//! quota.ledger and quota.summary (I9).
 //!
 //! pg_quota writes these tables below SQL (heap.rs), where no trigger fires. Two kinds
-//! of DDL would silently break the accounting, so hooks.rs routes them here:
+//! of DDL would silently break the accounting, so the hooks (mod.rs) route them here:
 //!
 //! - **A trigger of someone else's.** A row trigger on the ledger sees only the writes
 //!   made through SQL, never pg_quota's. A tool that copies a table through such a

@@ -1,6 +1,7 @@
-//! Writing pg_quota's tables directly through the heap and index access methods, the
-//! way PostgreSQL's catalog code writes catalog rows: an SQL statement would build and
-//! tear down an executor for each one-row change, which cost more than the change.
+//! Layer 3, the ledger: writing pg_quota's tables directly through the heap and index
+//! access methods, the way PostgreSQL's catalog code writes catalog rows: an SQL
+//! statement would build and tear down an executor for each one-row change, which cost
+//! more than the change.
 //!
 //! Only pg_quota's own code reaches these writes, so no privilege check applies, and
 //! no SQL is involved, so the search_path cannot affect them (I5). CHECK constraints
@@ -20,7 +21,7 @@ pub struct OpenRel {
 
 impl OpenRel {
     /// Opens `relid` and its indexes with RowExclusiveLock, what INSERT, UPDATE and
-    /// DELETE take, each lock with a bounded wait (see counts::lock_bounded).
+    /// DELETE take, each lock with a bounded wait (see rels::lock_bounded).
     /// `key_col` is the table's identity column (the ledger's id, the summary's role),
     /// the only column a unique index may cover.
     ///
@@ -30,10 +31,10 @@ impl OpenRel {
     /// exist yet, and the concurrent build adds our rows itself. Indexes that are
     /// ready but not valid (a build that was cancelled) do get entries.
     pub fn open(relid: pg_sys::Oid, name: &str, key_col: usize) -> OpenRel {
-        crate::counts::lock_bounded(relid, pg_sys::RowExclusiveLock);
+        crate::ledger::rels::lock_bounded(relid, pg_sys::RowExclusiveLock);
         // The lock processed invalidations: make sure the table still has the shape
         // and membership pg_quota checked, and find its current indexes.
-        crate::counts::rels();
+        crate::ledger::rels::rels();
         // SAFETY: the relation exists and is locked; the index list comes from the
         // relcache, and each index is locked before it is opened.
         unsafe {
@@ -47,7 +48,7 @@ impl OpenRel {
             let mut indexes = Vec::with_capacity(n);
             for i in 0..n {
                 let oid = (*(*list).elements.add(i)).oid_value;
-                crate::counts::lock_bounded(oid, pg_sys::RowExclusiveLock);
+                crate::ledger::rels::lock_bounded(oid, pg_sys::RowExclusiveLock);
                 let idx = pg_sys::index_open(oid, pg_sys::NoLock as i32);
                 let info = pg_sys::BuildIndexInfo(idx);
                 if let Err(e) = check_index(idx, info, key_col) {

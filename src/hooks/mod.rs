@@ -1,5 +1,6 @@
-//! Hooks into PostgreSQL's DDL, so that DBA operations keep working while pg_quota is
-//! in use (I9):
+//! Layer 5, the paths: hooks into PostgreSQL's DDL, so that DBA operations keep working
+//! while pg_quota is in use (I9). guard.rs holds what DDL may do to pg_quota's own
+//! tables.
 //!
 //! - A ledger writer is a session connected to its database. It must leave before
 //!   commands that need the database to themselves: DROP DATABASE, CREATE DATABASE
@@ -11,6 +12,8 @@
 //!   the same OID, or whatever role has that OID after a restore elsewhere), and its
 //!   quota.stats rows go into their databases' totals. DROP DATABASE removes the
 //!   database's quota.stats and quota.writer_stats rows when it commits.
+
+mod guard;
 
 use std::sync::atomic::Ordering;
 
@@ -52,17 +55,17 @@ unsafe extern "C-unwind" fn object_access(
             // CREATE TRIGGER on pg_quota's tables is refused; a change to its own
             // triggers' state is acted on after the command (see guard.rs).
             if access == pg_sys::ObjectAccessType::OAT_POST_CREATE {
-                crate::guard::trigger_created(object_id);
+                guard::trigger_created(object_id);
             } else if access == pg_sys::ObjectAccessType::OAT_POST_ALTER {
                 ensure_callbacks();
-                crate::guard::trigger_altered(object_id);
+                guard::trigger_altered(object_id);
             }
             return;
         }
         if access == pg_sys::ObjectAccessType::OAT_POST_CREATE
             && class_id == pg_sys::ExtensionRelationId
         {
-            crate::guard::extension_created(object_id);
+            guard::extension_created(object_id);
             return;
         }
         if access == pg_sys::ObjectAccessType::OAT_POST_ALTER
@@ -86,13 +89,13 @@ unsafe extern "C-unwind" fn object_access(
         // to leave: FORCE terminates sessions with the dropping user's rights, and a
         // database owner who is not a superuser has none over a background worker.
         if class_id == pg_sys::DatabaseRelationId {
-            crate::writer::stop(object_id);
+            crate::workers::stop(object_id);
             crate::scopes::forget(object_id, None);
             note_dropped(None, Some(object_id));
         } else if class_id == pg_sys::ExtensionRelationId {
             let name = pg_sys::get_extension_name(object_id);
             if !name.is_null() && std::ffi::CStr::from_ptr(name) == c"pg_quota" {
-                crate::writer::request_exit(crate::shmem::my_db(), true);
+                crate::workers::request_exit(crate::shmem::my_db(), true);
                 crate::scopes::forget(crate::shmem::my_db(), None);
             }
         } else if class_id == pg_sys::AuthIdRelationId {
@@ -136,7 +139,7 @@ unsafe extern "C-unwind" fn xact_event(
     _arg: *mut std::ffi::c_void,
 ) {
     if event == pg_sys::XactEvent::XACT_EVENT_ABORT {
-        crate::guard::at_abort(1);
+        guard::at_abort(1);
     }
     // SAFETY: single-threaded backend state; the shared counter is atomic.
     unsafe {
@@ -151,8 +154,8 @@ unsafe extern "C-unwind" fn xact_event(
             pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PREPARE => {
                 if crate::shmem::available() {
                     if !roles.is_empty() {
-                        crate::shmem::roles_dropped().fetch_add(1, Ordering::AcqRel);
-                        crate::writer::wake_all();
+                        crate::workers::roles_dropped().fetch_add(1, Ordering::AcqRel);
+                        crate::workers::wake_all();
                     }
                     // quota.stats: a dropped role's counts go to its databases' totals
                     // (a later role with its OID starts from nothing); a dropped
@@ -188,12 +191,12 @@ unsafe extern "C-unwind" fn subxact_event(
 ) {
     if event == pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB {
         // SAFETY: a plain read of transaction state.
-        crate::guard::at_abort(unsafe { pg_sys::GetCurrentTransactionNestLevel() });
+        guard::at_abort(unsafe { pg_sys::GetCurrentTransactionNestLevel() });
     }
     // SAFETY: single-threaded backend state.
     unsafe {
         // A DROP ROLE in a rolled-back savepoint did not happen.
-        crate::scopes::at_subxact_end(&mut *std::ptr::addr_of_mut!(DROPPED_ROLES), event);
+        crate::xact::at_subxact_end(&mut *std::ptr::addr_of_mut!(DROPPED_ROLES), event);
     }
 }
 
@@ -293,9 +296,9 @@ unsafe extern "C-unwind" fn before_utility(pstmt: *mut pg_sys::PlannedStmt) {
     unsafe {
         let node = (*pstmt).utilityStmt;
         if let Some(db) = database_needed_alone(node) {
-            crate::writer::request_exit(db, false);
+            crate::workers::request_exit(db, false);
         }
-        crate::guard::before_utility(node);
+        guard::before_utility(node);
     }
 }
 
@@ -303,7 +306,7 @@ unsafe extern "C-unwind" fn before_utility(pstmt: *mut pg_sys::PlannedStmt) {
 /// `before_utility`.
 #[pg_guard]
 unsafe extern "C-unwind" fn after_utility() {
-    crate::guard::after_utility();
+    guard::after_utility();
 }
 
 unsafe extern "C-unwind" {

@@ -1,0 +1,29 @@
+//! Layer 1: names from the catalogs, for messages and log lines.
+
+use pgrx::pg_sys;
+
+/// The name of database `db`, or its OID if it is gone.
+pub fn database_name(db: pg_sys::Oid) -> String {
+    // SAFETY: a syscache lookup; NULL if the database is gone.
+    unsafe {
+        let p = pg_sys::get_database_name(db);
+        if p.is_null() {
+            u32::from(db).to_string()
+        } else {
+            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    }
+}
+
+/// The name of role `role`, or its OID if it was dropped.
+pub fn role_name(role: pg_sys::Oid) -> String {
+    // SAFETY: returns a palloc'd copy; noerr so a dropped role prints its oid.
+    unsafe {
+        let p = pg_sys::GetUserNameFromId(role, true);
+        if p.is_null() {
+            u32::from(role).to_string()
+        } else {
+            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! Layer 3, the ledger: counting a scope's tickets, and finding them, under a snapshot
+//! the caller takes (see scan.rs).
+
+use pgrx::pg_sys;
+
+use crate::core::lease::Lapsed;
+use crate::ledger::rels::Rels;
+use crate::ledger::scan::{attr, count, scan, scan_index, text_datum, ts_attr, Key, Latest};
+use crate::ledger::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_ROLE, COL_STARTED_AT};
+
+/// How many unfinished tickets `role` holds, counting at most `stop_at` of them.
+pub fn active(r: &Rels, snap: &Latest, role: pg_sys::Oid, stop_at: Option<i64>) -> i64 {
+    count(
+        r.ledger,
+        r.ledger_idx,
+        snap,
+        &[Key::OidEq(role), Key::IsNull],
+        stop_at,
+    )
+}
+
+/// How many ledger rows `role` has: from its summary row, or, where SQL-level writes
+/// to the ledger made the summary forget it (see sql/schema.sql), by counting; and
+/// whether that count was long enough that the writer should give the role its summary
+/// row back (counting a long history on every call is what the summary avoids).
+pub fn rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> (i64, bool) {
+    summary_rows(r, snap, role).map_or_else(
+        || {
+            let n = ledger_rows(r, snap, role);
+            (n, n > REBUILD_ABOVE)
+        },
+        |n| (n, false),
+    )
+}
+
+/// A role without a summary row and more ledger rows than this makes the writer
+/// rebuild the missing summary rows.
+const REBUILD_ABOVE: i64 = 100;
+
+/// `role`'s summary row, if it has one.
+pub fn summary_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> Option<i64> {
+    let mut rows = None;
+    scan(
+        r.summary,
+        r.summary_idx,
+        snap,
+        &[Key::OidEq(role)],
+        |slot| {
+            rows = attr(slot, 2).map(|d| d.value() as i64);
+            false
+        },
+    );
+    rows
+}
+
+/// How many ledger rows `role` has, counted one by one.
+pub fn ledger_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> i64 {
+    count(r.ledger, r.ledger_idx, snap, &[Key::OidEq(role)], None)
+}
+
+/// How many of `role`'s ended tickets are past `cutoff`.
+pub fn expired(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::TimestampTz) -> i64 {
+    count(
+        r.ledger,
+        r.ledger_idx,
+        snap,
+        &[Key::OidEq(role), Key::TsLess(cutoff)],
+        None,
+    )
+}
+
+/// When the oldest ended, still retained ticket of `role` ended.
+pub fn oldest_ended(
+    r: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    cutoff: pg_sys::TimestampTz,
+) -> Option<pg_sys::TimestampTz> {
+    let mut oldest = None;
+    scan(
+        r.ledger,
+        r.ledger_idx,
+        snap,
+        &[Key::OidEq(role), Key::TsAtLeast(cutoff)],
+        |slot| {
+            oldest = attr(slot, COL_ENDED_AT as i32).map(|d| d.value() as i64);
+            false
+        },
+    );
+    oldest
+}
+
+/// Whether the version of a row in `slot` (visible to the scan's snapshot) is being
+/// replaced or was replaced by a transaction that has not aborted: a finish() or
+/// renew() still open, or the writer's expiry sweep. Such a ticket whose lease ran
+/// out still counts as active: a renew() that began before the lease ran out and
+/// commits later keeps it active (see finish::renew), so counting it as expired now
+/// could admit past the limit. Over-counting for that moment is allowed (I2).
+fn being_changed(slot: *mut pg_sys::TupleTableSlot) -> bool {
+    // SAFETY: the slot holds a heap tuple in a buffer it pins (a heap index scan's
+    // BufferHeapTupleTableSlot); its header is read under a share lock on the buffer,
+    // as heap visibility checks read it.
+    unsafe {
+        let bslot = slot as *mut pg_sys::BufferHeapTupleTableSlot;
+        let buffer = (*bslot).buffer;
+        let hdr = (*(*bslot).base.tuple).t_data;
+        pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
+        let mask = u32::from((*hdr).t_infomask);
+        let locked_only = mask & pg_sys::HEAP_XMAX_LOCK_ONLY != 0
+            || mask & (pg_sys::HEAP_XMAX_IS_MULTI | pg_sys::HEAP_LOCK_MASK)
+                == pg_sys::HEAP_XMAX_EXCL_LOCK;
+        let xid = if mask & pg_sys::HEAP_XMAX_INVALID != 0 || locked_only {
+            pg_sys::InvalidTransactionId
+        } else if mask & pg_sys::HEAP_XMAX_IS_MULTI != 0 {
+            pg_sys::HeapTupleGetUpdateXid(hdr)
+        } else {
+            (*hdr).t_choice.t_heap.t_xmax
+        };
+        pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_UNLOCK as i32);
+        xid != pg_sys::InvalidTransactionId
+            && (pg_sys::TransactionIdIsCurrentTransactionId(xid)
+                || pg_sys::TransactionIdIsInProgress(xid)
+                || pg_sys::TransactionIdDidCommit(xid))
+    }
+}
+
+/// `role`'s unfinished tickets whose lease ran out by `now` (0.2.0's schema only):
+/// one probe of (role, ended_at IS NULL, lease_until <= now), which the sweep keeps
+/// short. Their counter and their unfinished rows still include them until the sweep
+/// ends them. Take `snap` after reading the role's counter, so that it sees every sweep
+/// the counter reflects and nothing is subtracted twice. The result serves every
+/// retention cutoff (see core::lease::Lapsed).
+pub fn lapsed(r: &Rels, snap: &Latest, role: pg_sys::Oid, now: pg_sys::TimestampTz) -> Lapsed {
+    let mut expiries = Vec::new();
+    if r.v2() {
+        scan(
+            r.ledger,
+            r.ledger_idx,
+            snap,
+            &[
+                Key::OidEq(role),
+                Key::IsNull,
+                Key::TsLess(now.saturating_add(1)),
+            ],
+            |slot| {
+                if !being_changed(slot) {
+                    expiries.extend(ts_attr(slot, COL_LEASE_UNTIL));
+                }
+                true
+            },
+        );
+    }
+    Lapsed::new(expiries)
+}
+
+/// The database's active tickets, all roles together, counting at most `stop_at`
+/// (0.2.0's schema only): the unfinished rows whose lease has not run out.
+pub fn db_active(r: &Rels, snap: &Latest, now: pg_sys::TimestampTz, stop_at: i64) -> i64 {
+    let mut n = 0;
+    if !r.v2() {
+        return n;
+    }
+    scan_index(r.ledger, r.ledger_open_idx, snap, &[Key::IsNull], |slot| {
+        let active = ts_attr(slot, COL_LEASE_UNTIL).is_none_or(|l| l > now) || being_changed(slot);
+        if active {
+            n += 1;
+        }
+        n < stop_at
+    });
+    n
+}
+
+/// The earliest lease that runs out after `now` among the active tickets of `role`, or
+/// of the whole database when `role` is None: when a waiter should look again.
+pub fn next_expiry(
+    r: &Rels,
+    snap: &Latest,
+    role: Option<pg_sys::Oid>,
+    now: pg_sys::TimestampTz,
+) -> Option<pg_sys::TimestampTz> {
+    if !r.v2() {
+        return None;
+    }
+    let after = Key::TsAtLeast(now.saturating_add(1));
+    let (index, keys) = match role {
+        Some(role) => (r.ledger_idx, vec![Key::OidEq(role), Key::IsNull, after]),
+        None => (r.ledger_open_idx, vec![Key::IsNull, after]),
+    };
+    let mut first = None;
+    scan_index(r.ledger, index, snap, &keys, |slot| {
+        first = ts_attr(slot, COL_LEASE_UNTIL);
+        first.is_none()
+    });
+    first
+}
+
+/// A ticket found by its idempotency key.
+pub struct Keyed {
+    pub id: [u8; 16],
+    pub started_at: pg_sys::TimestampTz,
+    pub ended_at: Option<pg_sys::TimestampTz>,
+    pub lease_until: Option<pg_sys::TimestampTz>,
+}
+
+/// The tickets of `role` with idempotency key `key` (a text datum) (0.2.0's schema
+/// only).
+pub fn with_key(r: &Rels, snap: &Latest, role: pg_sys::Oid, key: pg_sys::Datum) -> Vec<Keyed> {
+    let mut out = Vec::new();
+    scan_index(
+        r.ledger,
+        r.ledger_key_idx,
+        snap,
+        &[Key::OidEq(role), Key::TextEq(key)],
+        |slot| {
+            if let (Some(d), Some(started_at)) =
+                (attr(slot, COL_ID as i32), ts_attr(slot, COL_STARTED_AT))
+            {
+                out.push(Keyed {
+                    // SAFETY: a uuid datum points at its 16 bytes.
+                    id: unsafe { *(d.cast_mut_ptr::<[u8; 16]>()) },
+                    started_at,
+                    ended_at: ts_attr(slot, COL_ENDED_AT),
+                    lease_until: ts_attr(slot, COL_LEASE_UNTIL),
+                });
+            }
+            true
+        },
+    );
+    out
+}
+
+/// The smallest role above `after` that has a ledger row visible to `snap`: one
+/// index probe per role, so walking every role of the ledger costs one probe each.
+pub fn next_role(r: &Rels, snap: &Latest, after: pg_sys::Oid) -> Option<pg_sys::Oid> {
+    let mut found = None;
+    scan(
+        r.ledger,
+        r.ledger_idx,
+        snap,
+        &[Key::OidGreater(after)],
+        |slot| {
+            found = attr(slot, COL_ROLE as i32).map(|d| pg_sys::Oid::from(d.value() as u32));
+            false
+        },
+    );
+    found
+}
+
+/// The roles with ledger rows visible to `snap` that `keep` accepts, walking the
+/// ledger with `next_role` (one index probe per role).
+pub fn roles_where(
+    r: &Rels,
+    snap: &Latest,
+    mut keep: impl FnMut(pg_sys::Oid) -> bool,
+) -> Vec<pg_sys::Oid> {
+    let mut out = Vec::new();
+    let mut after = pg_sys::InvalidOid;
+    while let Some(role) = next_role(r, snap, after) {
+        if keep(role) {
+            out.push(role);
+        }
+        after = role;
+    }
+    out
+}
+
+/// The ticket of `role` with idempotency key `key` (bytes in the server encoding)
+/// that is still retained for a caller whose retention starts at `cutoff`, if any.
+pub fn retained_with_key(
+    rels: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    key: &[u8],
+    now: pg_sys::TimestampTz,
+    cutoff: pg_sys::TimestampTz,
+) -> Option<[u8; 16]> {
+    let datum = text_datum(key);
+    // Sessions of one role may run with different retentions, so more than one ticket
+    // with the key may be retained here: the newest is the one a retry should get.
+    with_key(rels, snap, role, datum)
+        .into_iter()
+        .filter(|k| crate::core::lease::is_retained(k.ended_at, k.lease_until, now, cutoff))
+        .max_by_key(|k| k.started_at)
+        .map(|k| k.id)
+}

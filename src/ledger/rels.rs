@@ -1,0 +1,488 @@
+//! Layer 3, the ledger: finding and checking pg_quota's relations, and their locks.
+//!
+//! Relations are found by name in schema `quota`, and each must be a member of
+//! extension pg_quota with the columns pg_quota writes (I5: not redirectable). Anything
+//! else (a renamed schema with look-alike tables in its place, a column dropped by
+//! hand) is an error, never a crash. A caller never queues without bound behind
+//! maintenance (VACUUM FULL, REINDEX, CLUSTER): every lock is taken with a bounded wait,
+//! and the read locks of start() are released as soon as its reads are done.
+
+use std::time::Duration;
+
+use pgrx::pg_sys;
+
+use crate::compat;
+use crate::core::QuotaError;
+use crate::error::raise;
+use crate::ledger::{COL_ENDED_AT, COL_ID, COL_KEY, COL_LEASE_UNTIL, COL_ROLE, NCOLS_V1, NCOLS_V2};
+
+/// How long a caller waits for a lock on one of pg_quota's relations before it gives
+/// up with 55P03 (or the session's lock_timeout, if shorter).
+pub const LOCK_WAIT: Duration = Duration::from_secs(5);
+
+/// The OIDs of pg_quota's relations in this database, and the valid indexes that
+/// serve its scans. Indexes are chosen by what they index, not by name, so that
+/// REINDEX CONCURRENTLY (which swaps names) and renames do not matter.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Rels {
+    pub ledger: pg_sys::Oid,
+    /// A valid btree index whose first column is the ledger's id.
+    pub ledger_pkey: pg_sys::Oid,
+    /// A valid btree index on (role, ended_at, …); from 0.2.0 on (role, ended_at,
+    /// lease_until, …), so that a role's active tickets whose lease ran out are one
+    /// probe away.
+    pub ledger_idx: pg_sys::Oid,
+    /// 0.2.0: a valid btree index on (ended_at, lease_until, …): the database's active
+    /// tickets (the database cap) and its leases that ran out (the expiry sweep).
+    /// InvalidOid with an older schema.
+    pub ledger_open_idx: pg_sys::Oid,
+    /// 0.2.0: a valid btree index on (role, idempotency_key, …). InvalidOid with an
+    /// older schema.
+    pub ledger_key_idx: pg_sys::Oid,
+    /// The ledger's column count: NCOLS_V1 (0.1.x's schema, still in place until
+    /// ALTER EXTENSION pg_quota UPDATE) or NCOLS_V2.
+    pub ncols: usize,
+    pub summary: pg_sys::Oid,
+    /// A valid btree index whose first column is the summary's role.
+    pub summary_idx: pg_sys::Oid,
+    /// Whether the scope counters may be used: only when the triggers that mark them
+    /// stale after SQL-level writes to the ledger exist and fire always (0.1.0's schema
+    /// has none; a DBA may disable them, and session_replication_role = replica skips
+    /// triggers that are not ENABLE ALWAYS).
+    pub counters_ok: bool,
+}
+
+impl Rels {
+    /// Whether the database has 0.2.0's schema (leases, idempotency keys, pids).
+    pub fn v2(&self) -> bool {
+        self.ncols == NCOLS_V2
+    }
+
+    /// Raises the clear error of a 0.2.0 feature used on an older schema.
+    pub fn require_v2(&self, feature: &'static str) {
+        if !self.v2() {
+            raise(QuotaError::NeedsUpdate {
+                feature,
+                needs: "0.2.0",
+            });
+        }
+    }
+}
+
+// Backend-local cache of `Rels`, cleared by relcache invalidations of any of them.
+// A backend runs one thread, so plain statics suffice.
+static mut CACHED: Option<Rels> = None;
+static mut CALLBACK_REGISTERED: bool = false;
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn relcache_changed(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    // SAFETY: single-threaded backend state.
+    unsafe {
+        if let Some(r) = CACHED {
+            let ours = [
+                r.ledger,
+                r.ledger_pkey,
+                r.ledger_idx,
+                r.ledger_open_idx,
+                r.ledger_key_idx,
+                r.summary,
+                r.summary_idx,
+            ];
+            if relid == pg_sys::InvalidOid || ours.contains(&relid) {
+                CACHED = None;
+            }
+        }
+    }
+}
+
+/// Locks `relid` in `mode`, waiting at most LOCK_WAIT (or lock_timeout, if shorter).
+/// The wait is an ordinary lock wait, so it shows in pg_locks and pg_stat_activity and
+/// the deadlock detector sees it; only its length is bounded, by lowering
+/// lock_timeout for the duration of the wait. A caller that queues behind a VACUUM
+/// FULL waiting for someone else thus gets 55P03 after a few seconds, naming the table.
+pub fn lock_bounded(relid: pg_sys::Oid, mode: u32) {
+    // SAFETY: a plain lock request; it processes invalidations once granted.
+    if unsafe { pg_sys::ConditionalLockRelationOid(relid, mode as i32) } {
+        return;
+    }
+    // SAFETY: a syscache lookup, made before we wait so that the error path needs none.
+    let name = unsafe {
+        let p = pg_sys::get_rel_name(relid);
+        if p.is_null() {
+            u32::from(relid).to_string()
+        } else {
+            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    };
+    struct Restore(i32);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            // SAFETY: puts back the session's own setting.
+            unsafe { pg_sys::LockTimeout = self.0 };
+        }
+    }
+    // SAFETY: the GUC variable behind lock_timeout (milliseconds, 0 = off), read by
+    // the lock manager when it starts to wait; restored right after the wait.
+    let session = unsafe { pg_sys::LockTimeout };
+    let bound = LOCK_WAIT.as_millis() as i32;
+    let limit = if session > 0 {
+        session.min(bound)
+    } else {
+        bound
+    };
+    let _restore = Restore(session);
+    // SAFETY: as above.
+    unsafe { pg_sys::LockTimeout = limit };
+    pgrx::PgTryBuilder::new(|| {
+        // SAFETY: an ordinary lock wait; cancel and statement_timeout still apply.
+        unsafe { pg_sys::LockRelationOid(relid, mode as i32) }
+    })
+    .catch_when(pgrx::PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, |_| {
+        // The transaction is aborted by this ERROR, which also takes us out of the
+        // lock's wait queue.
+        raise(QuotaError::LockTimeout {
+            relation: format!("quota.{name}"),
+            seconds: i64::from((limit / 1000).max(1)),
+        })
+    })
+    .execute();
+}
+
+/// Relation locks taken with `lock_bounded` and released when dropped (or kept to the
+/// end of the transaction, for write locks, as the executor keeps them).
+pub struct Locks {
+    held: Vec<(pg_sys::Oid, u32)>,
+}
+
+impl Locks {
+    pub fn new() -> Locks {
+        Locks { held: Vec::new() }
+    }
+
+    pub fn take(&mut self, relid: pg_sys::Oid, mode: u32) {
+        lock_bounded(relid, mode);
+        if mode == pg_sys::AccessShareLock {
+            self.held.push((relid, mode));
+        }
+    }
+}
+
+impl Drop for Locks {
+    /// Read locks end with the reads: a transaction that called start() and stays
+    /// open holds nothing that maintenance would queue behind.
+    fn drop(&mut self) {
+        for &(relid, mode) in self.held.iter().rev() {
+            // SAFETY: we took exactly this lock in `take`; the lock manager counts
+            // repeated acquisitions, so a lock the transaction held before stays.
+            unsafe { pg_sys::UnlockRelationOid(relid, mode as i32) };
+        }
+    }
+}
+
+fn relid(ns: pg_sys::Oid, name: &std::ffi::CStr, ext: pg_sys::Oid) -> pg_sys::Oid {
+    // SAFETY: a syscache lookup; returns InvalidOid when missing.
+    let oid = unsafe { pg_sys::get_relname_relid(name.as_ptr(), ns) };
+    let shown = format!("quota.{}", name.to_string_lossy());
+    if oid == pg_sys::InvalidOid {
+        pgrx::pg_sys::panic::ErrorReport::new(
+            pgrx::PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE,
+            format!("relation \"{shown}\" does not exist"),
+            "pg_quota",
+        )
+        .set_hint(
+            "Reinstall the extension with DROP EXTENSION pg_quota and CREATE EXTENSION pg_quota.",
+        )
+        .report(pgrx::PgLogLevel::ERROR);
+    }
+    // SAFETY: a pg_depend lookup.
+    if ext == pg_sys::InvalidOid
+        || unsafe { pg_sys::getExtensionOfObject(pg_sys::RelationRelationId, oid) } != ext
+    {
+        raise(QuotaError::NotExtensionMember { relation: shown });
+    }
+    oid
+}
+
+/// The column types pg_quota reads and writes, by table. `role` is `oid` in 0.1.0's
+/// schema and `regrole` from 0.1.1 on; both are the same four bytes. `counts` are the
+/// column counts of the schemas this library runs on: the table must have one of them,
+/// and its columns must match the first that many of `want`.
+fn check_shape(
+    rel: pg_sys::Relation,
+    name: &str,
+    want: &[(&str, &[pg_sys::Oid])],
+    counts: &[usize],
+) -> usize {
+    // SAFETY: an open relation's tuple descriptor.
+    unsafe {
+        let desc = (*rel).rd_att;
+        let natts = (*desc).natts as usize;
+        let bad = |why: String| -> ! {
+            raise(QuotaError::BadShape {
+                relation: format!("quota.{name}"),
+                why,
+            })
+        };
+        if !counts.contains(&natts) {
+            bad(format!(
+                "It has {natts} columns; pg_quota writes exactly {}",
+                want.len()
+            ));
+        }
+        for (i, (col, types)) in want.iter().take(natts).enumerate() {
+            let att = compat::tuple_desc_attr(desc, i);
+            if (*att).attisdropped {
+                bad(format!("Column {} ({col}) was dropped", i + 1));
+            }
+            if !types.contains(&(*att).atttypid) {
+                bad(format!(
+                    "Column {} ({col}) has type {}",
+                    i + 1,
+                    std::ffi::CStr::from_ptr(pg_sys::format_type_be((*att).atttypid))
+                        .to_string_lossy()
+                ));
+            }
+        }
+        natts
+    }
+}
+
+/// The first valid, plain btree index of `heap` whose leading key columns are `keys`.
+fn find_index(heap: pg_sys::Relation, keys: &[usize]) -> Option<pg_sys::Oid> {
+    // SAFETY: `heap` is open and locked; each index is locked before it is opened and
+    // unlocked after, as the planner does when it inspects indexes.
+    unsafe {
+        let list = pg_sys::RelationGetIndexList(heap);
+        let n = if list.is_null() {
+            0
+        } else {
+            (*list).length as usize
+        };
+        for i in 0..n {
+            let oid = (*(*list).elements.add(i)).oid_value;
+            lock_bounded(oid, pg_sys::AccessShareLock);
+            let idx = pg_sys::index_open(oid, pg_sys::NoLock as i32);
+            let ix = &*(*idx).rd_index;
+            let nkeys = ix.indnkeyatts as usize;
+            let key = |k: usize| *ix.indkey.values.as_ptr().add(k) as usize;
+            // The scans assume ascending order with the type's default operators: a
+            // DBA's index on (role DESC, …) or with another operator class would
+            // return rows in another order, or compare them differently.
+            let plain_order = |k: usize| {
+                let typ = (*compat::tuple_desc_attr((*idx).rd_att, k)).atttypid;
+                let default = pg_sys::GetDefaultOpClass(typ, pg_sys::BTREE_AM_OID);
+                *(*idx).rd_indoption.add(k) == 0
+                    && default != pg_sys::InvalidOid
+                    && *(*idx).rd_opfamily.add(k) == pg_sys::get_opclass_family(default)
+            };
+            let usable = (*(*idx).rd_rel).relam == pg_sys::BTREE_AM_OID
+                && ix.indisvalid
+                && ix.indisready
+                && ix.indislive
+                && nkeys >= keys.len()
+                && keys
+                    .iter()
+                    .enumerate()
+                    .all(|(k, &col)| key(k) == col && plain_order(k))
+                && pg_sys::RelationGetIndexExpressions(idx).is_null()
+                && pg_sys::RelationGetIndexPredicate(idx).is_null();
+            pg_sys::index_close(idx, pg_sys::NoLock as i32);
+            pg_sys::UnlockRelationOid(oid, pg_sys::AccessShareLock as i32);
+            if usable {
+                return Some(oid);
+            }
+        }
+        None
+    }
+}
+
+fn discover() -> Rels {
+    // SAFETY: catalog lookups; the heaps are locked before they are opened.
+    unsafe {
+        let ext = pg_sys::get_extension_oid(c"pg_quota".as_ptr(), true);
+        let ns = pg_sys::get_namespace_oid(c"quota".as_ptr(), true);
+        if ns == pg_sys::InvalidOid {
+            raise(QuotaError::NotExtensionMember {
+                relation: "quota.ledger".into(),
+            });
+        }
+        let ledger = relid(ns, c"ledger", ext);
+        let summary = relid(ns, c"summary", ext);
+        let mut locks = Locks::new();
+        locks.take(ledger, pg_sys::AccessShareLock);
+        locks.take(summary, pg_sys::AccessShareLock);
+        let role_types: &[pg_sys::Oid] = &[pg_sys::OIDOID, pg_sys::REGROLEOID];
+        let l = pg_sys::table_open(ledger, pg_sys::NoLock as i32);
+        let ncols = check_shape(
+            l,
+            "ledger",
+            &[
+                ("id", &[pg_sys::UUIDOID]),
+                ("role", role_types),
+                ("label", &[pg_sys::TEXTOID]),
+                ("started_at", &[pg_sys::TIMESTAMPTZOID]),
+                ("ended_at", &[pg_sys::TIMESTAMPTZOID]),
+                ("outcome", &[pg_sys::TEXTOID]),
+                ("lease_until", &[pg_sys::TIMESTAMPTZOID]),
+                ("idempotency_key", &[pg_sys::TEXTOID]),
+                ("pid", &[pg_sys::INT4OID]),
+            ],
+            &[NCOLS_V1, NCOLS_V2],
+        );
+        let v2 = ncols == NCOLS_V2;
+        let ledger_pkey = find_index(l, &[COL_ID]);
+        let ledger_idx = if v2 {
+            find_index(l, &[COL_ROLE, COL_ENDED_AT, COL_LEASE_UNTIL])
+        } else {
+            find_index(l, &[COL_ROLE, COL_ENDED_AT])
+        };
+        let ledger_open_idx = v2.then(|| find_index(l, &[COL_ENDED_AT, COL_LEASE_UNTIL]));
+        let ledger_key_idx = v2.then(|| find_index(l, &[COL_ROLE, COL_KEY]));
+        let counters_ok = triggers_always(l, &[c"ledger_written", c"ledger_truncated"]);
+        pg_sys::table_close(l, pg_sys::NoLock as i32);
+        let s = pg_sys::table_open(summary, pg_sys::NoLock as i32);
+        check_shape(
+            s,
+            "summary",
+            &[("role", role_types), ("tickets", &[pg_sys::INT8OID])],
+            &[2],
+        );
+        let summary_idx = find_index(s, &[1]);
+        pg_sys::table_close(s, pg_sys::NoLock as i32);
+        let missing = |table: &str, cols: &str| -> ! {
+            raise(QuotaError::BadShape {
+                relation: format!("quota.{table}"),
+                why: format!(
+                    "It has no valid btree index on ({cols}), which pg_quota created and needs"
+                ),
+            })
+        };
+        Rels {
+            ledger,
+            ledger_pkey: ledger_pkey.unwrap_or_else(|| missing("ledger", "id")),
+            ledger_idx: ledger_idx.unwrap_or_else(|| {
+                missing(
+                    "ledger",
+                    if v2 {
+                        "role, ended_at, lease_until"
+                    } else {
+                        "role, ended_at"
+                    },
+                )
+            }),
+            ledger_open_idx: ledger_open_idx.map_or(pg_sys::InvalidOid, |i| {
+                i.unwrap_or_else(|| missing("ledger", "ended_at, lease_until"))
+            }),
+            ledger_key_idx: ledger_key_idx.map_or(pg_sys::InvalidOid, |i| {
+                i.unwrap_or_else(|| missing("ledger", "role, idempotency_key"))
+            }),
+            ncols,
+            summary,
+            summary_idx: summary_idx.unwrap_or_else(|| missing("summary", "role")),
+            counters_ok,
+        }
+    }
+}
+
+/// Whether `rel` has every trigger in `names`, each enabled ALWAYS ('A').
+fn triggers_always(rel: pg_sys::Relation, names: &[&std::ffi::CStr]) -> bool {
+    // SAFETY: an open relation's relcache trigger descriptor, read only.
+    unsafe {
+        let td = (*rel).trigdesc;
+        if td.is_null() {
+            return false;
+        }
+        let trigs = std::slice::from_raw_parts((*td).triggers, (*td).numtriggers as usize);
+        names.iter().all(|n| {
+            trigs.iter().any(|t| {
+                std::ffi::CStr::from_ptr(t.tgname) == *n && t.tgenabled == b'A' as std::ffi::c_char
+            })
+        })
+    }
+}
+
+/// pg_quota's relations, from the backend's cache or looked up afresh.
+pub fn rels() -> Rels {
+    // SAFETY: single-threaded backend state; the callback is registered once.
+    unsafe {
+        if !CALLBACK_REGISTERED {
+            pg_sys::CacheRegisterRelcacheCallback(Some(relcache_changed), pg_sys::Datum::from(0));
+            CALLBACK_REGISTERED = true;
+        }
+        if let Some(r) = CACHED {
+            return r;
+        }
+        let r = discover();
+        CACHED = Some(r);
+        r
+    }
+}
+
+/// pg_quota's relations, read-locked (bounded) until dropped.
+pub struct Reader {
+    pub rels: Rels,
+    /// The relfilenodes of the ledger and the summary, which scope counters must match;
+    /// None when counters must not be used or stored now (see `tags_of`).
+    pub tags: Option<Tags>,
+    _locks: Locks,
+}
+
+/// The relfilenodes a scope counter was built from (see scopes.rs): a counter is valid
+/// only while the ledger and the summary still have them.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Tags {
+    pub ledger: u32,
+    pub summary: u32,
+}
+
+/// The tags scope counters must carry, or None if counters must not be used: the
+/// triggers are missing or not ENABLE ALWAYS, or this transaction gave either table a
+/// relfilenode that is not committed yet (a TRUNCATE, say), which a counter built now
+/// would carry after the transaction commits, though built without its changes.
+fn tags_of(rels: &Rels) -> Option<Tags> {
+    if !rels.counters_ok {
+        return None;
+    }
+    // SAFETY: both relations are locked by the caller.
+    unsafe {
+        let l = pg_sys::table_open(rels.ledger, pg_sys::NoLock as i32);
+        let s = pg_sys::table_open(rels.summary, pg_sys::NoLock as i32);
+        let fresh = |r: pg_sys::Relation| compat::has_uncommitted_relfilenode(r);
+        let tags = (!fresh(l) && !fresh(s)).then(|| Tags {
+            ledger: compat::relfilenode(l),
+            summary: compat::relfilenode(s),
+        });
+        pg_sys::table_close(s, pg_sys::NoLock as i32);
+        pg_sys::table_close(l, pg_sys::NoLock as i32);
+        tags
+    }
+}
+
+impl Reader {
+    pub fn open() -> Reader {
+        let mut locks = Locks::new();
+        // Lock the tables first: once they are locked, invalidations are processed,
+        // so the cached index choice is current, and no index we pick can be dropped
+        // under us (REINDEX CONCURRENTLY waits for the tables' lockers first).
+        let first = rels();
+        locks.take(first.ledger, pg_sys::AccessShareLock);
+        locks.take(first.summary, pg_sys::AccessShareLock);
+        let rels = rels();
+        if rels.ledger != first.ledger || rels.summary != first.summary {
+            // Reinstalled in between: start over with the new tables.
+            drop(locks);
+            return Reader::open();
+        }
+        locks.take(rels.ledger_idx, pg_sys::AccessShareLock);
+        locks.take(rels.ledger_pkey, pg_sys::AccessShareLock);
+        // 0.2.0's other two indexes are locked where they are scanned (`scan_index`):
+        // most starts never touch them, and every lock taken here is paid on every
+        // start, refusals included.
+        locks.take(rels.summary_idx, pg_sys::AccessShareLock);
+        Reader {
+            rels,
+            tags: tags_of(&rels),
+            _locks: locks,
+        }
+    }
+}

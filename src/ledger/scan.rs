@@ -1,0 +1,253 @@
+//! Layer 3, the ledger: reading pg_quota's tables with direct index scans under the
+//! latest snapshot.
+//!
+//! Admission runs on every start(), including every refusal, so it must be cheap: an
+//! SPI query would build and tear down an executor tree each time. Instead we probe
+//! the indexes directly, as PostgreSQL's own catalog code does with systable scans.
+//! **No SSI (I3).** Under SERIALIZABLE, a scan with an MVCC snapshot takes predicate
+//! locks and checks rw-conflicts, so two sessions that each start and finish in one
+//! SERIALIZABLE transaction would fail each other with 40001. There we scan with
+//! SnapshotAny, which predicate locking ignores, and decide visibility ourselves against
+//! the latest snapshot (see `scan_open`). pg_quota's reads then take no predicate locks,
+//! and the caller's own statements keep full SERIALIZABLE semantics.
+
+use pgrx::pg_sys;
+
+use crate::compat;
+use crate::ledger::rels::Locks;
+
+/// A registered snapshot of the latest committed state, unregistered on drop.
+pub struct Latest(pub pg_sys::Snapshot);
+
+impl Latest {
+    pub fn take() -> Latest {
+        // SAFETY: GetLatestSnapshot returns a static snapshot; registering copies it,
+        // so later snapshot calls cannot change it under our scans.
+        Latest(unsafe { pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot()) })
+    }
+}
+
+impl Drop for Latest {
+    fn drop(&mut self) {
+        // SAFETY: registered in `take`; during an ERROR's unwind the resource owner
+        // would also release it, but unregistering first is harmless.
+        unsafe { pg_sys::UnregisterSnapshot(self.0) };
+    }
+}
+
+pub enum Key {
+    OidEq(pg_sys::Oid),
+    OidGreater(pg_sys::Oid),
+    UuidEq(pg_sys::Datum),
+    IsNull,
+    TsLess(pg_sys::TimestampTz),
+    TsAtLeast(pg_sys::TimestampTz),
+    /// Equal text, compared with the index column's collation.
+    TextEq(pg_sys::Datum),
+}
+
+/// Scan keys on the leading columns of `index_rel`, each with that column's collation
+/// (ScanKeyInit would give every key the C collation, which orders text differently
+/// from the index).
+fn scankeys(index_rel: pg_sys::Relation, keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
+    let mut sks = scankeys_c(keys);
+    for (i, sk) in sks.iter_mut().enumerate() {
+        // SAFETY: an open index has one collation per key column; i is below the
+        // number of keys, which find_index checked against the index's key columns.
+        sk.sk_collation = unsafe { *(*index_rel).rd_indcollation.add(i) };
+    }
+    sks
+}
+
+fn scankeys_c(keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
+    keys.iter()
+        .enumerate()
+        .map(|(i, k)| {
+            let attno = (i + 1) as pg_sys::AttrNumber;
+            // SAFETY: ScanKeyData is plain data; the init functions fill every field.
+            unsafe {
+                let mut sk: pg_sys::ScanKeyData = std::mem::zeroed();
+                let (strategy, proc_, arg) = match *k {
+                    Key::OidEq(o) => (pg_sys::BTEqualStrategyNumber, pg_sys::F_OIDEQ, o.into()),
+                    Key::OidGreater(o) => {
+                        (pg_sys::BTGreaterStrategyNumber, pg_sys::F_OIDGT, o.into())
+                    }
+                    Key::UuidEq(d) => (pg_sys::BTEqualStrategyNumber, pg_sys::F_UUID_EQ, d),
+                    Key::TextEq(d) => (pg_sys::BTEqualStrategyNumber, pg_sys::F_TEXTEQ, d),
+                    Key::TsLess(t) => (
+                        pg_sys::BTLessStrategyNumber,
+                        pg_sys::F_TIMESTAMPTZ_LT,
+                        t.into(),
+                    ),
+                    Key::TsAtLeast(t) => (
+                        pg_sys::BTGreaterEqualStrategyNumber,
+                        pg_sys::F_TIMESTAMPTZ_GE,
+                        t.into(),
+                    ),
+                    Key::IsNull => {
+                        pg_sys::ScanKeyEntryInitialize(
+                            &mut sk,
+                            (pg_sys::SK_ISNULL | pg_sys::SK_SEARCHNULL) as i32,
+                            attno,
+                            0, // InvalidStrategy
+                            pg_sys::InvalidOid,
+                            pg_sys::InvalidOid,
+                            pg_sys::InvalidOid,
+                            pg_sys::Datum::from(0),
+                        );
+                        return sk;
+                    }
+                };
+                pg_sys::ScanKeyInit(
+                    &mut sk,
+                    attno,
+                    strategy as u16,
+                    pg_sys::Oid::from(proc_),
+                    arg,
+                );
+                sk
+            }
+        })
+        .collect()
+}
+
+/// Scans `index` of `heap` for tuples visible to `snap` that match `keys` on the
+/// index's leading columns, and hands each to `visit` until it returns false. The
+/// caller holds locks on both (see `Reader` and `heap::OpenRel`).
+pub fn scan(
+    heap: pg_sys::Oid,
+    index: pg_sys::Oid,
+    snap: &Latest,
+    keys: &[Key],
+    visit: impl FnMut(*mut pg_sys::TupleTableSlot) -> bool,
+) {
+    // SAFETY: the caller holds locks on both relations.
+    unsafe {
+        let heap_rel = pg_sys::table_open(heap, pg_sys::NoLock as i32);
+        let index_rel = pg_sys::index_open(index, pg_sys::NoLock as i32);
+        scan_open(heap_rel, index_rel, snap, keys, visit);
+        pg_sys::index_close(index_rel, pg_sys::NoLock as i32);
+        pg_sys::table_close(heap_rel, pg_sys::NoLock as i32);
+    }
+}
+
+/// `scan`, holding a read lock on `index` for the scan only: for the indexes that only
+/// some calls use, which `Reader::open` does not lock (see there).
+pub fn scan_index(
+    heap: pg_sys::Oid,
+    index: pg_sys::Oid,
+    snap: &Latest,
+    keys: &[Key],
+    visit: impl FnMut(*mut pg_sys::TupleTableSlot) -> bool,
+) {
+    let mut locks = Locks::new();
+    locks.take(index, pg_sys::AccessShareLock);
+    scan(heap, index, snap, keys, visit);
+}
+
+/// Whether this backend's transaction takes part in SSI: only SERIALIZABLE ones do
+/// (IsolationIsSerializable(), a macro without a binding).
+fn serializable() -> bool {
+    // SAFETY: a plain read of a backend variable.
+    unsafe { pg_sys::XactIsoLevel == pg_sys::XACT_SERIALIZABLE as i32 }
+}
+
+/// `scan`, over relations the caller already has open.
+///
+/// Outside SERIALIZABLE (the writer, and callers at READ COMMITTED or REPEATABLE READ)
+/// the index scan runs under `snap` itself, as any catalog scan would, and marks the
+/// index entries of rows dead to everyone as it passes them, so that later scans skip
+/// them cheaply.
+///
+/// Under SERIALIZABLE, a scan under an MVCC snapshot would take predicate locks and
+/// check rw-conflicts. So the scan runs under SnapshotAny, which predicate locking
+/// ignores, returns every version of every matching row (walking HOT chains too), and
+/// we keep the versions visible to `snap`, checking each under a share lock on its
+/// buffer as heap_hot_search_buffer would.
+pub fn scan_open(
+    heap_rel: pg_sys::Relation,
+    index_rel: pg_sys::Relation,
+    snap: &Latest,
+    keys: &[Key],
+    mut visit: impl FnMut(*mut pg_sys::TupleTableSlot) -> bool,
+) {
+    let mut sk = scankeys(index_rel, keys);
+    let filter = serializable();
+    // SAFETY: the caller holds both relations open and locked; the slot and scan are
+    // released before we return, and an ERROR releases them with the transaction's
+    // resources. A heap relation's slot is a BufferHeapTupleTableSlot, whose tuple
+    // lives in the pinned buffer it names.
+    unsafe {
+        let slot = pg_sys::table_slot_create(heap_rel, std::ptr::null_mut());
+        let scan_snap = if filter {
+            std::ptr::addr_of_mut!(pg_sys::SnapshotAnyData)
+        } else {
+            snap.0
+        };
+        let desc = compat::index_beginscan(heap_rel, index_rel, scan_snap, sk.len() as i32);
+        pg_sys::index_rescan(
+            desc,
+            sk.as_mut_ptr(),
+            sk.len() as i32,
+            std::ptr::null_mut(),
+            0,
+        );
+        while pg_sys::index_getnext_slot(desc, pg_sys::ScanDirection::ForwardScanDirection, slot) {
+            if filter {
+                let bslot = slot as *mut pg_sys::BufferHeapTupleTableSlot;
+                let buffer = (*bslot).buffer;
+                pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
+                let visible =
+                    pg_sys::HeapTupleSatisfiesVisibility((*bslot).base.tuple, snap.0, buffer);
+                pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_UNLOCK as i32);
+                if !visible {
+                    continue;
+                }
+            }
+            if !visit(slot) {
+                break;
+            }
+        }
+        pg_sys::index_endscan(desc);
+        pg_sys::ExecDropSingleTupleTableSlot(slot);
+    }
+}
+
+pub fn count(
+    heap: pg_sys::Oid,
+    index: pg_sys::Oid,
+    snap: &Latest,
+    keys: &[Key],
+    stop_at: Option<i64>,
+) -> i64 {
+    let mut n = 0i64;
+    scan(heap, index, snap, keys, |_| {
+        n += 1;
+        stop_at.is_none_or(|s| n < s)
+    });
+    n
+}
+
+/// Column `attno` of the tuple in `slot`, or None if NULL.
+pub fn attr(slot: *mut pg_sys::TupleTableSlot, attno: i32) -> Option<pg_sys::Datum> {
+    // SAFETY: the slot holds a tuple of the scanned heap, which has at least `attno`
+    // columns; slot_getsomeattrs_int deforms up to it.
+    unsafe {
+        pg_sys::slot_getsomeattrs_int(slot, attno);
+        let i = (attno - 1) as usize;
+        (!*(*slot).tts_isnull.add(i)).then(|| *(*slot).tts_values.add(i))
+    }
+}
+
+/// A text datum (palloc'd) holding `bytes`, which are in the server encoding.
+pub fn text_datum(bytes: &[u8]) -> pg_sys::Datum {
+    // SAFETY: copies the bytes; a label or key is far below the 1 GB text limit.
+    pg_sys::Datum::from(unsafe {
+        pg_sys::cstring_to_text_with_len(bytes.as_ptr().cast(), bytes.len() as i32)
+    })
+}
+
+/// A timestamp column of the tuple in `slot`.
+pub fn ts_attr(slot: *mut pg_sys::TupleTableSlot, col: usize) -> Option<pg_sys::TimestampTz> {
+    attr(slot, col as i32).map(|d| d.value() as i64)
+}

@@ -1,0 +1,320 @@
+//! Layer 4: the caller's half of the request queue (see mod.rs). A start() fills its
+//! own slot, marks it PENDING, wakes its database's writer (registering one when there
+//! is none) and sleeps on its latch until the answer is DONE; it makes sure meanwhile
+//! that a writer is there for it, and withdraws a request the writer has not claimed
+//! when it is cancelled or its session ends.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+use super::*;
+use crate::catalog::database_name;
+use crate::compat::{self, nap};
+use crate::core::{QuotaError, RefusalKind, Usage};
+use crate::error::raise;
+use crate::workers::{self, TableLock, WriterState};
+
+/// How often a waiting caller looks around without being woken.
+const POLL_MS: i64 = 250;
+/// How often a waiting caller makes sure its writer is still there.
+const LIVENESS_EVERY: Duration = Duration::from_millis(500);
+/// How many writers a caller starts for one request before it gives up: a writer
+/// that keeps exiting before it serves anything will not do better the next time.
+const MAX_WRITER_STARTS: u32 = 3;
+
+/// The writer's answer to one start.
+pub enum Answer {
+    /// The ticket (new, or the one the request's idempotency key already had).
+    Admitted([u8; 16]),
+    Refused(RefusalKind, Usage, Option<pg_sys::TimestampTz>),
+}
+
+// Single-threaded backend state.
+static mut EXIT_CALLBACK_REGISTERED: bool = false;
+
+/// Runs at backend exit, FATAL included (pg_terminate_backend, idle_session_timeout,
+/// client_connection_check_interval), where no Rust destructor runs: a request the
+/// writer has not claimed yet is withdrawn, so it can never become a ticket that
+/// nobody holds. A claimed one is the writer's to finish (over-count at worst).
+#[pg_guard]
+unsafe extern "C-unwind" fn withdraw_at_exit(_code: i32, _arg: pg_sys::Datum) {
+    if !shmem::available() {
+        return;
+    }
+    let me = shmem::my_procno();
+    if me < n_slots() {
+        let _ = slot(me).state.compare_exchange(
+            SLOT_PENDING,
+            SLOT_FREE,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+}
+
+/// Hands one start request to this database's writer. The caller then calls `wait`.
+pub fn enqueue(fill: impl FnOnce(&mut Request)) {
+    let me = shmem::my_procno();
+    if me >= n_slots() {
+        pgrx::error!("pg_quota: process number {me} has no request slot");
+    }
+    // SAFETY: single-threaded backend state; the callback is registered once.
+    unsafe {
+        if !EXIT_CALLBACK_REGISTERED {
+            pg_sys::before_shmem_exit(Some(withdraw_at_exit), pg_sys::Datum::from(0));
+            EXIT_CALLBACK_REGISTERED = true;
+        }
+    }
+    let slot = slot(me);
+    reclaim(slot);
+
+    // SAFETY: the slot is FREE and ours (indexed by our PGPROC number), so nobody
+    // else reads its payload until we publish it with the Release store below.
+    unsafe { fill(&mut *slot.request.get()) };
+    slot.dboid
+        .store(u32::from(shmem::my_db()), Ordering::Relaxed);
+    // SAFETY: a plain read of backend state.
+    let role = unsafe { pg_sys::GetUserId() };
+    slot.role.store(u32::from(role), Ordering::Relaxed);
+    // The common case, a running writer, needs only the shared lock. Callers publish
+    // under the table lock, so a writer deciding to leave (exclusively) sees every
+    // request queued for it.
+    let db = shmem::my_db();
+    {
+        let _shared = TableLock::acquire_shared();
+        if let Some(i) = workers::writer_of(db) {
+            publish(slot, i);
+            return;
+        }
+    }
+    let _exclusive = TableLock::acquire();
+    let i = workers::writer_of(db).unwrap_or_else(workers::start_writer);
+    publish(slot, i);
+}
+
+fn publish(slot: &Slot, idx: usize) {
+    slot.state.store(SLOT_PENDING, Ordering::Release);
+    if let Ok(p) = usize::try_from(workers::writer(idx).procno) {
+        shmem::wake(p);
+    }
+}
+
+/// How many requests of `role` in this database are in the writer's hands: handed
+/// over and not yet answered. Callers hold the scope lock, so none of their scope can
+/// be added meanwhile; a read that races with a slot being reused only miscounts a
+/// request that is not of this scope, and the writer's own check is exact in any case.
+pub fn inflight(role: pg_sys::Oid) -> i64 {
+    let db = shmem::my_db();
+    (0..n_slots())
+        .filter(|&i| {
+            let s = slot(i);
+            let st = load_state(s);
+            (st == SLOT_PENDING || st == SLOT_CLAIMED) && s.dboid() == db && s.role() == role
+        })
+        .count() as i64
+}
+
+/// How many requests of any role in this database are in the writer's hands: what
+/// the database cap must count besides the committed tickets. Unlike `inflight`, no
+/// lock keeps other scopes from adding to it; the writer's check is the exact one.
+pub fn inflight_db() -> i64 {
+    let db = shmem::my_db();
+    (0..n_slots())
+        .filter(|&i| {
+            let s = slot(i);
+            let st = load_state(s);
+            (st == SLOT_PENDING || st == SLOT_CLAIMED) && s.dboid() == db
+        })
+        .count() as i64
+}
+
+/// A caller's wait for the writer: every LIVENESS_EVERY it makes sure a writer is
+/// there for the requests of this database, starting a new one when the last one is
+/// gone, and gives up with a clear error when writers keep failing to start.
+pub struct Patience {
+    last_check: Instant,
+    starts: u32,
+    never_started: u32,
+}
+
+impl Patience {
+    pub fn new() -> Patience {
+        Patience {
+            last_check: Instant::now(),
+            starts: 0,
+            never_started: 0,
+        }
+    }
+
+    /// Returns true if it found the writer gone (and started a new one).
+    pub fn check_writer(&mut self) -> bool {
+        if self.last_check.elapsed() < LIVENESS_EVERY {
+            return false;
+        }
+        self.last_check = Instant::now();
+        match workers::writer_state() {
+            WriterState::Alive => return false,
+            WriterState::Gone => {}
+            WriterState::NeverStarted => self.never_started += 1,
+        }
+        if self.never_started >= 2 || self.starts >= MAX_WRITER_STARTS {
+            let gave_up = if self.never_started >= 2 {
+                QuotaError::WriterDidNotStart {
+                    db: database_name(shmem::my_db()),
+                }
+            } else {
+                QuotaError::WriterGone
+            };
+            withdraw_mine();
+            raise(gave_up);
+        }
+        // Requests of this database may be waiting for a writer: ours, or others'
+        // that this caller's scope waits on. Bring one up.
+        self.starts += 1;
+        let _lock = TableLock::acquire();
+        if workers::writer_of(shmem::my_db()).is_none() {
+            workers::start_writer();
+        }
+        true
+    }
+}
+
+/// Withdraws our own request if the writer has not claimed it.
+fn withdraw_mine() {
+    let slot = slot(shmem::my_procno());
+    let _ =
+        slot.state
+            .compare_exchange(SLOT_PENDING, SLOT_FREE, Ordering::AcqRel, Ordering::Acquire);
+}
+
+/// Waits for the writer's answer to the request `enqueue` handed over. `admitted` runs
+/// once an admission is read, before the slot looks free (see `take_reply`).
+pub fn wait(admitted: impl FnOnce()) -> Answer {
+    let slot = slot(shmem::my_procno());
+
+    // Until DONE, an ERROR (cancel, statement_timeout) withdraws the request if the
+    // writer has not claimed it yet. If it has, the writer finishes it and the next
+    // request from this backend reclaims the slot: the charge, if any, stays counted
+    // (over-count, never under-count). FATAL is covered by withdraw_at_exit.
+    struct Withdraw;
+    impl Drop for Withdraw {
+        fn drop(&mut self) {
+            withdraw_mine();
+        }
+    }
+    let guard = Withdraw;
+    let mut patience = Patience::new();
+    loop {
+        if load_state(slot) == SLOT_DONE {
+            std::mem::forget(guard);
+            return take_reply(slot, admitted);
+        }
+        nap(POLL_MS, compat::Wait::WriterReply);
+        if load_state(slot) != SLOT_DONE {
+            patience.check_writer();
+        }
+    }
+}
+
+/// Frees this backend's slot if it holds an answer nobody took back: that of a
+/// request abandoned while the writer had it (a cancel, or a previous backend with
+/// our PGPROC number). Waiters call it, so that their slot looks free and they count
+/// as waiting in line (see waiters::ahead). Only the owner moves DONE to FREE.
+pub fn drop_abandoned_answer() {
+    let me = shmem::my_procno();
+    if me < n_slots() {
+        let _ = slot(me).state.compare_exchange(
+            SLOT_DONE,
+            SLOT_FREE,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+}
+
+/// Waits for an answer owed to a request this backend abandoned (it was cancelled
+/// after the writer claimed it), then frees the slot. The answer is dropped. A claim
+/// is always answered: a writer that exits answers or hands back every request it
+/// claimed (on_exit), and a crash resets shared memory. The request may belong to
+/// another database (a previous backend with our PGPROC number), so its writer is not
+/// ours to judge.
+fn reclaim(slot: &'static Slot) {
+    loop {
+        match load_state(slot) {
+            SLOT_FREE => return,
+            SLOT_DONE => {
+                slot.state.store(SLOT_FREE, Ordering::Release);
+                return;
+            }
+            SLOT_PENDING => {
+                // Ours, from a call that errored out between enqueue and wait.
+                withdraw_mine();
+            }
+            _ => {
+                nap(POLL_MS, compat::Wait::WriterReply);
+            }
+        }
+    }
+}
+
+fn take_reply(slot: &'static Slot, admitted: impl FnOnce()) -> Answer {
+    // SAFETY: DONE was stored with Release after the writer wrote the reply, and we
+    // loaded it with Acquire; the slot is ours until we store FREE.
+    let answer = unsafe {
+        let r = &*slot.reply.get();
+        match r.kind {
+            REPLY_ADMITTED => Ok(Answer::Admitted(r.ticket)),
+            REPLY_REFUSED => {
+                let kind = match r.refusal_kind {
+                    1 => RefusalKind::Active,
+                    2 => RefusalKind::Retained,
+                    _ => RefusalKind::Database,
+                };
+                Ok(Answer::Refused(
+                    kind,
+                    Usage {
+                        active: r.active,
+                        retained: r.retained,
+                        db_active: r.db_active,
+                        ahead: 0,
+                    },
+                    r.next_ageout,
+                ))
+            }
+            REPLY_ERROR => Err((
+                r.sqlerrcode,
+                String::from_utf8_lossy(&r.error[..r.error_len]).into_owned(),
+            )),
+            _ => Err((0, String::new())),
+        }
+    };
+    if matches!(answer, Ok(Answer::Admitted(_))) {
+        // Admitted: the start leaves the line of waiters (waiters.rs) before the slot
+        // looks free, so that nobody counts it both as an active ticket and as a start
+        // waiting ahead of them.
+        admitted();
+    }
+    slot.state.store(SLOT_FREE, Ordering::Release);
+    let (code, msg) = match answer {
+        Ok(a) => return a,
+        Err((0, _)) => raise(QuotaError::WriterGone),
+        Err(e) => e,
+    };
+    pg_sys::panic::ErrorReport::new(
+        PgSqlErrorCode::from(code),
+        format!("pg_quota ledger writer failed: {msg}"),
+        "pg_quota",
+    )
+    .set_hint("No charge was recorded for this call.")
+    .report(PgLogLevel::ERROR);
+    unreachable!("ERROR does not return")
+}
+
+impl Default for Patience {
+    fn default() -> Self {
+        Self::new()
+    }
+}

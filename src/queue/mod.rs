@@ -1,0 +1,164 @@
+//! Layer 4, shared state: the request queue. One request slot per backend, indexed by
+//! its PGPROC number, in a segment of its own; both halves of the protocol live in
+//! this module: the caller's (caller.rs) and the ledger writer's (serve.rs).
+//!
+//! A caller owns the slot whose index is its PGPROC number, so no two callers ever
+//! share a slot and the slot array needs no lock of its own: ownership hand-offs go
+//! through the slot's atomic `state` (FREE → PENDING by the caller, PENDING → CLAIMED
+//! and CLAIMED → DONE by the writer, DONE → FREE by the caller).
+
+pub mod caller;
+pub mod serve;
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
+
+use pgrx::pg_sys;
+
+use crate::core::ticket::{MAX_KEY_BYTES, MAX_LABEL_BYTES};
+use crate::shmem::{self, Layout, Segment};
+
+pub const SLOT_FREE: u32 = 0;
+pub const SLOT_PENDING: u32 = 1;
+pub const SLOT_CLAIMED: u32 = 2;
+pub const SLOT_DONE: u32 = 3;
+
+/// What a caller asks of the writer. Written by the caller while the slot is FREE.
+/// The database and the role live in the slot as atomics, because the writer and
+/// other callers read them from slots that are not theirs (see `Slot`).
+#[repr(C)]
+pub struct Request {
+    pub exempt: bool,
+    pub max_active: i64,
+    pub max_retained: i64,
+    pub retention_secs: i64,
+    pub has_label: bool,
+    pub label_len: usize,
+    pub label: [u8; MAX_LABEL_BYTES],
+    /// `quota.max_active_per_database` of the calling session; 0 = none.
+    pub max_db: i64,
+    /// When the lease runs out, if the ticket has one (0.2.0's schema).
+    pub lease_until: Option<pg_sys::TimestampTz>,
+    /// The idempotency key, in the server encoding, if any.
+    pub has_key: bool,
+    pub key_len: usize,
+    pub key: [u8; MAX_KEY_BYTES],
+    /// The starting backend's process id, recorded in the ledger (0.2.0's schema).
+    pub pid: i32,
+}
+
+impl Request {
+    pub fn key(&self) -> Option<&[u8]> {
+        self.has_key.then(|| &self.key[..self.key_len])
+    }
+}
+
+pub const REPLY_ADMITTED: u32 = 1;
+pub const REPLY_REFUSED: u32 = 2;
+pub const REPLY_ERROR: u32 = 3;
+
+pub const ERROR_TEXT_BYTES: usize = 512;
+
+/// The writer's answer. Written by the writer while the slot is CLAIMED.
+#[repr(C)]
+pub struct Reply {
+    pub kind: u32,
+    pub ticket: [u8; 16],
+    /// For refusals: 1 = active limit, 2 = retained limit, 3 = database cap.
+    pub refusal_kind: u32,
+    pub active: i64,
+    pub retained: i64,
+    pub db_active: i64,
+    /// For admissions: the ticket already existed under the request's idempotency key,
+    /// and nothing was charged.
+    pub reused: bool,
+    /// For refusals at the retained limit: when the oldest ended ticket ages out.
+    pub next_ageout: Option<pg_sys::TimestampTz>,
+    /// For errors: the writer's SQLSTATE (as PostgreSQL encodes it) and message.
+    pub sqlerrcode: i32,
+    pub error_len: usize,
+    pub error: [u8; ERROR_TEXT_BYTES],
+}
+
+#[repr(C)]
+pub struct Slot {
+    pub state: AtomicU32,
+    /// The request's database and role. Written by the owner before its Release store
+    /// of PENDING; read by writers to claim and by callers to count requests in flight,
+    /// who must check `state` again after reading them (the slot may be reused).
+    pub dboid: AtomicU32,
+    pub role: AtomicU32,
+    pub request: UnsafeCell<Request>,
+    pub reply: UnsafeCell<Reply>,
+}
+
+impl Slot {
+    pub fn dboid(&self) -> pg_sys::Oid {
+        pg_sys::Oid::from(self.dboid.load(Ordering::Acquire))
+    }
+
+    pub fn role(&self) -> pg_sys::Oid {
+        pg_sys::Oid::from(self.role.load(Ordering::Acquire))
+    }
+}
+
+#[repr(C)]
+struct Header {
+    n_slots: usize,
+}
+
+static BASE: AtomicPtr<u8> = AtomicPtr::new(std::ptr::null_mut());
+
+/// The segment's layout for `n` slots: the header, then the slots.
+fn layout(n: usize) -> (Layout, usize) {
+    let mut l = Layout::of::<Header>();
+    let slots = l.array::<Slot>(n);
+    (l, slots)
+}
+
+fn size() -> usize {
+    layout(shmem::max_backends()).0.size()
+}
+
+/// # Safety
+/// See shmem::Segment::attach.
+unsafe fn attach(base: *mut u8, found: bool, _locks: *mut pg_sys::LWLockPadded) {
+    // SAFETY: the segment is ours and zeroed when not `found`; a zeroed slot is FREE.
+    unsafe {
+        if !found {
+            (*(base as *mut Header)).n_slots = shmem::max_backends();
+        }
+    }
+    BASE.store(base, Ordering::Release);
+}
+
+/// The request queue's segment (see shmem.rs).
+pub static SEGMENT: Segment = Segment {
+    name: c"pg_quota queue",
+    size,
+    extra: shmem::nothing,
+    locks: 0,
+    attach,
+};
+
+pub fn n_slots() -> usize {
+    assert!(
+        shmem::available(),
+        "pg_quota shared memory is not initialized"
+    );
+    // SAFETY: attached at startup; immutable afterwards.
+    unsafe { (*(BASE.load(Ordering::Acquire) as *const Header)).n_slots }
+}
+
+pub fn slot(i: usize) -> &'static Slot {
+    assert!(i < n_slots());
+    let (_, slots) = layout(n_slots());
+    // SAFETY: in bounds; the memory lives as long as the server.
+    unsafe { &*(BASE.load(Ordering::Acquire).add(slots) as *const Slot).add(i) }
+}
+
+/// Ordering helper: the payload written before a Release store is seen after the
+/// matching Acquire load.
+pub fn load_state(s: &Slot) -> u32 {
+    s.state.load(Ordering::Acquire)
+}

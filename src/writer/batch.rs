@@ -1,0 +1,458 @@
+//! Layer 5: one batch of the ledger writer. It decides every request it claimed with
+//! the exact counts (core::batch), inserts the admitted tickets, purges what is past
+//! retention in the roles that grow, keeps their summary rows, and answers every caller;
+//! a group that fails is retried or split so that one request's failure fails no other.
+
+use std::collections::HashMap;
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+use crate::core::batch::{self, BatchRequest, Counted};
+use crate::core::{uuid_v7, Decision, Limits, RefusalKind};
+use crate::ledger::count::{db_active, expired, lapsed, retained_with_key};
+use crate::ledger::heap::OpenRel;
+use crate::ledger::rels::Reader;
+use crate::ledger::scan::{Key, Latest};
+use crate::ledger::write::{add_to_summary, delete_where, record, Admitted};
+use crate::ledger::COL_ID;
+use crate::queue::{self, serve, Request, REPLY_ADMITTED, REPLY_REFUSED};
+use crate::shmem;
+use crate::timestamps::cutoff;
+
+use super::txn::{caught_error, in_transaction, LAST_COMMIT_US};
+
+/// How often a batch is retried after the writer's statement was cancelled
+/// (pg_cancel_backend on the writer): the requests did nothing wrong.
+const MAX_CANCEL_RETRIES: u32 = 3;
+
+// The slots of the batch in progress and the transaction that records them: the exit
+// callback needs both to answer callers truthfully if the writer is terminated. A
+// background worker is single-threaded, so plain statics suffice.
+thread_local! {
+    /// The group of slots whose transaction is in progress.
+    static BATCH: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Slots claimed by this writer and waiting for their turn in the same batch (after
+    /// a failed group was split into single requests).
+    static QUEUED: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+static mut BATCH_XID: pg_sys::TransactionId = pg_sys::InvalidTransactionId;
+
+/// Whether the transaction of the batch in progress committed, for the exit callback:
+/// false while it is still in progress, or when there is none.
+pub fn committed() -> bool {
+    // SAFETY: single-threaded worker state; a commit log lookup.
+    unsafe {
+        BATCH_XID != pg_sys::InvalidTransactionId && pg_sys::TransactionIdDidCommit(BATCH_XID)
+    }
+}
+
+/// At exit: the batch in progress is answered if it `committed` (and its admissions
+/// counted), handed back as PENDING for the next writer otherwise, as are the requests
+/// claimed for later groups of the same batch.
+pub fn hand_back_at_exit(committed: bool) {
+    if committed {
+        BATCH.with_borrow(|b| count_admitted(b));
+    }
+    BATCH.with_borrow(|b| b.iter().for_each(|&i| serve::hand_back(i, committed)));
+    QUEUED.with_borrow(|q| q.iter().for_each(|&i| serve::hand_back(i, false)));
+}
+
+/// Handles one batch, then answers every caller in it. A group whose transaction
+/// fails is retried when the failure was not the requests' doing (a cancel), or split
+/// into single requests when one of them may be the cause, so that one request's
+/// failure never fails another's.
+pub fn process(batch: Vec<usize>) {
+    QUEUED.with_borrow_mut(|q| q.clone_from(&batch));
+    let mut groups = vec![(batch, 0u32)];
+    while let Some((group, retries)) = groups.pop() {
+        QUEUED.with_borrow_mut(|q| q.retain(|i| !group.contains(i)));
+        BATCH.with_borrow_mut(|b| b.clone_from(&group));
+        // SAFETY: single-threaded worker state, read by the exit callback.
+        unsafe { BATCH_XID = pg_sys::InvalidTransactionId };
+        let outcome = PgTryBuilder::new(|| {
+            let overflow = in_transaction(|| {
+                let changes = handle_batch(&group);
+                // SAFETY: the transaction id our writes got, if any; the exit callback
+                // asks the commit log about it.
+                unsafe { BATCH_XID = pg_sys::GetTopTransactionIdIfAny() };
+                // Published before the commit, applied after it (see scopes.rs).
+                crate::scopes::publish(&changes)
+            });
+            // Before anyone is answered: a caller that no longer counts its request as
+            // in flight must find it in the counter.
+            crate::scopes::apply_mine();
+            crate::scopes::invalidate(&overflow);
+            Ok(())
+        })
+        .catch_others(|e| Err(caught_error(e)))
+        .execute();
+        match outcome {
+            Ok(()) => {
+                crate::stats::writer_batch(group.len(), Some(LAST_COMMIT_US.get()));
+                count_admitted(&group);
+                serve::answer(&group)
+            }
+            Err((code, msg)) => {
+                // SAFETY: pgrx flushed the error state when it caught the error; abort
+                // the failed transaction as a worker's error recovery does.
+                unsafe {
+                    pg_sys::AbortCurrentTransaction();
+                    BATCH_XID = pg_sys::InvalidTransactionId;
+                }
+                crate::stats::writer_error(&msg);
+                crate::scopes::apply_mine();
+                let cancelled = code == PgSqlErrorCode::ERRCODE_QUERY_CANCELED as i32;
+                if cancelled && retries < MAX_CANCEL_RETRIES {
+                    QUEUED.with_borrow_mut(|q| q.extend(&group));
+                    groups.push((group, retries + 1));
+                } else if group.len() > 1 && may_be_one_requests_fault(code) {
+                    QUEUED.with_borrow_mut(|q| q.extend(&group));
+                    groups.extend(group.iter().map(|&i| (vec![i], retries)));
+                } else {
+                    log!(
+                        "pg_quota ledger writer: {} request(s) failed: {msg}",
+                        group.len()
+                    );
+                    for &i in &group {
+                        serve::set_error(i, code, &msg);
+                    }
+                    crate::stats::writer_batch(group.len(), None);
+                    serve::answer(&group);
+                }
+            }
+        }
+    }
+    BATCH.with_borrow_mut(Vec::clear);
+    QUEUED.with_borrow_mut(Vec::clear);
+    // SAFETY: reports the worker as idle in pg_stat_activity.
+    unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_IDLE, std::ptr::null()) };
+}
+
+/// Errors that a single request's data could cause (a constraint a DBA added, a
+/// value a type rejects). Anything else, such as a lock timeout, would fail every
+/// request alike, so retrying them one by one would only multiply the wait.
+fn may_be_one_requests_fault(code: i32) -> bool {
+    let class = |c: PgSqlErrorCode| (c as i32) & 0xfff; // the two-character class
+    let ours = code & 0xfff;
+    ours == class(PgSqlErrorCode::ERRCODE_INTEGRITY_CONSTRAINT_VIOLATION)
+        || ours == class(PgSqlErrorCode::ERRCODE_DATA_EXCEPTION)
+}
+
+/// quota.stats: the tickets a committed batch handed out, and the idempotent repeats
+/// it answered, counted here rather than by the callers, since a caller cancelled
+/// after we claimed its request never hears of its ticket, which still counts.
+fn count_admitted(group: &[usize]) {
+    for &i in group {
+        let s = queue::slot(i);
+        // SAFETY: the slot is CLAIMED by us, and its reply written by us.
+        let r = unsafe { &*serve::reply(i) };
+        if r.kind == REPLY_ADMITTED {
+            let counter = if r.reused {
+                crate::core::stats::Counter::IdempotentHits
+            } else {
+                crate::core::stats::Counter::Admitted
+            };
+            crate::stats::add_in(s.dboid(), s.role(), counter, 1);
+        }
+    }
+}
+
+/// Decides every request of the batch and records the admitted ones. Runs inside the
+/// batch transaction; the writer is the only process that inserts, so counts taken
+/// here plus this batch's own admissions are exact (I1).
+fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
+    let reader = Reader::open();
+    let rels = reader.rels;
+    // SAFETY: plain clock read.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let snap = Latest::take();
+    // SAFETY: the slots are CLAIMED by us; their callers do not touch them until DONE.
+    let requests: Vec<&Request> = batch
+        .iter()
+        .map(|&i| unsafe { serve::request(i) })
+        .collect();
+    let roles: Vec<pg_sys::Oid> = batch.iter().map(|&i| queue::slot(i).role()).collect();
+    let breqs: Vec<BatchRequest> = requests
+        .iter()
+        .zip(&roles)
+        .map(|(r, role)| BatchRequest {
+            role: u32::from(*role),
+            limits: Limits {
+                max_active: r.max_active,
+                max_retained: r.max_retained,
+                max_db: if rels.v2() { r.max_db } else { 0 },
+            },
+            retention_secs: r.retention_secs,
+            exempt: r.exempt,
+        })
+        .collect();
+
+    // Idempotent starts: a request whose key names a ticket its role still retains
+    // gets that ticket and is charged nothing; so does a request repeating a key
+    // admitted earlier in this batch. Only the writer inserts, and it handles one
+    // batch at a time, so eight sessions sending one key at once get one ticket.
+    let mut reused: Vec<Option<[u8; 16]>> = vec![None; batch.len()];
+    if rels.v2() {
+        for (k, req) in requests.iter().enumerate() {
+            let Some(key) = req.key() else { continue };
+            let cutoff = cutoff(now, req.retention_secs);
+            reused[k] = retained_with_key(&rels, &snap, roles[k], key, now, cutoff);
+        }
+    }
+    let fresh: Vec<usize> = (0..batch.len()).filter(|&k| reused[k].is_none()).collect();
+    let fresh_reqs: Vec<BatchRequest> = fresh.iter().map(|&k| breqs[k]).collect();
+
+    // Count each role once, from its scope counter (see scopes.rs), and only what its
+    // requests are limited by. The counter is exact for us: we are the only process
+    // that adds admissions to it, right after each commit. Leases that ran out are
+    // subtracted, under a snapshot taken after the counter was read.
+    let counted: HashMap<u32, Counted> = batch::needs(&fresh_reqs)
+        .into_iter()
+        .map(|(role, needs)| {
+            let oid = pg_sys::Oid::from(role);
+            let (active, rows) = crate::scopes::scope(&reader, &snap, oid);
+            let after = Latest::take();
+            let lapsed = lapsed(&rels, &after, oid, now);
+            let retained = needs
+                .retentions
+                .iter()
+                .map(|&ret| {
+                    let cutoff = cutoff(now, ret);
+                    (
+                        ret,
+                        rows - expired(&rels, &after, oid, cutoff) - lapsed.aged_out(cutoff),
+                    )
+                })
+                .collect();
+            (
+                role,
+                Counted {
+                    active: active - lapsed.expired(),
+                    retained,
+                },
+            )
+        })
+        .collect();
+    // The database cap: every role's active tickets together, counted once.
+    let db_active = batch::db_cap(&fresh_reqs).map_or(0, |cap| db_active(&rels, &snap, now, cap));
+    let fresh_decisions = batch::decide_batch(&fresh_reqs, &counted, db_active);
+    let mut decisions: Vec<Option<Decision>> = vec![None; batch.len()];
+    for (&k, d) in fresh.iter().zip(fresh_decisions) {
+        decisions[k] = Some(d);
+    }
+
+    let mut admitted: Vec<Admitted> = Vec::new();
+    let mut pending: HashMap<u32, i64> = HashMap::new();
+    for (k, ((&i, req), breq)) in batch.iter().zip(&requests).zip(&breqs).enumerate() {
+        // SAFETY: as above; the reply belongs to the writer while the slot is CLAIMED.
+        let reply = unsafe { serve::reply(i) };
+        let role = pg_sys::Oid::from(breq.role);
+        // A key admitted earlier in this batch, by this role.
+        let repeated = req.key().and_then(|key| {
+            admitted
+                .iter()
+                .find(|a| a.role == role && a.key == Some(key))
+                .map(|a| *a.id.as_bytes())
+        });
+        if let Some(id) = reused[k].or(repeated) {
+            reply.kind = REPLY_ADMITTED;
+            reply.ticket = id;
+            reply.reused = true;
+            continue;
+        }
+        match decisions[k].expect("decided") {
+            Decision::Admit => {
+                let id = new_ticket_id(now);
+                admitted.push(Admitted {
+                    id: pgrx::Uuid::from_bytes(id),
+                    role,
+                    label: req.has_label.then(|| &req.label[..req.label_len]),
+                    key: req.key(),
+                    lease_until: req.lease_until,
+                    pid: req.pid,
+                });
+                *pending.entry(breq.role).or_default() += 1;
+                reply.kind = REPLY_ADMITTED;
+                reply.ticket = id;
+                reply.reused = false;
+            }
+            Decision::Refuse(r) => {
+                // Only a caller cancelled after handing over its request, sessions
+                // with different settings, or roles racing for the database cap get
+                // here: callers count their own scope's in-flight requests.
+                let cutoff = cutoff(now, req.retention_secs);
+                let (full, next) = crate::scopes::refusal_numbers(
+                    &reader,
+                    &snap,
+                    role,
+                    now,
+                    cutoff,
+                    req.retention_secs,
+                    r.kind,
+                );
+                let p = pending.get(&breq.role).copied().unwrap_or(0);
+                reply.kind = REPLY_REFUSED;
+                reply.refusal_kind = match r.kind {
+                    RefusalKind::Active => 1,
+                    RefusalKind::Retained => 2,
+                    RefusalKind::Database => 3,
+                };
+                reply.active = full.active + p;
+                reply.retained = full.retained + p;
+                reply.db_active = r.usage.db_active;
+                reply.next_ageout = next;
+            }
+        }
+    }
+    drop(snap);
+    if admitted.is_empty() {
+        return Vec::new();
+    }
+    // `reader` stays until the end: its locks keep the indexes chosen above from being
+    // dropped (REINDEX or DROP INDEX CONCURRENTLY waits for the tables' lockers).
+
+    // Purge what is past retention in the roles that grow, so that the expired count
+    // each admission reads stays small. A ticket is kept as long as any session of its
+    // role could count it: the longest retention among the batch's requests, the
+    // writer's own setting, and every value configured for the role or the database.
+    let mut longest: HashMap<u32, i64> = HashMap::new();
+    for b in &breqs {
+        let e = longest.entry(b.role).or_insert(b.retention_secs);
+        *e = (*e).max(b.retention_secs);
+    }
+    let configured = configured_retentions();
+    for (role, l) in longest.iter_mut() {
+        *l = (*l).max(crate::gucs::retention_secs()).max(
+            configured
+                .iter()
+                .filter(|(r, _)| *r == pg_sys::InvalidOid || u32::from(*r) == *role)
+                .map(|&(_, secs)| secs)
+                .max()
+                .unwrap_or(0),
+        );
+    }
+    let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
+    let mut delta: Vec<(pg_sys::Oid, i64)> = Vec::new();
+    let mut changes = Vec::new();
+    for (&role, &n) in &pending {
+        let oid = pg_sys::Oid::from(role);
+        let cutoff = cutoff(now, longest[&role]);
+        let purged = delete_where(
+            &ledger,
+            rels.ledger_idx,
+            &[Key::OidEq(oid), Key::TsLess(cutoff)],
+            |_| true,
+        );
+        delta.push((oid, n - purged));
+        changes.push((oid, n, n - purged));
+    }
+    record(&ledger, rels.ncols, now, &admitted);
+    drop(ledger);
+
+    let summary = OpenRel::open(rels.summary, "summary", 1);
+    for (role, n) in delta {
+        add_to_summary(&rels, &summary, role, n);
+    }
+    drop(summary);
+    drop(reader);
+    changes
+}
+
+/// Every quota.retention configured in pg_db_role_setting that applies in this
+/// database (ALTER ROLE … SET, ALTER DATABASE … SET, ALTER ROLE … IN DATABASE … SET),
+/// as (role, seconds); InvalidOid stands for every role. Values that do not parse are
+/// skipped: PostgreSQL checked them when they were set.
+fn configured_retentions() -> Vec<(pg_sys::Oid, i64)> {
+    /// pg_db_role_setting, whose OID has been fixed since PostgreSQL 9.0.
+    const DB_ROLE_SETTING: pg_sys::Oid = pg_sys::Oid::from_u32(2964);
+    let db = shmem::my_db();
+    let mut out = Vec::new();
+    // SAFETY: a catalog scan under the catalog snapshot, as PostgreSQL's own readers of
+    // this catalog do; every datum is read while the tuple is current.
+    unsafe {
+        let rel = pg_sys::table_open(DB_ROLE_SETTING, pg_sys::AccessShareLock as i32);
+        let desc = (*rel).rd_att;
+        let scan = pg_sys::systable_beginscan(
+            rel,
+            pg_sys::InvalidOid,
+            false,
+            std::ptr::null_mut(),
+            0,
+            std::ptr::null_mut(),
+        );
+        loop {
+            let tup = pg_sys::systable_getnext(scan);
+            if tup.is_null() {
+                break;
+            }
+            let mut isnull = false;
+            let setdb =
+                pg_sys::Oid::from(pg_sys::heap_getattr(tup, 1, desc, &mut isnull).value() as u32);
+            let role =
+                pg_sys::Oid::from(pg_sys::heap_getattr(tup, 2, desc, &mut isnull).value() as u32);
+            let config = pg_sys::heap_getattr(tup, 3, desc, &mut isnull);
+            if isnull || (setdb != db && setdb != pg_sys::InvalidOid) {
+                continue;
+            }
+            let arr = pg_sys::pg_detoast_datum(config.cast_mut_ptr()) as *mut pg_sys::ArrayType;
+            let mut elems: *mut pg_sys::Datum = std::ptr::null_mut();
+            let mut nulls: *mut bool = std::ptr::null_mut();
+            let mut n = 0;
+            pg_sys::deconstruct_array(
+                arr,
+                pg_sys::TEXTOID,
+                -1,
+                false,
+                b'i' as _,
+                &mut elems,
+                &mut nulls,
+                &mut n,
+            );
+            for k in 0..n as usize {
+                if *nulls.add(k) {
+                    continue;
+                }
+                let item = std::ffi::CStr::from_ptr(pg_sys::text_to_cstring(
+                    (*elems.add(k)).cast_mut_ptr(),
+                ));
+                let Some(value) = item.to_bytes().strip_prefix(b"quota.retention=") else {
+                    continue;
+                };
+                let Ok(value) = std::ffi::CString::new(value) else {
+                    continue;
+                };
+                let mut secs = 0;
+                if pg_sys::parse_int(
+                    value.as_ptr(),
+                    &mut secs,
+                    pg_sys::GUC_UNIT_S as i32,
+                    std::ptr::null_mut(),
+                ) {
+                    out.push((role, i64::from(secs)));
+                }
+            }
+        }
+        pg_sys::systable_endscan(scan);
+        pg_sys::table_close(rel, pg_sys::AccessShareLock as i32);
+    }
+    out
+}
+
+fn new_ticket_id(now: pg_sys::TimestampTz) -> [u8; 16] {
+    thread_local! {
+        /// The last id this writer issued; ids of one batch share `now`.
+        static LAST_ID: std::cell::Cell<Option<[u8; 16]>> = const { std::cell::Cell::new(None) };
+    }
+    let mut random = [0u8; 8];
+    // SAFETY: fills the buffer we pass; returns false only if the OS source fails.
+    if !unsafe { pg_sys::pg_strong_random(random.as_mut_ptr().cast(), random.len()) } {
+        pgrx::error!("pg_quota: could not generate random bytes for a ticket id");
+    }
+    // TimestampTz counts microseconds from 2000-01-01; UUIDv7 wants Unix time.
+    const PG_EPOCH_UNIX_US: i64 = 946_684_800_000_000;
+    let unix_us = (now + PG_EPOCH_UNIX_US).max(0) as u64;
+    let id = uuid_v7(unix_us, random, LAST_ID.get());
+    LAST_ID.set(Some(id));
+    id
+}

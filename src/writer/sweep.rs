@@ -1,0 +1,109 @@
+//! Layer 5: the ledger writer's expiry sweep. Unfinished tickets whose lease ran out
+//! are written down as ended, at their lease_until, with outcome `expired`; the scope
+//! counters drop by what it ended, and the starts waiting in those scopes look again.
+
+use pgrx::pg_sys;
+
+use crate::ledger::heap::OpenRel;
+use crate::ledger::rels::{self, Reader};
+use crate::ledger::scan::{attr, scan_index, Key, Latest};
+use crate::ledger::write::expired_version;
+use crate::ledger::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE};
+use crate::shmem;
+
+use super::txn::try_in_transaction;
+use super::MAX_BATCH;
+
+thread_local! {
+    /// Roles whose tickets the last expiry sweep ended, and how many each.
+    static SWEPT: std::cell::RefCell<Vec<(pg_sys::Oid, i64, i64)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `sweep_expired` in a transaction of its own; then the scope counters drop by what it
+/// ended, and the starts waiting in those scopes look again.
+pub fn sweep_expired_and_wake() {
+    SWEPT.with_borrow_mut(Vec::clear);
+    OVERFLOWED.with_borrow_mut(Vec::clear);
+    let committed = try_in_transaction("end expired tickets", sweep_expired);
+    crate::scopes::apply_mine();
+    let swept = SWEPT.with_borrow_mut(std::mem::take);
+    if !committed {
+        return;
+    }
+    crate::scopes::invalidate(&OVERFLOWED.with_borrow_mut(std::mem::take));
+    for (role, ended, _) in swept {
+        crate::stats::add(
+            role,
+            crate::core::stats::Counter::Expired,
+            ended.unsigned_abs(),
+        );
+        crate::waiters::wake(shmem::my_db(), role);
+    }
+}
+
+/// Writes down the leases that ran out: each unfinished ticket whose lease_until has
+/// passed ends at its lease_until with outcome `expired`. Counting does not wait for
+/// this (admission subtracts such tickets as soon as their lease runs out, see
+/// counts::lapsed); the sweep keeps that set short, so that admission stays one
+/// probe, gives the scope counters their true active count, and lets the retention
+/// purge find the tickets. A ticket that a finish() or renew() is changing right now
+/// is left for a later sweep: the writer never waits for a caller's transaction.
+fn sweep_expired() {
+    let rels = rels::rels();
+    if !rels.v2() {
+        return;
+    }
+    let reader = Reader::open();
+    // SAFETY: plain clock read.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let snap = Latest::take();
+    let mut due: Vec<(pg_sys::ItemPointerData, pg_sys::Oid, pg_sys::TimestampTz)> = Vec::new();
+    scan_index(
+        rels.ledger,
+        rels.ledger_open_idx,
+        &snap,
+        &[Key::IsNull, Key::TsLess(now.saturating_add(1))],
+        |slot| {
+            let role = attr(slot, COL_ROLE as i32).map(|d| pg_sys::Oid::from(d.value() as u32));
+            let until = attr(slot, COL_LEASE_UNTIL as i32).map(|d| d.value() as i64);
+            if let (Some(role), Some(until)) = (role, until) {
+                // SAFETY: the slot holds a visible ledger tuple.
+                due.push((unsafe { (*slot).tts_tid }, role, until));
+            }
+            due.len() < MAX_BATCH * 4
+        },
+    );
+    drop(snap);
+    if due.is_empty() {
+        return;
+    }
+    let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
+    let mut ended: Vec<(pg_sys::Oid, i64, i64)> = Vec::new();
+    for (tid, role, until) in due {
+        // A finish() or renew() of the ticket in an open transaction: leave it to a
+        // later sweep rather than wait for that transaction.
+        if !ledger.lock_nowait(tid) {
+            continue;
+        }
+        let Some(tuple) = expired_version(&ledger, rels.ncols, tid, until) else {
+            continue;
+        };
+        if ledger.update(tid, tuple, &[COL_ENDED_AT, COL_OUTCOME]) == pg_sys::TM_Result::TM_Ok {
+            match ended.iter_mut().find(|(r, _, _)| *r == role) {
+                Some(e) => e.1 -= 1,
+                None => ended.push((role, -1, 0)),
+            }
+        }
+    }
+    drop(ledger);
+    drop(reader);
+    // Published before the commit, applied after it (see scopes.rs).
+    let overflow = crate::scopes::publish(&ended);
+    // The counters of roles that did not fit are rebuilt from the ledger instead.
+    OVERFLOWED.with_borrow_mut(|o| *o = overflow);
+    SWEPT.with_borrow_mut(|s| *s = ended);
+}
+
+thread_local! {
+    static OVERFLOWED: std::cell::RefCell<Vec<pg_sys::Oid>> = const { std::cell::RefCell::new(Vec::new()) };
+}

@@ -1,4 +1,5 @@
-//! The SQL-facing functions. They check arguments and call in; nothing else.
+//! Layer 6, the SQL surface: the functions SQL calls. They check arguments and call
+//! into the paths (layer 5) and the statistics (layer 4); nothing else.
 //!
 //! They return `Result<_, ErrorReport>` because that is how pgrx raises an error with
 //! our SQLSTATE, DETAIL and HINT intact; the report is large, but it is built only on

@@ -1,4 +1,4 @@
-//! Maps the pure core's [`QuotaError`] onto PostgreSQL's error reports, keeping the
+//! Layer 1: maps the pure core's [`QuotaError`] onto PostgreSQL's error reports, keeping the
 //! SQLSTATE, DETAIL and HINT that the core chose.
 
 use pgrx::pg_sys::panic::ErrorReport;

@@ -1,4 +1,4 @@
-//! Every `quota.*` setting. The limits, retention, lease and log_refusals are
+//! Layer 1: every `quota.*` setting. The limits, retention, lease and log_refusals are
 //! PGC_SUSET: only superusers (or roles granted `SET ON PARAMETER`) change them, so a
 //! tenant cannot raise its own limits, and `ALTER ROLE … SET` / `ALTER DATABASE … SET`
 //! give per-role and per-database values. writer_idle_timeout is server-wide

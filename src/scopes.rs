@@ -1,4 +1,4 @@
-//! Scope counters in shared memory: each (database, role)'s active tickets and ledger
+//! Layer 4, shared state: scope counters in shared memory: each (database, role)'s active tickets and ledger
 //! rows, so that admission does not walk row versions.
 //!
 //! Counting with index scans under the latest snapshot is exact but walks every dead
@@ -29,15 +29,14 @@
 //! truncate the summary after any SQL-level write to the ledger), VACUUM FULL or a
 //! reinstall gives them new ones, and the next reader rebuilds. If the table is full,
 //! a role has no counter and admission counts from the ledger as before.
-
 //!
-//! Layer 4, shared state: the counters live in a segment of their own, with their
+//! The counters live in a segment of their own, with their
 //! LWLock and the key of the scope lock's tag (`scope_tag`). Beside the counters, this
 //! file answers what a scope holds as admission and the writer need it: from the
 //! counter, or from the ledger where there is none (`scope`, `usage`,
 //! `refusal_numbers`).
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicPtr, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
 
 use pgrx::pg_sys;
 
@@ -46,7 +45,7 @@ use crate::core::{RefusalKind, Usage};
 use crate::ledger::count::{active, expired, lapsed, oldest_ended, rows, summary_rows};
 use crate::ledger::rels::{Reader, Tags};
 use crate::ledger::scan::Latest;
-use crate::shmem::{self, Layout, Segment};
+use crate::shmem::{self, Base, Layout, Segment};
 use crate::workers;
 
 /// Counters for this many scopes across the cluster.
@@ -333,7 +332,7 @@ struct Header {
     secret: [u64; 2],
 }
 
-static BASE: AtomicPtr<u8> = AtomicPtr::new(std::ptr::null_mut());
+static BASE: Base = Base::new();
 
 /// The segment's layout for `n` backends: the header, the counters, then each
 /// backend's pending changes.
@@ -366,7 +365,7 @@ unsafe fn attach(base: *mut u8, found: bool, locks: *mut pg_sys::LWLockPadded) {
             }
         }
     }
-    BASE.store(base, Ordering::Release);
+    BASE.set(base);
 }
 
 /// The scope counters' segment (see shmem.rs).
@@ -379,12 +378,7 @@ pub static SEGMENT: Segment = Segment {
 };
 
 fn header() -> &'static Header {
-    assert!(
-        shmem::available(),
-        "pg_quota shared memory is not initialized"
-    );
-    // SAFETY: attached at startup, inherited by fork; immutable afterwards.
-    unsafe { &*(BASE.load(Ordering::Acquire) as *const Header) }
+    BASE.header::<Header>()
 }
 
 fn n_slots() -> usize {
@@ -397,28 +391,13 @@ fn scope_lock() -> *mut pg_sys::LWLock {
 
 /// The scope counters, N_SCOPES of them.
 fn scopes() -> &'static [Scope] {
-    let (_, scopes, _) = layout(n_slots());
-    // SAFETY: in bounds of the segment; zeroed at creation, a valid state.
-    unsafe {
-        std::slice::from_raw_parts(
-            BASE.load(Ordering::Acquire).add(scopes) as *const Scope,
-            N_SCOPES,
-        )
-    }
+    BASE.slice::<Scope>(layout(n_slots()).1, N_SCOPES)
 }
 
 /// The pending counter changes published by backend `procno`.
 fn pending(procno: usize) -> &'static [Pending] {
-    assert!(procno < n_slots());
-    let (_, _, pending) = layout(n_slots());
-    // SAFETY: in bounds of the segment; zeroed at creation, a valid state.
-    unsafe {
-        std::slice::from_raw_parts(
-            (BASE.load(Ordering::Acquire).add(pending) as *const Pending)
-                .add(procno * PENDING_PER_SLOT),
-            PENDING_PER_SLOT,
-        )
-    }
+    let all = BASE.slice::<Pending>(layout(n_slots()).2, n_slots() * PENDING_PER_SLOT);
+    &all[procno * PENDING_PER_SLOT..(procno + 1) * PENDING_PER_SLOT]
 }
 
 /// The two lock tag fields that stand for scope (db, role) in the scope lock: a keyed

@@ -9,7 +9,7 @@
 //! that pg_stat_activity names every pg_quota LWLock wait alike.
 
 use std::ffi::CStr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use pgrx::pg_sys;
 
@@ -197,5 +197,51 @@ impl Layout {
 
     pub fn size(&self) -> usize {
         self.size
+    }
+}
+
+/// Where a segment is attached in this process: set by its `attach`, and inherited by
+/// the processes the postmaster forks.
+pub struct Base(AtomicPtr<u8>);
+
+impl Base {
+    pub const fn new() -> Base {
+        Base(AtomicPtr::new(std::ptr::null_mut()))
+    }
+
+    /// Called by the segment's `attach`.
+    pub fn set(&self, base: *mut u8) {
+        self.0.store(base, Ordering::Release);
+    }
+
+    fn get(&self) -> *mut u8 {
+        assert!(available(), "pg_quota shared memory is not initialized");
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// The segment's header, of type H (the start of its layout). Fields that more
+    /// than one process changes are atomics, or guarded by the segment's lock.
+    pub fn header<H>(&self) -> &'static H {
+        // SAFETY: the segment starts with an H (see Layout::of) and lives as long as
+        // the server.
+        unsafe { &*(self.get() as *const H) }
+    }
+
+    /// The `n` elements of type T at `offset` (from Layout::array).
+    pub fn slice<T>(&self, offset: usize, n: usize) -> &'static [T] {
+        // SAFETY: the layout put `n` elements of T at `offset`; zeroed at creation,
+        // which the owner of each segment makes a valid state of T.
+        unsafe { std::slice::from_raw_parts(self.get().add(offset) as *const T, n) }
+    }
+
+    /// Element `i` of type T at `offset`, for writing (the writer table's entries,
+    /// whose fields but the atomics its lock guards).
+    ///
+    /// # Safety
+    /// The caller holds what guards the element, and `i` is in bounds.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn element_mut<T>(&self, offset: usize, i: usize) -> &'static mut T {
+        // SAFETY: per the contract above.
+        unsafe { &mut *(self.get().add(offset) as *mut T).add(i) }
     }
 }

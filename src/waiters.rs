@@ -14,13 +14,13 @@
 //! cleared when the start() returns or raises (a Drop guard), and at backend exit
 //! (before_shmem_exit: FATAL runs no destructor).
 
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use pgrx::pg_sys;
 
 use crate::core::RefusalKind;
 use crate::queue;
-use crate::shmem::{self, Layout, Segment};
+use crate::shmem::{self, Base, Layout, Segment};
 
 /// The longest a waiter sleeps without looking again, in milliseconds: it bounds the
 /// cost of a wake-up that arrives while it is busy elsewhere.
@@ -50,7 +50,7 @@ struct Header {
     waiting: AtomicU64,
 }
 
-static BASE: AtomicPtr<u8> = AtomicPtr::new(std::ptr::null_mut());
+static BASE: Base = Base::new();
 
 /// The segment's layout for `n` backends: the header, then one entry per backend.
 fn layout(n: usize) -> (Layout, usize) {
@@ -73,7 +73,7 @@ unsafe fn attach(base: *mut u8, found: bool, _locks: *mut pg_sys::LWLockPadded) 
             (*(base as *mut Header)).n = shmem::max_backends();
         }
     }
-    BASE.store(base, Ordering::Release);
+    BASE.set(base);
 }
 
 /// The line's segment (see shmem.rs).
@@ -86,25 +86,13 @@ pub static SEGMENT: Segment = Segment {
 };
 
 fn header() -> &'static Header {
-    assert!(
-        shmem::available(),
-        "pg_quota shared memory is not initialized"
-    );
-    // SAFETY: attached at startup, inherited by fork.
-    unsafe { &*(BASE.load(Ordering::Acquire) as *const Header) }
+    BASE.header::<Header>()
 }
 
 /// The waiting starts, one entry per backend.
 fn waiters() -> &'static [Waiter] {
     let n = header().n;
-    let (_, waiters) = layout(n);
-    // SAFETY: in bounds of the segment; zeroed at creation, a valid state.
-    unsafe {
-        std::slice::from_raw_parts(
-            BASE.load(Ordering::Acquire).add(waiters) as *const Waiter,
-            n,
-        )
-    }
+    BASE.slice::<Waiter>(layout(n).1, n)
 }
 
 fn mine() -> &'static Waiter {

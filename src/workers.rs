@@ -7,7 +7,7 @@
 //! guards it (`TableLock`). Lock order: never take the scope counters' lock while
 //! holding it (see scopes.rs).
 
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use pgrx::pg_sys;
@@ -15,7 +15,7 @@ use pgrx::pg_sys;
 use crate::compat;
 use crate::core::QuotaError;
 use crate::error::raise;
-use crate::shmem::{self, Layout, Segment};
+use crate::shmem::{self, Base, Layout, Segment};
 
 /// How long DROP DATABASE waits for the database's writer to leave by itself before it
 /// terminates it, and as long again for it to be gone (see `stop`).
@@ -62,7 +62,7 @@ struct Header {
     roles_dropped: AtomicU64,
 }
 
-static BASE: AtomicPtr<u8> = AtomicPtr::new(std::ptr::null_mut());
+static BASE: Base = Base::new();
 
 fn n_writers_configured() -> usize {
     // SAFETY: a plain int fixed before shmem_request_hook runs.
@@ -96,7 +96,7 @@ unsafe fn attach(base: *mut u8, found: bool, locks: *mut pg_sys::LWLockPadded) {
             }
         }
     }
-    BASE.store(base, Ordering::Release);
+    BASE.set(base);
 }
 
 /// The writer table's segment (see shmem.rs).
@@ -109,13 +109,7 @@ pub static SEGMENT: Segment = Segment {
 };
 
 fn header() -> &'static Header {
-    assert!(
-        shmem::available(),
-        "pg_quota shared memory is not initialized"
-    );
-    // SAFETY: attached at startup, inherited by fork; immutable but for atomics and
-    // what the lock guards.
-    unsafe { &*(BASE.load(Ordering::Acquire) as *const Header) }
+    BASE.header::<Header>()
 }
 
 pub fn n_writers() -> usize {
@@ -125,9 +119,8 @@ pub fn n_writers() -> usize {
 /// The writer entry `i`. Callers hold the lock for every field but the atomics.
 pub fn writer(i: usize) -> &'static mut WriterEntry {
     assert!(i < n_writers());
-    let (_, entries) = layout(n_writers());
-    // SAFETY: in bounds; the memory lives as long as the server.
-    unsafe { &mut *(BASE.load(Ordering::Acquire).add(entries) as *mut WriterEntry).add(i) }
+    // SAFETY: in bounds; the callers hold the table lock, which guards the entries.
+    unsafe { BASE.element_mut::<WriterEntry>(layout(n_writers()).1, i) }
 }
 
 /// The writer entry serving database `db`, if any. Callers hold the table lock.

@@ -1,4 +1,4 @@
-//! The pure core of pg_quota: admission decisions, outcomes, labels, ticket ids and
+//! Layer 1, the pure core of pg_quota: admission decisions, outcomes, labels, ticket ids and
 //! every user-facing text. Nothing in here touches PostgreSQL, so all of it is tested
 //! with plain `cargo test`; the pgrx layer only moves values in and out.
 

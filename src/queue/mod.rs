@@ -11,12 +11,12 @@ pub mod caller;
 pub mod serve;
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use pgrx::pg_sys;
 
 use crate::core::ticket::{MAX_KEY_BYTES, MAX_LABEL_BYTES};
-use crate::shmem::{self, Layout, Segment};
+use crate::shmem::{self, Base, Layout, Segment};
 
 pub const SLOT_FREE: u32 = 0;
 pub const SLOT_PENDING: u32 = 1;
@@ -107,7 +107,7 @@ struct Header {
     n_slots: usize,
 }
 
-static BASE: AtomicPtr<u8> = AtomicPtr::new(std::ptr::null_mut());
+static BASE: Base = Base::new();
 
 /// The segment's layout for `n` slots: the header, then the slots.
 fn layout(n: usize) -> (Layout, usize) {
@@ -129,7 +129,7 @@ unsafe fn attach(base: *mut u8, found: bool, _locks: *mut pg_sys::LWLockPadded) 
             (*(base as *mut Header)).n_slots = shmem::max_backends();
         }
     }
-    BASE.store(base, Ordering::Release);
+    BASE.set(base);
 }
 
 /// The request queue's segment (see shmem.rs).
@@ -142,19 +142,12 @@ pub static SEGMENT: Segment = Segment {
 };
 
 pub fn n_slots() -> usize {
-    assert!(
-        shmem::available(),
-        "pg_quota shared memory is not initialized"
-    );
-    // SAFETY: attached at startup; immutable afterwards.
-    unsafe { (*(BASE.load(Ordering::Acquire) as *const Header)).n_slots }
+    BASE.header::<Header>().n_slots
 }
 
 pub fn slot(i: usize) -> &'static Slot {
-    assert!(i < n_slots());
-    let (_, slots) = layout(n_slots());
-    // SAFETY: in bounds; the memory lives as long as the server.
-    unsafe { &*(BASE.load(Ordering::Acquire).add(slots) as *const Slot).add(i) }
+    let n = n_slots();
+    &BASE.slice::<Slot>(layout(n).1, n)[i]
 }
 
 /// Ordering helper: the payload written before a Release store is seen after the

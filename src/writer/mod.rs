@@ -1,11 +1,10 @@
 //! Layer 5, the paths: the ledger writer, one background worker per database, the only
-//! process that
-//! inserts into `quota.ledger`. It commits each charge in its own transaction, so the
-//! charge survives the caller's rollback (I2), and it is on disk before the caller's
-//! `start()` returns (I6). Being the single inserter, it re-checks the limits exactly
-//! inside its own transaction before every insert (core::batch), which keeps I1 true
-//! whatever settings the requesting sessions run with, and for a caller that was
-//! cancelled after handing over its request.
+//! process that inserts into `quota.ledger`. It commits each charge in its own
+//! transaction, so the charge survives the caller's rollback (I2), and it is on disk
+//! before the caller's `start()` returns (I6). Being the single inserter, it re-checks
+//! the limits exactly inside its own transaction before every insert (core::batch),
+//! which keeps I1 true whatever settings the requesting sessions run with, and for a
+//! caller that was cancelled after handing over its request.
 //!
 //! Protocol: a caller fills its own slot (see queue/), marks it PENDING, sets the
 //! writer's latch and sleeps on its own. The writer claims every PENDING slot of its

@@ -1,6 +1,7 @@
 //! Layer 1: everything that differs between the PostgreSQL majors pg_quota builds for,
-//! in one place, and the latch sleep that reports pg_quota's wait events. Each `cfg` branch says what changed in PostgreSQL and in which release. The
-//! rest of the crate calls these functions and never names a pgNN feature itself.
+//! in one place, and the latch sleep that reports pg_quota's wait events. Each `cfg`
+//! branch says what changed in PostgreSQL and in which release. The rest of the crate
+//! calls these functions and never names a pgNN feature itself.
 //!
 //! Tested: 15 and 18. 16 and 17 are type-checked against pgrx's bindings of those
 //! majors (see README), not run.

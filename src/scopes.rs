@@ -189,21 +189,19 @@ pub fn get(
     // SAFETY: `take` registered a private copy of the snapshot.
     unsafe { (*snap.0).curcid = pg_sys::FirstCommandId };
     let (active, rows) = count(&snap)?;
-    for procno in 0..n_slots() {
-        for p in pending(procno) {
-            if p.state.load(Ordering::Acquire) == PENDING_SET
-                && p.db.load(Ordering::Relaxed) == db
-                && p.role.load(Ordering::Relaxed) == role
-                // SAFETY: a snapshot check; the snapshot is registered.
-                && !unsafe { pg_sys::XidInMVCCSnapshot(pg_sys::TransactionId::from_inner(p.xid.load(Ordering::Relaxed)), snap.0) }
-            {
-                let _ = p.state.compare_exchange(
-                    PENDING_SET,
-                    PENDING_ABSORBED,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                );
-            }
+    for p in all_pending() {
+        if p.state.load(Ordering::Acquire) == PENDING_SET
+            && p.db.load(Ordering::Relaxed) == db
+            && p.role.load(Ordering::Relaxed) == role
+            // SAFETY: a snapshot check; the snapshot is registered.
+            && !unsafe { pg_sys::XidInMVCCSnapshot(pg_sys::TransactionId::from_inner(p.xid.load(Ordering::Relaxed)), snap.0) }
+        {
+            let _ = p.state.compare_exchange(
+                PENDING_SET,
+                PENDING_ABSORBED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
         }
     }
     e.active.store(active, Ordering::Release);
@@ -378,7 +376,8 @@ pub static SEGMENT: Segment = Segment {
 };
 
 fn header() -> &'static Header {
-    BASE.header::<Header>()
+    // SAFETY: the segment starts with a Header (see `layout`).
+    unsafe { BASE.header::<Header>() }
 }
 
 fn n_slots() -> usize {
@@ -391,13 +390,19 @@ fn scope_lock() -> *mut pg_sys::LWLock {
 
 /// The scope counters, N_SCOPES of them.
 fn scopes() -> &'static [Scope] {
-    BASE.slice::<Scope>(layout(n_slots()).1, N_SCOPES)
+    // SAFETY: `layout` put N_SCOPES counters there; zeroed is a free entry.
+    unsafe { BASE.slice::<Scope>(layout(n_slots()).1, N_SCOPES) }
+}
+
+/// Every backend's pending counter changes, PENDING_PER_SLOT per PGPROC number.
+fn all_pending() -> &'static [Pending] {
+    // SAFETY: `layout` put them there; zeroed is PENDING_FREE.
+    unsafe { BASE.slice::<Pending>(layout(n_slots()).2, n_slots() * PENDING_PER_SLOT) }
 }
 
 /// The pending counter changes published by backend `procno`.
 fn pending(procno: usize) -> &'static [Pending] {
-    let all = BASE.slice::<Pending>(layout(n_slots()).2, n_slots() * PENDING_PER_SLOT);
-    &all[procno * PENDING_PER_SLOT..(procno + 1) * PENDING_PER_SLOT]
+    &all_pending()[procno * PENDING_PER_SLOT..(procno + 1) * PENDING_PER_SLOT]
 }
 
 /// The two lock tag fields that stand for scope (db, role) in the scope lock: a keyed

@@ -78,7 +78,9 @@ unsafe extern "C-unwind" fn shmem_request() {
             prev();
         }
         for seg in segments() {
-            pg_sys::RequestAddinShmemSpace((seg.size)() + (seg.extra)());
+            // ShmemInitStruct rounds each allocation up to a cache line.
+            let size = (seg.size)().next_multiple_of(pg_sys::PG_CACHE_LINE_SIZE as usize);
+            pg_sys::RequestAddinShmemSpace(size + (seg.extra)());
         }
         let locks: usize = segments().iter().map(|s| s.locks).sum();
         pg_sys::RequestNamedLWLockTranche(TRANCHE.as_ptr(), locks as i32);
@@ -106,6 +108,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
         for seg in segments() {
             let size = (seg.size)();
             let mut found = false;
+            // ShmemInitStruct hands out whole cache lines (shmem_request asks for them).
             let base = pg_sys::ShmemInitStruct(seg.name.as_ptr(), size, &mut found) as *mut u8;
             if !found {
                 std::ptr::write_bytes(base, 0, size);
@@ -216,21 +219,32 @@ impl Base {
 
     fn get(&self) -> *mut u8 {
         assert!(available(), "pg_quota shared memory is not initialized");
-        self.0.load(Ordering::Acquire)
+        // Set before any fork, never changed: a plain load suffices.
+        let base = self.0.load(Ordering::Relaxed);
+        assert!(
+            !base.is_null(),
+            "a pg_quota segment was not reserved in _PG_init"
+        );
+        base
     }
 
-    /// The segment's header, of type H (the start of its layout). Fields that more
-    /// than one process changes are atomics, or guarded by the segment's lock.
-    pub fn header<H>(&self) -> &'static H {
-        // SAFETY: the segment starts with an H (see Layout::of) and lives as long as
-        // the server.
+    /// The segment's header, of type H. Fields that more than one process changes are
+    /// atomics, or guarded by the segment's lock.
+    ///
+    /// # Safety
+    /// The segment's layout starts with an H (Layout::of::<H>).
+    pub unsafe fn header<H>(&self) -> &'static H {
+        // SAFETY: per the contract above; the segment lives as long as the server.
         unsafe { &*(self.get() as *const H) }
     }
 
-    /// The `n` elements of type T at `offset` (from Layout::array).
-    pub fn slice<T>(&self, offset: usize, n: usize) -> &'static [T] {
-        // SAFETY: the layout put `n` elements of T at `offset`; zeroed at creation,
-        // which the owner of each segment makes a valid state of T.
+    /// The `n` elements of type T at `offset`.
+    ///
+    /// # Safety
+    /// The segment's layout put `n` elements of T at `offset` (Layout::array), in a
+    /// state the segment's owner made valid (zeroed at creation, then initialised).
+    pub unsafe fn slice<T>(&self, offset: usize, n: usize) -> &'static [T] {
+        // SAFETY: per the contract above.
         unsafe { std::slice::from_raw_parts(self.get().add(offset) as *const T, n) }
     }
 

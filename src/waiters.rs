@@ -86,13 +86,15 @@ pub static SEGMENT: Segment = Segment {
 };
 
 fn header() -> &'static Header {
-    BASE.header::<Header>()
+    // SAFETY: the segment starts with a Header (see `layout`).
+    unsafe { BASE.header::<Header>() }
 }
 
 /// The waiting starts, one entry per backend.
 fn waiters() -> &'static [Waiter] {
     let n = header().n;
-    BASE.slice::<Waiter>(layout(n).1, n)
+    // SAFETY: `layout` put `n` entries there; zeroed is "not waiting".
+    unsafe { BASE.slice::<Waiter>(layout(n).1, n) }
 }
 
 fn mine() -> &'static Waiter {
@@ -193,12 +195,12 @@ pub fn ahead(role: pg_sys::Oid, seq: u64) -> (i64, i64) {
     if header().waiting.load(Ordering::Acquire) == 0 {
         return (of_role, of_db);
     }
-    for (procno, w) in waiters().iter().enumerate() {
+    for (w, slot) in waiters().iter().zip(queue::slots()) {
         let s = w.seq.load(Ordering::Acquire);
         if s == 0 || s >= seq || w.db.load(Ordering::Relaxed) != db {
             continue;
         }
-        if queue::load_state(queue::slot(procno)) != queue::SLOT_FREE {
+        if queue::load_state(slot) != queue::SLOT_FREE {
             continue;
         }
         match w.kind.load(Ordering::Relaxed) {

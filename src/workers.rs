@@ -109,17 +109,31 @@ pub static SEGMENT: Segment = Segment {
 };
 
 fn header() -> &'static Header {
-    BASE.header::<Header>()
+    // SAFETY: the segment starts with a Header (see `layout`).
+    unsafe { BASE.header::<Header>() }
 }
 
 pub fn n_writers() -> usize {
     header().n_writers
 }
 
-/// The writer entry `i`. Callers hold the lock for every field but the atomics.
-pub fn writer(i: usize) -> &'static mut WriterEntry {
+/// Writer entry `i`, to read: its atomics at any time, its other fields under the
+/// table lock (shared or exclusive).
+pub fn writer(i: usize) -> &'static WriterEntry {
+    let n = n_writers();
+    // SAFETY: `layout` put `n` entries there, each set to "free" at creation.
+    unsafe { &BASE.slice::<WriterEntry>(layout(n).1, n)[i] }
+}
+
+/// Writer entry `i`, to change.
+///
+/// # Safety
+/// The caller holds the table lock exclusively, and holds no other reference to the
+/// entry while it uses this one.
+#[allow(clippy::mut_from_ref)]
+pub unsafe fn writer_mut(i: usize) -> &'static mut WriterEntry {
     assert!(i < n_writers());
-    // SAFETY: in bounds; the callers hold the table lock, which guards the entries.
+    // SAFETY: in bounds; per the contract above, nothing else refers to the entry.
     unsafe { BASE.element_mut::<WriterEntry>(layout(n_writers()).1, i) }
 }
 
@@ -188,7 +202,8 @@ pub fn writer_state() -> WriterState {
     let Some(i) = writer_of(db) else {
         return WriterState::Gone;
     };
-    let w = writer(i);
+    // SAFETY: the table lock is held exclusively; no other reference to the entry.
+    let w = unsafe { writer_mut(i) };
     let mut pid = 0;
     let mut h = w.handle;
     // SAFETY: `h` has the layout of BackgroundWorkerHandle (see WorkerHandle).
@@ -221,7 +236,8 @@ pub fn start_writer() -> usize {
         raise(QuotaError::NoWorkerSlot);
     };
     let handle = register_worker(i, db).unwrap_or_else(|| raise(QuotaError::NoWorkerSlot));
-    let w = writer(i);
+    // SAFETY: called with the table lock held exclusively; no other reference to it.
+    let w = unsafe { writer_mut(i) };
     w.dboid = db;
     w.procno = -1;
     w.handle = handle;
@@ -234,7 +250,8 @@ pub fn start_writer() -> usize {
 /// Frees the entries of writers that are no longer running. Table lock held.
 fn sweep_dead_entries() {
     for i in 0..n_writers() {
-        let w = writer(i);
+        // SAFETY: the table lock is held exclusively; no other reference to it.
+        let w = unsafe { writer_mut(i) };
         if w.dboid == pg_sys::InvalidOid {
             continue;
         }

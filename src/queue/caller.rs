@@ -108,9 +108,9 @@ fn publish(slot: &Slot, idx: usize) {
 /// request that is not of this scope, and the writer's own check is exact in any case.
 pub fn inflight(role: pg_sys::Oid) -> i64 {
     let db = shmem::my_db();
-    (0..n_slots())
-        .filter(|&i| {
-            let s = slot(i);
+    slots()
+        .iter()
+        .filter(|s| {
             let st = load_state(s);
             (st == SLOT_PENDING || st == SLOT_CLAIMED) && s.dboid() == db && s.role() == role
         })
@@ -122,9 +122,9 @@ pub fn inflight(role: pg_sys::Oid) -> i64 {
 /// lock keeps other scopes from adding to it; the writer's check is the exact one.
 pub fn inflight_db() -> i64 {
     let db = shmem::my_db();
-    (0..n_slots())
-        .filter(|&i| {
-            let s = slot(i);
+    slots()
+        .iter()
+        .filter(|s| {
             let st = load_state(s);
             (st == SLOT_PENDING || st == SLOT_CLAIMED) && s.dboid() == db
         })

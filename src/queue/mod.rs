@@ -142,12 +142,19 @@ pub static SEGMENT: Segment = Segment {
 };
 
 pub fn n_slots() -> usize {
-    BASE.header::<Header>().n_slots
+    // SAFETY: the segment starts with a Header (see `layout`).
+    unsafe { BASE.header::<Header>() }.n_slots
+}
+
+/// Every slot, indexed by PGPROC number.
+pub fn slots() -> &'static [Slot] {
+    let n = n_slots();
+    // SAFETY: `layout` put `n` slots there; a zeroed slot is FREE.
+    unsafe { BASE.slice::<Slot>(layout(n).1, n) }
 }
 
 pub fn slot(i: usize) -> &'static Slot {
-    let n = n_slots();
-    &BASE.slice::<Slot>(layout(n).1, n)[i]
+    &slots()[i]
 }
 
 /// Ordering helper: the payload written before a Release store is seen after the

@@ -18,8 +18,7 @@ pub fn claim(db: pg_sys::Oid, max: usize, max_roles: usize) -> Vec<usize> {
     // A batch publishes one counter change per role (see scopes.rs): at most as many
     // roles as fit; the others wait for the next batch.
     let mut roles: Vec<pg_sys::Oid> = Vec::new();
-    for i in 0..n_slots() {
-        let s = slot(i);
+    for (i, s) in slots().iter().enumerate() {
         if load_state(s) != SLOT_PENDING || s.dboid() != db {
             continue;
         }
@@ -122,17 +121,15 @@ pub fn hand_back(i: usize, done: bool) {
 /// Whether a request of database `db` waits to be claimed. Callers hold the writer
 /// table's lock, which callers hold to enqueue.
 pub fn pending_in(db: pg_sys::Oid) -> bool {
-    (0..n_slots()).any(|i| {
-        let s = slot(i);
-        load_state(s) == SLOT_PENDING && s.dboid() == db
-    })
+    slots()
+        .iter()
+        .any(|s| load_state(s) == SLOT_PENDING && s.dboid() == db)
 }
 
 /// Wakes the callers with requests of database `db` waiting to be claimed: their writer
 /// is gone, and they start a new one.
 pub fn wake_pending(db: pg_sys::Oid) {
-    for i in 0..n_slots() {
-        let s = slot(i);
+    for (i, s) in slots().iter().enumerate() {
         if load_state(s) == SLOT_PENDING && s.dboid() == db {
             shmem::wake(i);
         }

@@ -70,6 +70,7 @@ unsafe fn attach(base: *mut u8, found: bool, locks: *mut pg_sys::LWLockPadded) {
     }
 }
 
+/// Adds `n` to `counter` of (this database, role).
 pub fn add(role: pg_sys::Oid, counter: Counter, n: u64) {
     add_in(crate::shmem::my_db(), role, counter, n);
 }

@@ -107,8 +107,6 @@ pub(super) fn extra() -> usize {
     unsafe { pg_sys::hash_estimate_size(n_entries as _, std::mem::size_of::<Indexed>()) }
 }
 
-/// The statistics' segment (see shmem.rs).
-
 pub(super) fn header() -> &'static Header {
     // SAFETY: set at startup, inherited by fork; callers checked shmem::available().
     unsafe { &*HEADER }
@@ -381,8 +379,6 @@ pub(super) fn now() -> i64 {
     // SAFETY: plain clock read.
     unsafe { pg_sys::GetCurrentTimestamp() }
 }
-
-/// Adds `n` to `counter` of (this database, role).
 
 /// Attaches the segment and its hash table (`attach` in mod.rs); the creator, which gets
 /// it zeroed, sets it up. Returns whether this process created it.

@@ -100,7 +100,8 @@ pub extern "C-unwind" fn pg_quota_writer_main(arg: pg_sys::Datum) {
     }
     {
         let _lock = TableLock::acquire();
-        let w = workers::writer(idx);
+        // SAFETY: the table lock is held exclusively; no other reference to the entry.
+        let w = unsafe { workers::writer_mut(idx) };
         if w.dboid != db || w.procno != -1 {
             // The entry was freed or taken over while we started: not ours to serve.
             // SAFETY: single-threaded worker state.
@@ -300,7 +301,8 @@ fn leave(idx: usize, db: pg_sys::Oid, force: bool) -> bool {
     crate::stats::writer_exits(true);
     // The guard first: a new writer may take the entry the moment it is free.
     release_twin_guard(db);
-    let w = workers::writer(idx);
+    // SAFETY: the table lock is held exclusively; no other reference to the entry.
+    let w = unsafe { workers::writer_mut(idx) };
     w.left_db = db;
     w.left_handle = w.handle;
     w.dboid = pg_sys::InvalidOid;
@@ -339,7 +341,8 @@ unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
         crate::scopes::apply_mine();
         let _lock = TableLock::acquire();
         batch::hand_back_at_exit(committed);
-        let w = workers::writer(MY_ENTRY);
+        // The table lock is held exclusively; no other reference to the entry.
+        let w = workers::writer_mut(MY_ENTRY);
         if w.dboid == db && w.procno == shmem::my_procno() as i32 {
             w.dboid = pg_sys::InvalidOid;
             w.procno = -1;

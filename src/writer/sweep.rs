@@ -12,7 +12,9 @@ use crate::ledger::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE
 use crate::shmem;
 
 use super::txn::try_in_transaction;
-use super::MAX_BATCH;
+
+/// The most expired tickets one sweep writes down; the next sweep takes the rest.
+const MAX_DUE: usize = 1024;
 
 thread_local! {
     /// Roles whose tickets the last expiry sweep ended, and how many each.
@@ -70,7 +72,7 @@ fn sweep_expired() {
                 // SAFETY: the slot holds a visible ledger tuple.
                 due.push((unsafe { (*slot).tts_tid }, role, until));
             }
-            due.len() < MAX_BATCH * 4
+            due.len() < MAX_DUE
         },
     );
     drop(snap);

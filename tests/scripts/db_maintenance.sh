@@ -84,11 +84,20 @@ expect_eq "start() works in app after the renames" t \
 # ------------------------------------------------------------------------------------
 mkdir -p "$CL/ts2"; chown "$PG_USER" "$CL/ts2"; chmod 700 "$CL/ts2"
 sql -c "CREATE TABLESPACE ts2 LOCATION '$CL/ts2'"
+# The move copies the database's files, which takes seconds of its own on a busy
+# machine: "at once" is measured against the same move of a database of the same
+# shape that no writer serves, in the same run.
+sql -c "CREATE DATABASE app_twin" >/dev/null
+sql -d app_twin -c "CREATE EXTENSION pg_quota"
+timed "ALTER DATABASE app_twin SET TABLESPACE ts2"
+base_ms=$ms
+check "a database that no writer serves moves to ts2${out:+: $out}" test "$rc" = 0
 rows=$(sql -d app -c "SELECT count(*) FROM quota.ledger")
 check "a writer serves app before the move" start_in app
 timed "ALTER DATABASE app SET TABLESPACE ts2"
 check "ALTER DATABASE app SET TABLESPACE ts2 succeeds while app's writer is alive${out:+: $out}" test "$rc" = 0
-check "... at once (${ms} ms < 3 s)" test "$ms" -lt 3000
+check "... at once (${ms} ms, against ${base_ms} ms without a writer: less than 2 s more)" \
+  test "$ms" -lt $(( base_ms + 2000 ))
 expect_eq "app lives in ts2" ts2 \
   "$(sql -c "SELECT t.spcname FROM pg_database d JOIN pg_tablespace t ON t.oid = d.dattablespace WHERE d.datname = 'app'")"
 expect_eq "start() works in app after the move" t \

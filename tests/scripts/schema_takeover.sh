@@ -59,7 +59,7 @@ EXTDIR="$("$PG_CONFIG" --sharedir)/extension"
 printf "comment = 'test: requires pg_quota'\ndefault_version = '1.0'\nrequires = 'pg_quota'\nrelocatable = true\n" \
   > "$EXTDIR/pg_quota_dep.control"
 echo "SELECT 1;" > "$EXTDIR/pg_quota_dep--1.0.sql"
-trap 'rc=$?; rm -f "$EXTDIR/pg_quota_dep.control" "$EXTDIR/pg_quota_dep--1.0.sql"; (exit $rc); cleanup_at_exit' EXIT
+trap 'rc=$?; rm -f "$EXTDIR/pg_quota_dep.control" "$EXTDIR/pg_quota_dep--1.0.sql"; set +e; (exit $rc); cleanup_at_exit' EXIT
 expect_eq "CREATE EXTENSION pg_quota_dep CASCADE (which requires pg_quota) is refused the same way" 42P06 \
   "$(state postgres st_take "CREATE EXTENSION pg_quota_dep CASCADE")"
 expect_eq "... and leaves no extension behind" 0 "$(has_ext st_take)"

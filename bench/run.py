@@ -24,6 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")
 
+# The job lifecycles, 16 clients on 16 roles: bare, guarded by B1, by pg_quota.
+JOBS = {
+    "JOB": "job.sql",
+    "JOB1": "job1.sql",
+    "JOBQ": "jobq.sql",
+}
+
 SYSTEMS = {
     "pg_quota": "pgq.sql",
     "B0": "b0.sql",
@@ -202,6 +209,7 @@ def main():
     idem = {"runs": [], "wal": [], "rows": []}
     wake = {"finish": [], "lease": []}   # (wake_us, commit_us) samples
     lifecycle = []   # runs of bench/scripts/lifecycle.sql, 16 clients on 16 roles
+    jobs = {name: [] for name in JOBS}   # runs of bench/scripts/job*.sql, 16 on 16 roles
     start_idempotency_keys()
 
     for rnd in range(ROUNDS):
@@ -218,6 +226,12 @@ def main():
         r = run("lifecycle.sql", 16, "roles", logdir, "lifecycle")
         lifecycle.append(r)
         print(f"  lifecycle 16 clients, a role each: {r['tps']:9.1f} jobs/s", flush=True)
+        # A job in an application's queue table, bare (JOB), guarded by B1 (JOB1) and
+        # by pg_quota (JOBQ), interleaved.
+        for name, script in JOBS.items():
+            r = run(script, 16, "roles", logdir, name)
+            jobs[name].append(r)
+            print(f"  {name:8} 16 clients, a role each: {r['tps']:9.1f} jobs/s", flush=True)
         # The refusal path against SELECT 1 under the same load.
         for name, script in (("refuse", "refuse.sql"), ("select1", "select1.sql")):
             a = wal_lsn()
@@ -270,7 +284,7 @@ def main():
             p50 = pct(sorted(w for w, _ in got if w is not None), 0.5)
             print(f"  wake after {how:6}: {len(got)} samples, p50 {p50:.2f} ms", flush=True)
 
-    write_report(through, refusal, history, snapshot, idem, wake, lifecycle)
+    write_report(through, refusal, history, snapshot, idem, wake, lifecycle, jobs)
 
     shutil.rmtree(logdir, ignore_errors=True)
 
@@ -284,7 +298,7 @@ def lat_pcts(through, system, mode, clients):
     return pct(lat, 0.5), pct(lat, 0.99)
 
 
-def write_report(through, refusal, history, snapshot, idem, wake, lifecycle):
+def write_report(through, refusal, history, snapshot, idem, wake, lifecycle, jobs):
     lines = []
     add = lines.append
     add(f"# pg_quota benchmark results ({'quick' if QUICK else 'full'} run)")
@@ -339,6 +353,22 @@ def write_report(through, refusal, history, snapshot, idem, wake, lifecycle):
     add("|---:|---:|---:|---:|")
     sf = tps(through, "pg_quota", "roles", c16)
     add(f"| {life:.0f} | {pct(lat, .5):.2f} | {pct(lat, .99):.2f} | {life / sf if sf else float('nan'):.2f}x |")
+    add("")
+
+    add("## Job lifecycle in a queue table")
+    add("")
+    add("16 clients on 16 roles. JOB is a job's bare life in an application's queue table: "
+        "the enqueue INSERT, then the completion UPDATE, each in its own transaction. JOB1 "
+        "puts B1's start in the INSERT and its finish in the UPDATE; JOBQ does the same with "
+        "`quota.start()` and `quota.finish()` (bench/scripts/job*.sql).")
+    add("")
+    add("| workload | jobs/s | p50 ms | p99 ms | vs JOB |")
+    add("|---|---:|---:|---:|---:|")
+    job_tps = {name: median([r["tps"] for r in runs]) for name, runs in jobs.items()}
+    for name in JOBS:
+        lat = sorted(x for r in jobs[name] for x in r["lat"])
+        add(f"| {name} | {job_tps[name]:.0f} | {pct(lat, .5):.2f} | {pct(lat, .99):.2f} | "
+            f"{job_tps[name] / job_tps['JOB'] if job_tps['JOB'] else float('nan'):.2f}x |")
     add("")
 
     add("## start() latency against the role's history")
@@ -437,6 +467,12 @@ def write_report(through, refusal, history, snapshot, idem, wake, lifecycle):
         ("start() latency, 10,000 retained vs 0", ratio(median(history[10000]), median(history[0])), "<=", 1.25),
         ("start+finish with an old snapshot held vs none", ratio(snap_tps("cycle", True), snap_tps("cycle", False)), ">=", 0.8),
         ("refusals with an old snapshot held vs none", ratio(snap_tps("refuse", True), snap_tps("refuse", False)), ">=", 0.8),
+        # 0.4.0's targets (issue "cheap enough to forget").
+        ("0.4.0: job lifecycle JOBQ vs JOB", ratio(job_tps["JOBQ"], job_tps["JOB"]), ">=", 0.8),
+        ("0.4.0: job lifecycle JOBQ vs JOB1", ratio(job_tps["JOBQ"], job_tps["JOB1"]), ">=", 1.5),
+        ("0.4.0: start+finish vs B1", ratio(pq, tps(through, "B1", "roles", c16)), ">=", 1.5),
+        ("0.4.0: start+finish vs B2", ratio(pq, tps(through, "B2", "roles", c16)), ">=", 2.5),
+        ("0.4.0: refusals/s vs SELECT 1/s", ratio(ref, sel), ">=", 0.9),
     ]
     add("## Targets")
     add("")

@@ -76,6 +76,16 @@ LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog AS $$
   UPDATE bench.b2_ledger SET ended_at = now() WHERE id = t AND ended_at IS NULL RETURNING true
 $$;
 
+-- The job lifecycles (bench/scripts/job*.sql): an application's queue table, where a
+-- job is enqueued by one INSERT and completed by one UPDATE. JOB1 keeps B1's guard in
+-- `guard`, JOBQ pg_quota's ticket in `ticket`.
+CREATE TABLE bench.jobs (id bigserial PRIMARY KEY, role name NOT NULL DEFAULT current_user,
+                         payload text, guard bigint, ticket uuid,
+                         created_at timestamptz NOT NULL DEFAULT now(), done_at timestamptz,
+                         released boolean);
+GRANT SELECT, INSERT, UPDATE ON bench.jobs TO PUBLIC;
+GRANT USAGE ON SEQUENCE bench.jobs_id_seq TO PUBLIC;
+
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA bench TO PUBLIC;
 
 -- The refusal path: bench_refused holds its one ticket for the whole run.

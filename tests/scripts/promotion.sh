@@ -14,7 +14,9 @@
 # - quota.summary equals the ledger, and quota.usage counts what the ledger holds;
 # - the limit is exact: exactly limit - active more are admitted, the next is refused
 #   with 53400 (the scope counters are rebuilt from the ledger, never replayed);
-# - the tickets kept open since before the failover can be finished (true);
+# - the tickets kept open since before the failover can be finished (true), and so can
+#   those whose finish() the failover cut off: a client finishes them again once it is
+#   connected to the new primary, as an application retries (finish() is idempotent);
 # - the clients went on by themselves: they received tickets from the new primary.
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
 
@@ -60,7 +62,7 @@ expect_eq "the standby is a hot standby" t "$(on_standby -c "SELECT pg_is_in_rec
 printf '%s\n' "SELECT quota.start('kept') AS t \\gset" "\\echo S :t" "\\echo K :t" > "$PRIMARY/keep.sql"
 CONN="host=$PRIMARY,$STANDBY port=$PRIMARY_PORT,$STANDBY_PORT user=t1 dbname=postgres target_session_attrs=read-write connect_timeout=3"
 client() {
-  local k="$1" n=0
+  local k="$1" n=0 x r i
   until [ -s "$D/out.$k" ] && grep -q '^K ' "$D/out.$k"; do
     [ -e "$D/stop" ] && return 0
     timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 "$CONN" -f "$D/keep.sql" >> "$D/out.$k" 2>> "$D/err.$k" || sleep 0.1
@@ -69,7 +71,20 @@ client() {
   while [ ! -e "$D/stop" ] && [ "$n" -lt 600 ]; do
     n=$((n + 1))
     timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 "$CONN" \
-      -f "$D/iter.sql" >> "$D/out.$k" 2>> "$D/err.$k" || sleep 0.1
+      -f "$D/iter.sql" > "$D/run.$k" 2>> "$D/err.$k" || sleep 0.1
+    cat "$D/run.$k" >> "$D/out.$k"
+    # A ticket whose finish() was cut off (its server went away) is finished again once
+    # a primary takes connections, as an application retries (finish() is idempotent:
+    # "F <ticket> f" if it had ended). "L <ticket>" if no server ended it in 20 s.
+    for x in $(awk '$1 == "S" && length($2) == 36 { s[$2] = 1 } $1 == "F" && ($3 == "t" || $3 == "f") { delete s[$2] }
+                    END { for (x in s) print x }' "$D/run.$k"); do
+      r=
+      for i in $(seq 1 100); do
+        r=$(timeout 10 "$PG_BIN/psql" -X -q -At "$CONN" -c "SELECT quota.finish('$x')" 2>> "$D/err.$k") && break
+        sleep 0.2
+      done
+      case "$r" in t|f) echo "F $x $r" >> "$D/out.$k" ;; *) echo "L $x" >> "$D/out.$k" ;; esac
+    done
   done
 }
 CLIENT_PIDS=()
@@ -120,6 +135,8 @@ echo "# $(wc -l < "$PRIMARY/received") tickets received in all, $(wc -l < "$PRIM
 expect_eq "every ticket received before the failover is in the new primary's ledger" 0 "$missing_before"
 expect_eq "every ticket received at all is in the ledger" 0 "$(comm -23 "$PRIMARY/received" "$PRIMARY/in_ledger" | wc -l)"
 expect_eq "no acknowledged finish is active again" 0 "$(comm -12 "$PRIMARY/finished" "$PRIMARY/active" | wc -l)"
+expect_eq "each ticket whose finish() the failover cut off was finished on the new primary (no ticket lost)" 0 \
+  "$(cat "$PRIMARY"/out.* | grep -c '^L ' || true)"
 check "quota.summary equals the ledger" summary_matches_ledger
 expect_eq "quota.usage counts what the ledger holds" \
   "$(sql -c "SELECT count(*) FILTER (WHERE ended_at IS NULL) || '|' || count(*) FROM quota.ledger WHERE role = 't1'::regrole")" \

@@ -313,6 +313,60 @@ wait_out() {  # wait_out NAME TEXT [SECONDS]: until the session printed TEXT
   timeout "${3:-10}" bash -c "until grep -q '$2' '$CL/$1.out' 2>/dev/null; do sleep 0.05; done"
 }
 
+# --- A load that follows the primary (promotion.sh, patroni.sh) ----------------------------
+# failover_load DIR CONN CLIENTS ROUNDS: starts CLIENTS clients of role t1 on the libpq
+# connection string CONN (every node, with target_session_attrs=read-write, so that they
+# follow the primary), each writing to DIR/out.K; sets CLIENT_PIDS. A client first
+# keeps one ticket open ("S <ticket>", "K <ticket>"), then runs DIR/iter.sql at most
+# ROUNDS times, until DIR/stop exists: "S <ticket>" once try_start() returned it ("S
+# refused" when it returned NULL: the same admission as start(), without an ERROR in
+# the server log for each refusal), "F <ticket> t" once finish() returned true
+# (committed). \unset first, so that a failed statement leaves nothing from the
+# iteration before. A ticket whose finish() a failover cut off is finished again once a
+# primary takes connections, as an application retries (finish() is idempotent: "F
+# <ticket> f" if it had ended); "L <ticket>" if no server ended it in 20 s.
+failover_load() {
+  local dir="$1" conn="$2" clients="$3" rounds="$4" i k
+  {
+    for i in $(seq 1 40); do
+      echo "\\unset t"; echo "\\unset f"
+      echo "SELECT coalesce(quota.try_start('load')::text, 'refused') AS t \\gset"
+      echo "\\echo S :t"
+      echo "SELECT quota.finish(t::uuid) AS f FROM (SELECT :'t' AS t) s WHERE t <> 'refused' \\gset"
+      echo "\\echo F :t :f"
+    done
+  } > "$dir/iter.sql"
+  printf '%s\n' "SELECT quota.start('kept') AS t \\gset" "\\echo S :t" "\\echo K :t" > "$dir/keep.sql"
+  CLIENT_PIDS=()
+  for k in $(seq 1 "$clients"); do
+    bg bash -c "$(declare -f failover_client); D='$dir' CONN='$conn' PG_BIN='$PG_BIN' ROUNDS='$rounds' failover_client $k"
+    CLIENT_PIDS+=("$LAST_BG")
+  done
+}
+# failover_client K: one client of failover_load (D, CONN, PG_BIN and ROUNDS set).
+failover_client() {
+  local k="$1" n=0 x r i
+  until [ -s "$D/out.$k" ] && grep -q '^K ' "$D/out.$k"; do
+    [ -e "$D/stop" ] && return 0
+    timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 "$CONN" -f "$D/keep.sql" >> "$D/out.$k" 2>> "$D/err.$k" || sleep 0.1
+  done
+  while [ ! -e "$D/stop" ] && [ "$n" -lt "$ROUNDS" ]; do
+    n=$((n + 1))
+    timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 "$CONN" \
+      -f "$D/iter.sql" > "$D/run.$k" 2>> "$D/err.$k" || sleep 0.1
+    cat "$D/run.$k" >> "$D/out.$k"
+    for x in $(awk '$1 == "S" && length($2) == 36 { s[$2] = 1 } $1 == "F" && ($3 == "t" || $3 == "f") { delete s[$2] }
+                    END { for (x in s) print x }' "$D/run.$k"); do
+      r=
+      for i in $(seq 1 100); do
+        r=$(timeout 10 "$PG_BIN/psql" -X -q -At "$CONN" -c "SELECT quota.finish('$x')" 2>> "$D/err.$k") && break
+        sleep 0.2
+      done
+      case "$r" in t|f) echo "F $x $r" >> "$D/out.$k" ;; *) echo "L $x" >> "$D/out.$k" ;; esac
+    done
+  done
+}
+
 # summary_matches_ledger [DB]: every summary row equals its role's ledger rows (a role
 # without a summary row is counted from the ledger, so a missing row is fine); prints
 # the roles that are off.

@@ -44,54 +44,10 @@ timeout 30 bash -c "until [ \"\$('$PG_BIN/psql' -X -At -h '$PRIMARY' -p $PRIMARY
 expect_eq "the standby streams synchronously" sync "$(sql -c "SELECT sync_state FROM pg_stat_replication")"
 expect_eq "the standby is a hot standby" t "$(on_standby -c "SELECT pg_is_in_recovery()")"
 
-# --- load ---------------------------------------------------------------------------------
-# "S <ticket>" once try_start() returned it ("S refused" when it returned NULL: the
-# same admission as start(), without an ERROR in the server log for each refusal),
-# "F <ticket> t" once finish() returned true (committed), "K <ticket>" for the ticket
-# a client keeps open. \unset first, so that a
-# failed statement leaves nothing from the iteration before.
-{
-  for i in $(seq 1 40); do
-    echo "\\unset t"; echo "\\unset f"
-    echo "SELECT coalesce(quota.try_start('load')::text, 'refused') AS t \\gset"
-    echo "\\echo S :t"
-    echo "SELECT quota.finish(t::uuid) AS f FROM (SELECT :'t' AS t) s WHERE t <> 'refused' \\gset"
-    echo "\\echo F :t :f"
-  done
-} > "$PRIMARY/iter.sql"
-printf '%s\n' "SELECT quota.start('kept') AS t \\gset" "\\echo S :t" "\\echo K :t" > "$PRIMARY/keep.sql"
+# --- load: clients that follow the primary (failover_load in scripts/lib.sh) -------------
 CONN="host=$PRIMARY,$STANDBY port=$PRIMARY_PORT,$STANDBY_PORT user=t1 dbname=postgres target_session_attrs=read-write connect_timeout=3"
-client() {
-  local k="$1" n=0 x r i
-  until [ -s "$D/out.$k" ] && grep -q '^K ' "$D/out.$k"; do
-    [ -e "$D/stop" ] && return 0
-    timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 "$CONN" -f "$D/keep.sql" >> "$D/out.$k" 2>> "$D/err.$k" || sleep 0.1
-  done
-  # Bounded by itself: 60 s at most, or until the stop file appears.
-  while [ ! -e "$D/stop" ] && [ "$n" -lt 600 ]; do
-    n=$((n + 1))
-    timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 "$CONN" \
-      -f "$D/iter.sql" > "$D/run.$k" 2>> "$D/err.$k" || sleep 0.1
-    cat "$D/run.$k" >> "$D/out.$k"
-    # A ticket whose finish() was cut off (its server went away) is finished again once
-    # a primary takes connections, as an application retries (finish() is idempotent:
-    # "F <ticket> f" if it had ended). "L <ticket>" if no server ended it in 20 s.
-    for x in $(awk '$1 == "S" && length($2) == 36 { s[$2] = 1 } $1 == "F" && ($3 == "t" || $3 == "f") { delete s[$2] }
-                    END { for (x in s) print x }' "$D/run.$k"); do
-      r=
-      for i in $(seq 1 100); do
-        r=$(timeout 10 "$PG_BIN/psql" -X -q -At "$CONN" -c "SELECT quota.finish('$x')" 2>> "$D/err.$k") && break
-        sleep 0.2
-      done
-      case "$r" in t|f) echo "F $x $r" >> "$D/out.$k" ;; *) echo "L $x" >> "$D/out.$k" ;; esac
-    done
-  done
-}
-CLIENT_PIDS=()
-for k in $(seq 1 $CLIENTS); do
-  bg bash -c "$(declare -f client); D='$PRIMARY' CONN='$CONN' PG_BIN='$PG_BIN' client $k"
-  CLIENT_PIDS+=("$LAST_BG")
-done
+# Bounded by themselves: 600 rounds (about 60 s) at most, or until the stop file appears.
+failover_load "$PRIMARY" "$CONN" "$CLIENTS" 600
 received() { cat "$PRIMARY"/out.* 2>/dev/null | grep -Ec '^S [0-9a-f-]{36}$' || true; }
 wait_received() {  # wait_received N: until N tickets were received (60 s at most)
   local _

@@ -26,6 +26,9 @@ fn errcode(s: Sqlstate) -> PgSqlErrorCode {
             PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST
         }
         Sqlstate::DuplicateSchema => PgSqlErrorCode::ERRCODE_DUPLICATE_SCHEMA,
+        Sqlstate::StatementCompletionUnknown => {
+            PgSqlErrorCode::ERRCODE_T_R_STATEMENT_COMPLETION_UNKNOWN
+        }
     }
 }
 

@@ -31,6 +31,9 @@ pub enum Sqlstate {
     DependentObjectsStillExist,
     /// 42P06: CREATE EXTENSION into a schema "quota" that pg_quota cannot trust.
     DuplicateSchema,
+    /// 40003: the writer committed a charge but stopped before synchronous replication
+    /// confirmed it.
+    StatementCompletionUnknown,
 }
 
 impl Sqlstate {
@@ -48,6 +51,7 @@ impl Sqlstate {
             Sqlstate::FeatureNotSupported => "0A000",
             Sqlstate::DependentObjectsStillExist => "2BP01",
             Sqlstate::DuplicateSchema => "42P06",
+            Sqlstate::StatementCompletionUnknown => "40003",
         }
     }
 }
@@ -101,6 +105,12 @@ pub enum QuotaError {
     NoWorkerSlot,
     #[error("the pg_quota ledger writer exited before it answered")]
     WriterGone,
+    /// The writer committed the charge on this server, but was stopped (terminated, or
+    /// its postmaster died) while its commit waited for the synchronous standby, so
+    /// the standby may not have it. PostgreSQL does not acknowledge its own commits in
+    /// that case either.
+    #[error("the pg_quota ledger writer stopped before synchronous replication confirmed the charge")]
+    CommitUnconfirmed,
     /// The writer for this database exited before it could serve requests, again
     /// after a retry: it cannot connect, or it fails while starting.
     #[error("the pg_quota ledger writer for database \"{db}\" could not start")]
@@ -237,6 +247,7 @@ impl QuotaError {
             QuotaError::NotPreloaded => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::NoWorkerSlot => Sqlstate::InsufficientResources,
             QuotaError::WriterGone => Sqlstate::OperatorIntervention,
+            QuotaError::CommitUnconfirmed => Sqlstate::StatementCompletionUnknown,
             QuotaError::WriterDidNotStart { .. }
             | QuotaError::NotExtensionMember { .. }
             | QuotaError::BadShape { .. } => Sqlstate::ObjectNotInPrerequisiteState,
@@ -368,6 +379,9 @@ impl QuotaError {
             ),
             QuotaError::WriterGone => Some(
                 "Try again: the next call starts a new writer. A charge the writer committed stays counted until it is finished.".to_string(),
+            ),
+            QuotaError::CommitUnconfirmed => Some(
+                "The ticket may be recorded on this server: it then counts until it is finished or its lease runs out, and quota.tickets shows it. A standby that takes over may not have it.".to_string(),
             ),
             QuotaError::WriterDidNotStart { .. } => Some(
                 "Fix what the server log reports, then try again.".to_string(),
@@ -653,6 +667,7 @@ mod tests {
             QuotaError::NotPreloaded,
             QuotaError::NoWorkerSlot,
             QuotaError::WriterGone,
+            QuotaError::CommitUnconfirmed,
             QuotaError::WriterDidNotStart { db: "app".into() },
             QuotaError::LockTimeout {
                 relation: "quota.ledger".into(),

@@ -288,19 +288,21 @@ fn take_reply(slot: &'static Slot, admitted: impl FnOnce()) -> Answer {
                 r.sqlerrcode,
                 String::from_utf8_lossy(&r.error[..r.error_len]).into_owned(),
             )),
+            REPLY_UNCONFIRMED => Err((-1, String::new())),
             _ => Err((0, String::new())),
         }
     };
-    if matches!(answer, Ok(Answer::Admitted(_))) {
-        // Admitted: the start leaves the line of waiters (waiters.rs) before the slot
-        // looks free, so that nobody counts it both as an active ticket and as a start
-        // waiting ahead of them.
+    if matches!(answer, Ok(Answer::Admitted(_)) | Err((-1, _))) {
+        // Admitted (confirmed or not, the charge is counted): the start leaves the line
+        // of waiters (waiters.rs) before the slot looks free, so that nobody counts it
+        // both as an active ticket and as a start waiting ahead of them.
         admitted();
     }
     slot.state.store(SLOT_FREE, Ordering::Release);
     let (code, msg) = match answer {
         Ok(a) => return a,
         Err((0, _)) => raise(QuotaError::WriterGone),
+        Err((-1, _)) => raise(QuotaError::CommitUnconfirmed),
         Err(e) => e,
     };
     pg_sys::panic::ErrorReport::new(

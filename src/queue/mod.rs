@@ -56,6 +56,9 @@ impl Request {
 pub const REPLY_ADMITTED: u32 = 1;
 pub const REPLY_REFUSED: u32 = 2;
 pub const REPLY_ERROR: u32 = 3;
+/// The charge committed on this server, but the writer was stopped while its commit
+/// waited for synchronous replication (see writer/batch.rs, `unconfirmed`).
+pub const REPLY_UNCONFIRMED: u32 = 4;
 
 pub const ERROR_TEXT_BYTES: usize = 512;
 

@@ -72,6 +72,17 @@ pub fn answer(group: &[usize]) {
     }
 }
 
+/// Marks claimed slot `i`'s admission as not confirmed by synchronous replication: its
+/// caller raises QuotaError::CommitUnconfirmed instead of returning the ticket.
+/// Refusals and errors are left as they are: they charged nothing.
+pub fn set_unconfirmed(i: usize) {
+    // SAFETY: the slot is CLAIMED by us.
+    let r = unsafe { &mut *slot(i).reply.get() };
+    if r.kind == REPLY_ADMITTED {
+        r.kind = REPLY_UNCONFIRMED;
+    }
+}
+
 /// Answers claimed slot `i` with an error: the writer's SQLSTATE and message.
 pub fn set_error(i: usize, code: i32, msg: &str) {
     // SAFETY: the slot is CLAIMED by us.

@@ -91,7 +91,23 @@ pub fn process(batch: Vec<usize>) {
             Ok(()) => {
                 crate::stats::writer_batch(group.len(), Some(LAST_COMMIT_US.get()));
                 count_admitted(&group);
-                serve::answer(&group)
+                let going = unconfirmed(&group);
+                serve::answer(&group);
+                if going {
+                    // Terminated, or the postmaster is gone: go now, rather than commit
+                    // more batches that could not be confirmed either. The batch is
+                    // answered and counted, so the exit callback must not see it; the
+                    // requests queued behind it are handed back to the next writer.
+                    BATCH.with_borrow_mut(Vec::clear);
+                    // SAFETY: single-threaded worker state; ProcDiePending is still
+                    // set, and raising InterruptPending makes the check below end the
+                    // worker with FATAL, as `die` would have.
+                    unsafe {
+                        BATCH_XID = pg_sys::InvalidTransactionId;
+                        pg_sys::InterruptPending = 1;
+                    }
+                    pgrx::check_for_interrupts!();
+                }
             }
             Err((code, msg)) => {
                 // SAFETY: pgrx flushed the error state when it caught the error; abort
@@ -127,6 +143,32 @@ pub fn process(batch: Vec<usize>) {
     QUEUED.with_borrow_mut(Vec::clear);
     // SAFETY: reports the worker as idle in pg_stat_activity.
     unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_IDLE, std::ptr::null()) };
+}
+
+/// A commit that waited for the synchronous standby (synchronous_standby_names) returns
+/// early, without the standby's confirmation, when the writer is terminated or the
+/// postmaster dies meanwhile: SyncRepWaitForLSN then sets ProcDiePending (and warns
+/// that the transaction "has already committed locally, but might not have been
+/// replicated"). PostgreSQL then sends its own client nothing; a ticket handed out here
+/// could be lost with this server. So the batch's admissions are answered as
+/// unconfirmed: the callers raise 40003, and the charges stay counted here (over-count,
+/// never under-count). Checked before anything can process the interrupt, which clears
+/// the flag. A cancel (pg_cancel_backend on the writer) also ends the wait, with a
+/// warning, but leaves no flag behind; USER_GUIDE, "High availability", says so.
+///
+/// The flag is also set by a SIGTERM that arrives during a commit that was confirmed,
+/// or that needed no standby: those admissions are answered 40003 as well (over-count:
+/// the charge stays until it is finished or its lease ends). Returns whether the
+/// writer is going down.
+fn unconfirmed(group: &[usize]) -> bool {
+    // SAFETY: a volatile read of a flag that signal handlers and SyncRepWaitForLSN set.
+    let dying = unsafe { std::ptr::read_volatile(&raw const pg_sys::ProcDiePending) } != 0;
+    if dying {
+        for &i in group {
+            serve::set_unconfirmed(i);
+        }
+    }
+    dying
 }
 
 /// Errors that a single request's data could cause (a constraint a DBA added, a

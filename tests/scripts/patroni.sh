@@ -217,6 +217,9 @@ echo "# ${SECONDS} s since the script started"
 touch "$D/stop"
 clients_alive() { local p; for p in "${CLIENT_PIDS[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
 for _ in $(seq 1 300); do clients_alive || break; sleep 0.2; done
+clients_stopped() { ! clients_alive; }
+check "the clients stopped by themselves" clients_stopped
+for p in "${CLIENT_PIDS[@]}"; do kill -- "-$p" 2>/dev/null || true; done
 
 # --- checks on the last leader ---------------------------------------------------------------
 L=$(leader)

@@ -109,7 +109,9 @@ pub enum QuotaError {
     /// its postmaster died) while its commit waited for the synchronous standby, so
     /// the standby may not have it. PostgreSQL does not acknowledge its own commits in
     /// that case either.
-    #[error("the pg_quota ledger writer stopped before synchronous replication confirmed the charge")]
+    #[error(
+        "the pg_quota ledger writer stopped before synchronous replication confirmed the charge"
+    )]
     CommitUnconfirmed,
     /// The writer for this database exited before it could serve requests, again
     /// after a retry: it cannot connect, or it fails while starting.

@@ -343,6 +343,16 @@ failover_load() {
     CLIENT_PIDS+=("$LAST_BG")
   done
 }
+# stop_clients DIR: asks the clients of CLIENT_PIDS to stop (DIR/stop), waits 60 s at
+# most, checks that they stopped by themselves, and kills what is left.
+stop_clients() {
+  local p _
+  touch "$1/stop"
+  clients_stopped() { for p in "${CLIENT_PIDS[@]}"; do kill -0 "$p" 2>/dev/null && return 1; done; return 0; }
+  for _ in $(seq 1 300); do clients_stopped && break; sleep 0.2; done
+  check "the clients stopped by themselves" clients_stopped
+  for p in "${CLIENT_PIDS[@]}"; do kill -- "-$p" 2>/dev/null || true; done
+}
 # failover_client K: one client of failover_load (D, CONN, PG_BIN and ROUNDS set).
 failover_client() {
   local k="$1" n=0 x r i

@@ -214,12 +214,7 @@ wait_for 90 all_up || true
 check "all three nodes are up again (${WAITED} s)" all_up
 echo "# ${SECONDS} s since the script started"
 
-touch "$D/stop"
-clients_alive() { local p; for p in "${CLIENT_PIDS[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
-for _ in $(seq 1 300); do clients_alive || break; sleep 0.2; done
-clients_stopped() { ! clients_alive; }
-check "the clients stopped by themselves" clients_stopped
-for p in "${CLIENT_PIDS[@]}"; do kill -- "-$p" 2>/dev/null || true; done
+stop_clients "$D"
 
 # --- checks on the last leader ---------------------------------------------------------------
 L=$(leader)
@@ -250,8 +245,7 @@ active=$(sql -c "SELECT count(*) FROM quota.ledger WHERE role = 't1'::regrole AN
 echo "# t1 holds $active active tickets of $LIMIT on $L"
 expect_eq "the limit is exact: $LIMIT - $active more are admitted" $((LIMIT - active)) \
   "$(as t1 postgres "SELECT count(quota.try_start('fill')) FROM generate_series(1, $((LIMIT - active)) + 3)")"
-state_of() { as t1 postgres "$1" '\echo SQLSTATE=:SQLSTATE' | sed -n 's/^SQLSTATE=//p' | tail -n1; }
-expect_eq "... and the next start() is refused with 53400" 53400 "$(state_of "SELECT quota.start('over')")"
+expect_eq "... and the next start() is refused with 53400" 53400 "$(state t1 postgres "SELECT quota.start('over')")"
 kept=$(wc -l < "$D/kept")
 ids=$(sed "s/.*/'&'/" "$D/kept" | paste -sd,)
 expect_eq "the $CLIENTS tickets kept open since before the kill can be finished on $L" \

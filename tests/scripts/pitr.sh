@@ -83,12 +83,7 @@ wait_received 400 || true
 T=$(sql -c "SELECT $NOW")
 n0=$(received)
 wait_received $((n0 + 400)) || true
-touch "$CL/stop"
-clients_alive() { local p; for p in "${CLIENT_PIDS[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
-for _ in $(seq 1 300); do clients_alive || break; sleep 0.2; done
-clients_stopped() { ! clients_alive; }
-check "the clients stopped by themselves" clients_stopped
-for p in "${CLIENT_PIDS[@]}"; do kill -- "-$p" 2>/dev/null || true; done
+stop_clients "$CL"
 refused=$(cat "$CL"/out.* | grep -c '^S refused ' || true)
 check "refusals happen under the load: the limit is reached ($refused refused)" test "$refused" -gt 0
 

@@ -79,12 +79,7 @@ n0=$(received)
 wait_received $((n0 + 300)) || true
 check "the clients go on against the new primary ($(( $(received) - n0 )) tickets received there)" \
   test "$(received)" -ge $((n0 + 300))
-touch "$PRIMARY/stop"
-clients_alive() { local p; for p in "${CLIENT_PIDS[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
-for _ in $(seq 1 300); do clients_alive || break; sleep 0.2; done
-clients_stopped() { ! clients_alive; }
-check "the clients stopped by themselves" clients_stopped
-for p in "${CLIENT_PIDS[@]}"; do kill -- "-$p" 2>/dev/null || true; done
+stop_clients "$PRIMARY"
 
 # --- checks on the new primary -------------------------------------------------------------
 CL="$STANDBY"; PORT="$STANDBY_PORT"

@@ -103,42 +103,55 @@ pub fn printable(bytes: &[u8]) -> String {
 /// Builds a version 7 UUID (RFC 9562) from a Unix time in microseconds and 8 random
 /// bytes, ordered after `prev` (the last id this process issued, if any).
 ///
-/// The 48-bit field holds milliseconds and the 12 bits after the version hold the
-/// sub-millisecond fraction (RFC 9562, method 3), so ids sort in start order. Ids
-/// issued in the same instant, as in one writer batch, would tie on time, so an id
-/// that would not sort after `prev` becomes `prev` plus one in its random bits
-/// (RFC 9562, monotonic random). Time-ordered ids also keep the ledger's primary key
-/// index append-mostly, which keeps inserts cheap.
+/// The `uuid` crate lays the id out (`Builder::from_unix_timestamp_millis`: the 48-bit
+/// millisecond field, the version and the variant); the 12 bits after the version hold
+/// the sub-millisecond fraction (RFC 9562, method 3), so ids sort in start order, and
+/// the 62 bits after the variant are the caller's random bytes, which the writer draws
+/// from `pg_strong_random`. Ids issued in the same instant, as in one writer batch,
+/// would tie on time, so an id that would not sort after `prev` becomes `prev` plus
+/// one in those 74 bits (RFC 9562, monotonic random). The crate's own monotonic
+/// generator (`ContextV7` with `Uuid::new_v7`) is not used because it fills the random
+/// bits from the crate's RNG, which cannot be pointed at `pg_strong_random`.
+/// Time-ordered ids also keep the ledger's primary key index append-mostly, which
+/// keeps inserts cheap.
 pub fn uuid_v7(unix_us: u64, random: [u8; 8], prev: Option<[u8; 16]>) -> [u8; 16] {
-    let ms = unix_us / 1000;
-    let frac = ((unix_us % 1000) * 4096 / 1000) as u16; // 12 bits
-    let mut b = [0u8; 16];
-    b[..6].copy_from_slice(&ms.to_be_bytes()[2..]);
-    b[6..8].copy_from_slice(&(0x7000 | frac).to_be_bytes()); // version 7
-    b[8..].copy_from_slice(&random);
-    b[8] = (b[8] & 0x3f) | 0x80; // RFC 9562 variant
+    let frac = u128::from((unix_us % 1000) * 4096 / 1000); // 12 bits
+    let id = v7(
+        unix_us / 1000,
+        frac << 62 | u128::from(u64::from_be_bytes(random) >> 2),
+    );
     match prev {
-        Some(p) if b <= p => successor(p),
-        _ => b,
+        Some(p) if id <= p => successor(p),
+        _ => id,
     }
 }
 
-/// The smallest version 7 id greater than `p`: one more in the 62 random bits after
-/// the variant, carrying into the 12 bits after the version, then into the time.
+/// The bits of a version 7 id after its version and variant: rand_a (12) and rand_b (62).
+const PAYLOAD_BITS: u32 = 74;
+
+/// The version 7 id of `ms` whose 74 payload bits are `payload`.
+fn v7(ms: u64, payload: u128) -> [u8; 16] {
+    let rand_a = (payload >> 62) as u16;
+    let rand_b = payload as u64 & ((1 << 62) - 1);
+    let mut bytes = [0u8; 10];
+    bytes[..2].copy_from_slice(&rand_a.to_be_bytes());
+    bytes[2..].copy_from_slice(&rand_b.to_be_bytes());
+    uuid::Builder::from_unix_timestamp_millis(ms, &bytes)
+        .into_uuid()
+        .into_bytes()
+}
+
+/// The smallest version 7 id greater than `p`: one more in its payload, carrying into
+/// the time.
 fn successor(p: [u8; 16]) -> [u8; 16] {
     let v = u128::from_be_bytes(p);
-    let rand_b = v & ((1u128 << 62) - 1);
-    let rand_a = (v >> 64) & 0xfff;
-    let time = v >> 80;
-    let (time, rand_a, rand_b) = if rand_b < (1u128 << 62) - 1 {
-        (time, rand_a, rand_b + 1)
-    } else if rand_a < 0xfff {
-        (time, rand_a + 1, 0)
+    let payload = ((v >> 64) & 0xfff) << 62 | (v & ((1 << 62) - 1));
+    let ms = (v >> 80) as u64;
+    if payload + 1 < 1 << PAYLOAD_BITS {
+        v7(ms, payload + 1)
     } else {
-        (time + 1, 0, 0)
-    };
-    let v = (time << 80) | (0x7u128 << 76) | (rand_a << 64) | (0b10u128 << 62) | rand_b;
-    v.to_be_bytes()
+        v7(ms + 1, 0)
+    }
 }
 
 #[cfg(test)]
@@ -235,6 +248,29 @@ mod tests {
             &next[..6],
             &top[..6],
             "carried into the sub-millisecond bits, not the time"
+        );
+    }
+
+    #[test]
+    fn uuid_v7_successor_of_a_full_payload_carries_into_the_time() {
+        let top = v7(9_000, (1 << PAYLOAD_BITS) - 1);
+        let next = successor(top);
+        assert!(next > top && is_v7(next));
+        assert_eq!(next, v7(9_001, 0));
+    }
+
+    #[test]
+    fn uuid_v7_reads_back_through_the_uuid_crate() {
+        let unix_us = 1_700_000_000_123_456u64;
+        let u = uuid::Uuid::from_bytes(uuid_v7(unix_us, [0x5a; 8], None));
+        assert_eq!(u.get_version(), Some(uuid::Version::SortRand));
+        assert_eq!(u.get_variant(), uuid::Variant::RFC4122);
+        let (secs, nanos) = u.get_timestamp().unwrap().to_unix();
+        assert_eq!(secs * 1000 + u64::from(nanos) / 1_000_000, unix_us / 1000);
+        // the random bytes are kept (all 62 bits of them that fit)
+        assert_eq!(
+            u64::from_be_bytes(u.as_bytes()[8..].try_into().unwrap()) & ((1 << 62) - 1),
+            0x5a5a_5a5a_5a5a_5a5a >> 2
         );
     }
 

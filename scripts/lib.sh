@@ -316,30 +316,39 @@ wait_out() {  # wait_out NAME TEXT [SECONDS]: until the session printed TEXT
 # --- A load that follows the primary (promotion.sh, patroni.sh) ----------------------------
 # failover_load DIR CONN CLIENTS ROUNDS: starts CLIENTS clients of role t1 on the libpq
 # connection string CONN (every node, with target_session_attrs=read-write, so that they
-# follow the primary), each writing to DIR/out.K; sets CLIENT_PIDS. A client first
-# keeps one ticket open ("S <ticket>", "K <ticket>"), then runs DIR/iter.sql at most
-# ROUNDS times, until DIR/stop exists: "S <ticket>" once try_start() returned it ("S
-# refused" when it returned NULL: the same admission as start(), without an ERROR in
-# the server log for each refusal), "F <ticket> t" once finish() returned true
-# (committed). \unset first, so that a failed statement leaves nothing from the
-# iteration before. A ticket whose finish() a failover cut off is finished again once a
-# primary takes connections, as an application retries (finish() is idempotent: "F
-# <ticket> f" if it had ended); "L <ticket>" if no server ended it in 20 s.
+# follow the primary); sets CLIENT_PIDS. Client K first keeps one ticket open, then runs
+# DIR/iter.sql (40 start-finish pairs) at most ROUNDS times, until DIR/stop exists. It
+# writes the round under way to DIR/run.K, line-buffered, and appends it to DIR/out.K:
+#   I KEY          a start with idempotency key KEY is sent (K.ROUND.N; kept.K)
+#   S TICKET       start()/try_start() returned TICKET ("S refused": try_start() returned
+#                  NULL, the same admission as start() without an ERROR in the log)
+#   K TICKET       the ticket kept open till the end
+#   F TICKET t|f   finish() returned (t: it ended the ticket; f: it had ended)
+#   L X            a retry of X (a key or a ticket) found no primary in 20 s
+# \unset first, so that a failed statement leaves nothing of the iteration before. What
+# a failover cut off is retried on the next primary, as the guide tells applications
+# to (USER_GUIDE "High availability"): a start that got no answer, with its key (the
+# ticket if its charge survived, else a new admission), and a ticket received but not
+# finished, with finish() (idempotent). So when the clients stop, the role's only
+# active tickets are the kept ones: see failover_checks.
 failover_load() {
   local dir="$1" conn="$2" clients="$3" rounds="$4" i k
   {
     for i in $(seq 1 40); do
       echo "\\unset t"; echo "\\unset f"
-      echo "SELECT coalesce(quota.try_start('load')::text, 'refused') AS t \\gset"
+      echo "\\set key :c '.' :r '.$i'"
+      echo "\\echo I :key"
+      echo "SELECT coalesce(quota.try_start('load', idempotency_key => :'key')::text, 'refused') AS t \\gset"
       echo "\\echo S :t"
       echo "SELECT quota.finish(t::uuid) AS f FROM (SELECT :'t' AS t) s WHERE t <> 'refused' \\gset"
       echo "\\echo F :t :f"
     done
   } > "$dir/iter.sql"
-  printf '%s\n' "SELECT quota.start('kept') AS t \\gset" "\\echo S :t" "\\echo K :t" > "$dir/keep.sql"
+  printf '%s\n' "\\set key 'kept.' :c" "\\echo I :key" "SELECT quota.start('kept', idempotency_key => :'key') AS t \\gset" \
+    "\\echo S :t" "\\echo K :t" > "$dir/keep.sql"
   CLIENT_PIDS=()
   for k in $(seq 1 "$clients"); do
-    bg bash -c "$(declare -f failover_client); D='$dir' CONN='$conn' PG_BIN='$PG_BIN' ROUNDS='$rounds' failover_client $k"
+    bg bash -c "$(declare -f failover_client failover_retry); D='$dir' CONN='$conn' PG_BIN='$PG_BIN' ROUNDS='$rounds' failover_client $k"
     CLIENT_PIDS+=("$LAST_BG")
   done
 }
@@ -355,26 +364,89 @@ stop_clients() {
 }
 # failover_client K: one client of failover_load (D, CONN, PG_BIN and ROUNDS set).
 failover_client() {
-  local k="$1" n=0 x r i
-  until [ -s "$D/out.$k" ] && grep -q '^K ' "$D/out.$k"; do
+  local k="$1" n=0 open what x r
+  # stdbuf -oL: a psql that timeout ends still leaves every line it printed.
+  until grep -qs '^K [0-9a-f-]\{36\}$' "$D/out.$k"; do
     [ -e "$D/stop" ] && return 0
-    timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 "$CONN" -f "$D/keep.sql" >> "$D/out.$k" 2>> "$D/err.$k" || sleep 0.1
+    timeout 20 stdbuf -oL "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -v c="$k" "$CONN" -f "$D/keep.sql" \
+      > "$D/run.$k" 2>> "$D/err.$k" || sleep 0.1
+    cat "$D/run.$k" >> "$D/out.$k"
   done
   while [ ! -e "$D/stop" ] && [ "$n" -lt "$ROUNDS" ]; do
     n=$((n + 1))
-    timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 "$CONN" \
+    timeout 20 stdbuf -oL "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -v c="$k" -v r="$n" "$CONN" \
       -f "$D/iter.sql" > "$D/run.$k" 2>> "$D/err.$k" || sleep 0.1
+    # What the round left open: keys whose start() got no answer, tickets not finished.
+    open=$(awk '$1 == "I" { k = $2; p[k] = 1 }
+                $1 == "S" && ($2 == "refused" || length($2) == 36) { delete p[k]; if ($2 != "refused") s[$2] = 1 }
+                $1 == "F" && ($3 == "t" || $3 == "f") { delete s[$2] }
+                END { for (x in p) print "key", x; for (x in s) print "ticket", x }' "$D/run.$k")
     cat "$D/run.$k" >> "$D/out.$k"
-    for x in $(awk '$1 == "S" && length($2) == 36 { s[$2] = 1 } $1 == "F" && ($3 == "t" || $3 == "f") { delete s[$2] }
-                    END { for (x in s) print x }' "$D/run.$k"); do
-      r=; i=$((SECONDS + 20))
-      while [ "$SECONDS" -lt "$i" ]; do
-        r=$(timeout 5 "$PG_BIN/psql" -X -q -At "$CONN" -c "SELECT quota.finish('$x')" 2>> "$D/err.$k") && break
-        sleep 0.2
-      done
-      case "$r" in t|f) echo "F $x $r" >> "$D/out.$k" ;; *) echo "L $x" >> "$D/out.$k" ;; esac
-    done
+    while read -r what x; do
+      [ -n "$what" ] || continue
+      if [ "$what" = key ]; then
+        r=$(failover_retry "SELECT coalesce(quota.try_start('load', idempotency_key => '$x')::text, 'refused')") \
+          || { echo "L $x"; continue; }
+        echo "S $r"
+        [ "$r" != refused ] || continue
+        x=$r
+      fi
+      r=$(failover_retry "SELECT quota.finish('$x')") || r=
+      case "$r" in t|f) echo "F $x $r" ;; *) echo "L $x" ;; esac
+    done <<< "$open" >> "$D/out.$k"
   done
+}
+# failover_retry SQL: runs SQL (one value) on CONN until it answers, 20 s at most.
+failover_retry() {
+  local r i=$((SECONDS + 20))
+  while [ "$SECONDS" -lt "$i" ]; do
+    r=$(timeout 5 "$PG_BIN/psql" -X -q -At "$CONN" -c "$1" 2>> "$D/err.$k") && [ -n "$r" ] && { echo "$r"; return 0; }
+    sleep 0.2
+  done
+  return 1
+}
+# load_received DIR: the tickets the clients of DIR received so far, one per line, sorted.
+# grep reads each file apart: a line a client is writing is not yet whole, and run
+# through cat it would swallow the first line of the next file.
+load_received() { grep -Eho '^S [0-9a-f-]{36}$' "$1"/out.* "$1"/run.* 2>/dev/null | cut -c3- | sort -u; }
+
+# failover_checks DIR WHERE: after stop_clients, on the primary that sql, as and state
+# reach (WHERE names it in the checks): every ticket the clients of DIR received is in
+# the ledger, no acknowledged finish is active again, nothing was given up, the role's
+# only active tickets are the kept ones (nothing a failover cut off stays charged),
+# summary and usage equal the ledger, the limit is exact, the kept tickets can be
+# finished, and start() works.
+failover_checks() {
+  local dir="$1" where="$2" active kept ids
+  load_received "$dir" > "$dir/received"
+  grep -Eho '^F [0-9a-f-]{36} t$' "$dir"/out.* | cut -c3-38 | sort -u > "$dir/finished"
+  grep -Eho '^K [0-9a-f-]{36}$' "$dir"/out.* | cut -c3- | sort -u > "$dir/kept"
+  sql -c "SELECT id FROM quota.ledger" | sort > "$dir/in_ledger"
+  sql -c "SELECT id FROM quota.ledger WHERE role = 't1'::regrole AND ended_at IS NULL" | sort > "$dir/active"
+  echo "# $(wc -l < "$dir/received") tickets received in all, $(wc -l < "$dir/finished") finishes acknowledged, $(cat "$dir"/out.* | grep -c '^I [0-9]' || true) starts sent"
+  expect_eq "every ticket received at all is in the ledger on $where" 0 "$(comm -23 "$dir/received" "$dir/in_ledger" | wc -l)"
+  expect_eq "no acknowledged finish is active again" 0 "$(comm -12 "$dir/finished" "$dir/active" | wc -l)"
+  expect_eq "every start and finish a failover cut off was retried on the next primary (none given up)" 0 \
+    "$(cat "$dir"/out.* | grep -c '^L ' || true)"
+  expect_eq "nothing a failover cut off stays charged: t1's active tickets are the $CLIENTS kept ones" \
+    "$CLIENTS kept, 0 other" \
+    "$(wc -l < "$dir/kept") kept, $(comm -13 "$dir/kept" "$dir/active" | wc -l) other"
+  check "quota.summary equals the ledger" summary_matches_ledger
+  expect_eq "quota.usage counts what the ledger holds" \
+    "$(sql -c "SELECT count(*) FILTER (WHERE ended_at IS NULL) || '|' || count(*) FROM quota.ledger WHERE role = 't1'::regrole")" \
+    "$(sql -c "SELECT active || '|' || retained FROM quota.usage WHERE role = 't1'::regrole")"
+  active=$(wc -l < "$dir/active")
+  echo "# t1 holds $active active tickets of $LIMIT on $where"
+  expect_eq "the limit is exact: $LIMIT - $active more are admitted" $((LIMIT - active)) \
+    "$(as t1 postgres "SELECT count(quota.try_start('fill')) FROM generate_series(1, $((LIMIT - active)) + 3)")"
+  expect_eq "... and the next start() is refused with 53400" 53400 "$(state t1 postgres "SELECT quota.start('over')")"
+  kept=$(wc -l < "$dir/kept")
+  ids=$(sed "s/.*/'&'/" "$dir/kept" | paste -sd,)
+  expect_eq "the $CLIENTS tickets kept open since the start can be finished on $where" \
+    "$CLIENTS $(yes true | head -n "$CLIENTS" | paste -sd' ')" \
+    "$kept $(as t1 postgres "SELECT string_agg(quota.finish(id)::text, ' ') FROM unnest(ARRAY[$ids]::uuid[]) id")"
+  check "start() works on $where once slots are free" grep -Eq '^[0-9a-f-]{36}$' <<<"$(as t1 postgres "SELECT quota.start('after')")"
+  check "quota.summary still equals the ledger" summary_matches_ledger
 }
 
 # summary_matches_ledger [DB]: every summary row equals its role's ledger rows (a role

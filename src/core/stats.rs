@@ -150,6 +150,11 @@ pub struct SavedStats {
     pub entries: Vec<Saved>,
 }
 
+// The file's layout is written out here rather than derived with serde and a binary
+// codec (issue 19 looked): it is one fixed record type, and the codecs that would do
+// it (postcard; bincode ends at 3.0.0, a crate that only fails to compile) would add
+// crates to the build, and change the format, so that the first restart after an
+// update from 0.3.x would drop every counter unless this reader stayed beside them.
 const MAGIC: u32 = 0x5051_5354; // "PQST"
 const FORMAT: u32 = 1;
 const ENTRY_VALUES: u32 = (N_COUNTERS + N_WAIT_BUCKETS) as u32;

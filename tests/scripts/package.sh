@@ -114,8 +114,9 @@ fi
 PKG_FILES="$(members | grep -v '/$' | sort)"
 
 # --- take the cargo-pgrx install's pg_quota files away, and put them back at exit --------
-BACKUP="$SCRATCH/package-backup"
-rm -rf "$BACKUP"; mkdir -p "$BACKUP"
+# Outside SCRATCH, which scripts/test removes: if putting the files back fails, the
+# backup the message names is still there.
+BACKUP="$(mktemp -d /var/tmp/pg_quota-package-backup.XXXXXX)"
 mapfile -t ORIG < <(pg_quota_files)
 : > "$BACKUP/sha256"
 if [ "${#ORIG[@]}" -gt 0 ]; then
@@ -127,6 +128,7 @@ INSTALLED=0
 FIXTURE="$EXTDIR/pg_quota--0.1.0.sql"
 FIXTURE_PLACED=0
 RESTORED=0
+RESTORE_RC=1
 
 # remove_package: what the package put there goes again (dpkg -r, or the note's command).
 remove_package() {
@@ -139,8 +141,8 @@ remove_package() {
 # restore: no package, no fixture, and exactly the files that were there before,
 # byte-identical. Prints what is off; fails if anything is.
 restore() {
-  [ "$RESTORED" = 0 ] || return 0
-  RESTORED=1
+  [ "$RESTORED" = 0 ] || return "$RESTORE_RC"
+  RESTORED=1; RESTORE_RC=1
   local f ok=0
   [ "$FIXTURE_PLACED" = 0 ] || rm -f "$FIXTURE"
   if [ "$INSTALLED" = 1 ]; then remove_package || ok=1; INSTALLED=0; fi
@@ -150,6 +152,7 @@ restore() {
   if [ "$(pg_quota_files)" != "$(printf '%s\n' "${ORIG[@]}" | sed '/^$/d' | sort)" ]; then
     echo "# pg_quota files now: $(pg_quota_files | paste -sd' ')"; ok=1
   fi
+  RESTORE_RC=$ok
   return "$ok"
 }
 at_exit() {
@@ -161,7 +164,8 @@ at_exit() {
     else log "RESTORING THE pg_quota FILES OF $PREFIX FAILED; the backup is $BACKUP/files.tar"; rc=1; fi
   fi
   (exit "$rc"); cleanup_at_exit
-  if [ "$rc" = 0 ]; then rm -rf "$BACKUP"; [ -z "$OWN_SCRATCH" ] || rm -rf "$OWN_SCRATCH"; fi
+  [ "$RESTORE_RC" != 0 ] || rm -rf "$BACKUP"
+  if [ "$rc" = 0 ]; then [ -z "$OWN_SCRATCH" ] || rm -rf "$OWN_SCRATCH"; fi
   return "$rc"
 }
 trap at_exit EXIT

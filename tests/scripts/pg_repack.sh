@@ -105,7 +105,7 @@ client() {
   done
 }
 for k in 1 2 3 4; do bg bash -c "$(declare -f client); CL='$CL' PORT='$PORT' PG_BIN='$PG_BIN' client $k"; done
-received() { cat "$CL"/out.* 2>/dev/null | grep -Eo '^S [0-9a-f-]{36}$' | wc -l; }
+received() { grep -Eh '^S [0-9a-f-]{36}$' "$CL"/out.* 2>/dev/null | wc -l; }
 timeout 60 bash -c "until [ \$(cat '$CL'/out.* 2>/dev/null | grep -c '^S ') -ge 200 ]; do sleep 0.2; done"
 check "the load runs (received tickets before pg_repack: $(received))" test "$(received)" -ge 200
 

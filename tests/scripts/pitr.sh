@@ -73,14 +73,20 @@ for k in $(seq 1 $CLIENTS); do
   bg bash -c "$(declare -f client); D='$CL' P='$PORT' PG_BIN='$PG_BIN' client $k"
   CLIENT_PIDS+=("$LAST_BG")
 done
-received() { cat "$CL"/out.* 2>/dev/null | grep -Ec '^S [0-9a-f-]{36} ' || true; }
+received() { grep -Eh '^S [0-9a-f-]{36} ' "$CL"/out.* 2>/dev/null | wc -l; }
 wait_received() {  # wait_received N: until N tickets were received (60 s at most)
   local _
   for _ in $(seq 1 300); do [ "$(received)" -ge "$1" ] && return 0; sleep 0.2; done
   return 1
 }
 wait_received 400 || true
+# Two probes, started before T and finished after it: the check that no finish called
+# after T is applied has tickets to look at, whatever the timing of the load.
+probes=$(as t1 postgres "SELECT quota.start('probe', wait => '30 s')" "SELECT quota.start('probe', wait => '30 s')")
 T=$(sql -c "SELECT $NOW")
+probe_ids=$(sed "s/.*/'&'/" <<<"$probes" | paste -sd,)
+expect_eq "two probes started before T are finished after it" "2" \
+  "$(as t1 postgres "SELECT count(*) FILTER (WHERE quota.finish(id)) FROM unnest(ARRAY[$probe_ids]::uuid[]) id")"
 n0=$(received)
 wait_received $((n0 + 400)) || true
 stop_clients "$CL"
@@ -103,6 +109,7 @@ cat "$CL"/out.* | awk -v T="$T" '
     c = $4 " " $5; b = $6 " " $7
     if (b < T) print $2 > "'"$CL"'/finished_before"; else if (c > T) print $2 > "'"$CL"'/finished_after"
   }'
+echo "$probes" >> "$CL/finished_after"
 for f in before after spanning finished_before finished_after; do touch "$CL/$f"; sort -u -o "$CL/$f" "$CL/$f"; done
 echo "# T = $T UTC: $(wc -l < "$SRC/before") tickets received before T, $(wc -l < "$SRC/after") started after T, $(wc -l < "$SRC/spanning") spanning T; $(wc -l < "$SRC/finished_before") finishes acknowledged before T, $(wc -l < "$SRC/finished_after") called after T"
 check "hundreds of tickets on both sides of T" test "$(wc -l < "$SRC/before")" -ge 300 -a "$(wc -l < "$SRC/after")" -ge 300
@@ -140,8 +147,8 @@ expect_eq "no ticket started after T is in the ledger" 0 "$(comm -12 "$SRC/after
 expect_eq "every finish acknowledged before T is still ended" 0 "$(comm -23 "$SRC/finished_before" "$R/ended" | wc -l)"
 fa_present=$(comm -12 "$SRC/finished_after" "$R/in_ledger")
 echo "# $(comm -12 "$SRC/finished_after" "$SRC/before" | wc -l) tickets were received before T and finished after it"
-expect_eq "no finish called after T is applied (those tickets are active)" 0 \
-  "$(comm -12 <(echo "$fa_present" | sed '/^$/d') "$R/ended" | wc -l)"
+expect_eq "no finish called after T is applied (those tickets are active; the probes among them)" "0 2" \
+  "$(comm -12 <(echo "$fa_present" | sed '/^$/d') "$R/ended" | wc -l) $(comm -12 <(sort <<<"$probes") "$R/active" | wc -l)"
 check "quota.summary equals the ledger" summary_matches_ledger
 expect_eq "quota.usage counts what the ledger holds" \
   "$(sql -c "SELECT count(*) FILTER (WHERE ended_at IS NULL) || '|' || count(*) FROM quota.ledger WHERE role = 't1'::regrole")" \

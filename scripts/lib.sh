@@ -324,7 +324,8 @@ wait_out() {  # wait_out NAME TEXT [SECONDS]: until the session printed TEXT
 #                  NULL, the same admission as start() without an ERROR in the log)
 #   K TICKET       the ticket kept open till the end
 #   F TICKET t|f   finish() returned (t: it ended the ticket; f: it had ended)
-#   L X            a retry of X (a key or a ticket) found no primary in 20 s
+#   R KEY          a start that got no answer, sent again with its key (its S line follows)
+#   L X            a retry of X (a key or a ticket) found no primary in 90 s
 # \unset first, so that a failed statement leaves nothing of the iteration before. What
 # a failover cut off is retried on the next primary, as the guide tells applications
 # to (USER_GUIDE "High availability"): a start that got no answer, with its key (the
@@ -352,13 +353,14 @@ failover_load() {
     CLIENT_PIDS+=("$LAST_BG")
   done
 }
-# stop_clients DIR: asks the clients of CLIENT_PIDS to stop (DIR/stop), waits 60 s at
-# most, checks that they stopped by themselves, and kills what is left.
+# stop_clients DIR: asks the clients of CLIENT_PIDS to stop (DIR/stop), waits 120 s at
+# most (a client may be retrying for 90 s), checks that they stopped by themselves, and
+# kills what is left.
 stop_clients() {
   local p _
   touch "$1/stop"
   clients_stopped() { for p in "${CLIENT_PIDS[@]}"; do kill -0 "$p" 2>/dev/null && return 1; done; return 0; }
-  for _ in $(seq 1 300); do clients_stopped && break; sleep 0.2; done
+  for _ in $(seq 1 600); do clients_stopped && break; sleep 0.2; done
   check "the clients stopped by themselves" clients_stopped
   for p in "${CLIENT_PIDS[@]}"; do kill -- "-$p" 2>/dev/null || true; done
 }
@@ -385,6 +387,7 @@ failover_client() {
     while read -r what x; do
       [ -n "$what" ] || continue
       if [ "$what" = key ]; then
+        echo "R $x"
         r=$(failover_retry "SELECT coalesce(quota.try_start('load', idempotency_key => '$x')::text, 'refused')") \
           || { echo "L $x"; continue; }
         echo "S $r"
@@ -396,9 +399,10 @@ failover_client() {
     done <<< "$open" >> "$D/out.$k"
   done
 }
-# failover_retry SQL: runs SQL (one value) on CONN until it answers, 20 s at most.
+# failover_retry SQL: runs SQL (one value) on CONN until it answers, 90 s at most (as
+# long as the tests give a failover).
 failover_retry() {
-  local r i=$((SECONDS + 20))
+  local r i=$((SECONDS + 90))
   while [ "$SECONDS" -lt "$i" ]; do
     r=$(timeout 5 "$PG_BIN/psql" -X -q -At "$CONN" -c "$1" 2>> "$D/err.$k") && [ -n "$r" ] && { echo "$r"; return 0; }
     sleep 0.2
@@ -407,8 +411,9 @@ failover_retry() {
 }
 # load_received DIR: the tickets the clients of DIR received so far, one per line, sorted.
 # grep reads each file apart: a line a client is writing is not yet whole, and run
-# through cat it would swallow the first line of the next file.
-load_received() { grep -Eho '^S [0-9a-f-]{36}$' "$1"/out.* "$1"/run.* 2>/dev/null | cut -c3- | sort -u; }
+# through cat it would swallow the first line of the next file. run.K before out.K: a
+# client appends run.K to out.K before it empties run.K, so no line is missed between.
+load_received() { grep -Eho '^S [0-9a-f-]{36}$' "$1"/run.* "$1"/out.* 2>/dev/null | cut -c3- | sort -u; }
 
 # failover_checks DIR WHERE: after stop_clients, on the primary that sql, as and state
 # reach (WHERE names it in the checks): every ticket the clients of DIR received is in
@@ -423,7 +428,7 @@ failover_checks() {
   grep -Eho '^K [0-9a-f-]{36}$' "$dir"/out.* | cut -c3- | sort -u > "$dir/kept"
   sql -c "SELECT id FROM quota.ledger" | sort > "$dir/in_ledger"
   sql -c "SELECT id FROM quota.ledger WHERE role = 't1'::regrole AND ended_at IS NULL" | sort > "$dir/active"
-  echo "# $(wc -l < "$dir/received") tickets received in all, $(wc -l < "$dir/finished") finishes acknowledged, $(cat "$dir"/out.* | grep -c '^I [0-9]' || true) starts sent"
+  echo "# $(wc -l < "$dir/received") tickets received in all, $(wc -l < "$dir/finished") finishes acknowledged, $(cat "$dir"/out.* | grep -c '^I [0-9]' || true) starts sent, $(cat "$dir"/out.* | grep -c '^R ' || true) of them sent again with their key"
   expect_eq "every ticket received at all is in the ledger on $where" 0 "$(comm -23 "$dir/received" "$dir/in_ledger" | wc -l)"
   expect_eq "no acknowledged finish is active again" 0 "$(comm -12 "$dir/finished" "$dir/active" | wc -l)"
   expect_eq "every start and finish a failover cut off was retried on the next primary (none given up)" 0 \

@@ -359,12 +359,17 @@ fn attempt(
     let retention = gucs::retention_secs();
     let cutoff = cutoff(now, retention);
     // An idempotent repeat is answered here, whatever the limits say: it charges
-    // nothing. The writer checks again, for requests racing with the same key.
+    // nothing. The writer checks again, for requests racing with the same key. Where
+    // synchronous standbys are named, the writer answers it instead (see `repeat`).
+    let mut repeat = false;
     if let Some(key) = args.key {
         let reader = Reader::open();
         let snap = Latest::take();
         if let Some(id) = retained_with_key(&reader.rels, &snap, role, key, now, cutoff) {
-            return Ok(Ok((pgrx::Uuid::from_bytes(id), true)));
+            if !crate::syncrep::standbys_defined() {
+                return Ok(Ok((pgrx::Uuid::from_bytes(id), true)));
+            }
+            repeat = true;
         }
     }
     let lease_until = lease_until(now, args.lease)?;
@@ -389,16 +394,28 @@ fn attempt(
     };
 
     let unlimited = limits.max_active == 0 && limits.max_retained == 0 && limits.max_db == 0;
-    let answer = if exempt || unlimited {
-        // I7: superusers are never refused; the writer still records their ticket.
-        // With every limit off there is nothing to count either.
+    // A repeat goes to the writer, which answers it without a limit check, when the
+    // ticket may not be confirmed yet: synchronous standbys are named, and the ticket
+    // may be one whose commit a terminated writer could not confirm (40003); the writer
+    // waits for the standbys before it answers (writer/batch.rs, `settle`). So does a
+    // repeat of a key whose first start is still in the writer's hands: refused here,
+    // its caller would think nothing was charged, and then the first start commits.
+    let through_writer = || {
         queue::enqueue(fill);
         queue::wait(crate::waiters::leave)
+    };
+    let answer = if exempt || unlimited || repeat {
+        // I7: superusers are never refused; the writer still records their ticket.
+        // With every limit off there is nothing to count either.
+        through_writer()
     } else {
         match admit_under_lock(args, role, limits, now, retention, seq, fill) {
             Ok(Ok(())) => queue::wait(crate::waiters::leave),
             Ok(Err(refused)) => return Ok(Err(refused)),
-            Err(id) => return Ok(Ok((id, true))),
+            Err(Repeat::Found(id)) if !crate::syncrep::standbys_defined() => {
+                return Ok(Ok((id, true)))
+            }
+            Err(_) => through_writer(),
         }
     };
     Ok(match answer {
@@ -407,9 +424,17 @@ fn attempt(
     })
 }
 
+/// What the limited path found instead of a decision: a repeat of the caller's key.
+enum Repeat {
+    /// The key's ticket, committed and retained.
+    Found(pgrx::Uuid),
+    /// A start with the key, in the writer's hands: the writer must answer this one.
+    InFlight,
+}
+
 /// The limited path of start(): refuses from the committed state without a lock, or
 /// hands the request to the writer under the scope lock once it surely fits. Err
-/// carries the ticket of an idempotent repeat found meanwhile.
+/// carries a repeat of the caller's key found meanwhile.
 fn admit_under_lock(
     args: &StartArgs,
     role: pg_sys::Oid,
@@ -418,7 +443,7 @@ fn admit_under_lock(
     retention: i64,
     seq: u64,
     fill: impl FnOnce(&mut Request),
-) -> Result<Result<(), Refused>, pgrx::Uuid> {
+) -> Result<Result<(), Refused>, Repeat> {
     let cutoff = cutoff(now, retention);
     // `counted`: the counts the decision was made on, without the waiters ahead. Where
     // both role limits are set they are the full numbers the message needs, and an
@@ -432,7 +457,10 @@ fn admit_under_lock(
                 if let Some(id) =
                     retained_with_key(&reader.rels, &Latest::take(), role, key, now, cutoff)
                 {
-                    return Err(pgrx::Uuid::from_bytes(id));
+                    return Err(Repeat::Found(pgrx::Uuid::from_bytes(id)));
+                }
+                if queue::in_flight_with_key(role, key) {
+                    return Err(Repeat::InFlight);
                 }
             }
             let complete = limits.max_active > 0 && limits.max_retained > 0;
@@ -499,7 +527,7 @@ fn admit_under_lock(
         if let Some(key) = args.key {
             // A request with our key, committed while we waited for in-flight ones.
             if let Some(id) = retained_with_key(&reader.rels, &snap, role, key, now, cutoff) {
-                return Err(pgrx::Uuid::from_bytes(id));
+                return Err(Repeat::Found(pgrx::Uuid::from_bytes(id)));
             }
         }
         let counted = usage_for(&reader, &snap, role, now, cutoff, limits);

@@ -15,6 +15,7 @@ mod catalog;
 mod compat;
 mod error;
 mod gucs;
+mod syncrep;
 mod timestamps;
 mod xact;
 // Layer 2: shared memory, reserved and attached.

@@ -6,6 +6,7 @@ pub mod batch;
 pub mod decision;
 pub mod errors;
 pub mod lease;
+pub mod replication;
 pub mod stats;
 pub mod ticket;
 

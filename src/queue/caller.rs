@@ -131,6 +131,37 @@ pub fn inflight_db() -> i64 {
         .count() as i64
 }
 
+/// Whether a request of `role` in this database with idempotency key `key` is in the
+/// writer's hands (handed over, not yet answered): a start whose client may have gone
+/// (a connection cut, a timeout) and whose charge may still commit. A repeat of the key
+/// must not be refused meanwhile, or the application would think nothing was charged.
+/// A slot reused while we read it can only make this say yes wrongly, which sends the
+/// repeat to the writer, whose check is exact.
+pub fn in_flight_with_key(role: pg_sys::Oid, key: &[u8]) -> bool {
+    let db = shmem::my_db();
+    slots().iter().any(|s| {
+        let busy = |s: &Slot| matches!(load_state(s), SLOT_PENDING | SLOT_CLAIMED);
+        if !(busy(s) && s.dboid() == db && s.role() == role) {
+            return false;
+        }
+        // SAFETY: the owner writes the request only while the slot is FREE, so while it
+        // is busy the bytes stand still; volatile byte reads, checked busy again after,
+        // give that request's key, or, if the slot was freed and reused in between,
+        // harmlessly another's (see above). The bool is read as its byte.
+        let same = unsafe {
+            let r = s.request.get();
+            let has = std::ptr::read_volatile((&raw const (*r).has_key).cast::<u8>()) != 0;
+            let len = std::ptr::read_volatile(&raw const (*r).key_len);
+            has && len == key.len()
+                && key
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &b)| std::ptr::read_volatile(&raw const (*r).key[i]) == b)
+        };
+        same && busy(s)
+    })
+}
+
 /// A caller's wait for the writer: every LIVENESS_EVERY it makes sure a writer is
 /// there for the requests of this database, starting a new one when the last one is
 /// gone, and gives up with a clear error when writers keep failing to start.

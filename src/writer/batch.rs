@@ -91,7 +91,9 @@ pub fn process(batch: Vec<usize>) {
             Ok(()) => {
                 crate::stats::writer_batch(group.len(), Some(LAST_COMMIT_US.get()));
                 count_admitted(&group);
-                let going = unconfirmed(&group);
+                // SAFETY: single-threaded worker state, set in the transaction above.
+                let wrote = unsafe { BATCH_XID } != pg_sys::InvalidTransactionId;
+                let going = settle(&group, wrote);
                 serve::answer(&group);
                 if going {
                     // Terminated, or the postmaster is gone: go now, rather than commit
@@ -145,30 +147,41 @@ pub fn process(batch: Vec<usize>) {
     unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_IDLE, std::ptr::null()) };
 }
 
-/// A commit that waited for the synchronous standby (synchronous_standby_names) returns
-/// early, without the standby's confirmation, when the writer is terminated or the
-/// postmaster dies meanwhile: SyncRepWaitForLSN then sets ProcDiePending (and warns
-/// that the transaction "has already committed locally, but might not have been
-/// replicated"). PostgreSQL then sends its own client nothing; a ticket handed out here
-/// could be lost with this server. So the batch's admissions are answered as
-/// unconfirmed: the callers raise 40003, and the charges stay counted here (over-count,
-/// never under-count). Checked before anything can process the interrupt, which clears
-/// the flag. A cancel (pg_cancel_backend on the writer) also ends the wait, with a
-/// warning, but leaves no flag behind; USER_GUIDE, "High availability", says so.
-///
-/// The flag is also set by a SIGTERM that arrives during a commit that was confirmed,
-/// or that needed no standby: those admissions are answered 40003 as well (over-count:
-/// the charge stays until it is finished or its lease ends). Returns whether the
-/// writer is going down.
-fn unconfirmed(group: &[usize]) -> bool {
-    // SAFETY: a volatile read of a flag that signal handlers and SyncRepWaitForLSN set.
-    let dying = unsafe { std::ptr::read_volatile(&raw const pg_sys::ProcDiePending) } != 0;
-    if dying {
+/// Holds back the tickets of a batch that synchronous replication has not confirmed.
+/// A commit that waits for the synchronous standbys (synchronous_standby_names)
+/// returns early, without their confirmation, when the writer is cancelled or
+/// terminated or the postmaster dies meanwhile (SyncRepWaitForLSN warns that the
+/// transaction "has already committed locally, but might not have been replicated").
+/// PostgreSQL then tells its own client nothing; a ticket handed out here could be
+/// lost with this server. So the batch's admissions are answered as unconfirmed: the
+/// callers raise 40003, and the charges stay counted here (over-count, never
+/// under-count). A batch that committed nothing (every request a repeat of a key, or
+/// refused) answers tickets earlier commits made, perhaps one a terminated writer
+/// could not confirm: it waits for the standbys now, as its commit would have.
+/// Judged by the standbys' confirmed positions (syncrep.rs), so a terminate that comes
+/// after a confirmed commit, or where no standby is waited for, costs nobody a ticket.
+/// Returns whether the writer is going down (terminated, or the postmaster is gone);
+/// read before anything can process the interrupt, which clears the flag.
+fn settle(group: &[usize], wrote: bool) -> bool {
+    let reused = group.iter().any(|&i| {
+        // SAFETY: the slot is CLAIMED by us, and its reply written by us.
+        let r = unsafe { &*serve::reply(i) };
+        r.kind == REPLY_ADMITTED && r.reused
+    });
+    let confirmed = if wrote {
+        crate::syncrep::confirmed(crate::syncrep::last_commit_end())
+    } else if reused {
+        crate::syncrep::wait_for_flushed()
+    } else {
+        true
+    };
+    if !confirmed {
         for &i in group {
             serve::set_unconfirmed(i);
         }
     }
-    dying
+    // SAFETY: a volatile read of a flag that signal handlers and SyncRepWaitForLSN set.
+    unsafe { std::ptr::read_volatile(&raw const pg_sys::ProcDiePending) != 0 }
 }
 
 /// Errors that a single request's data could cause (a constraint a DBA added, a

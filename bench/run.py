@@ -62,6 +62,9 @@ IDEM_CLIENTS = 16
 # Wake-latency samples per way of freeing the slot, spread over the rounds.
 WAKE_SAMPLES = 40 if QUICK else 200
 WAKE_LEASE = "250 ms"
+# Databases beyond the worker slots (max_worker_processes = 8, the logical replication
+# launcher holds one): one client per database, each database its own writer.
+DATABASES = [7, 24] if QUICK else [7, 24, 100]
 
 
 def psql(sql, user="postgres"):
@@ -103,6 +106,44 @@ def pgbench(script, user, clients, seconds, logdir, tag, per_statement=False):
             if mm:
                 stmt[mm.group(2).strip()] = float(mm.group(1))
     return int(m.group(1)) if m else 0, int(failed.group(1)) if failed else 0, lat, stmt
+
+
+def ensure_databases(n):
+    """Databases bench_db_1 .. bench_db_N with pg_quota, and the role bench_dbs."""
+    have = set(psql("SELECT datname FROM pg_database WHERE datname LIKE 'bench\\_db\\_%'").split())
+    for i in range(1, n + 1):
+        name = f"bench_db_{i}"
+        if name not in have:
+            psql(f"CREATE DATABASE {name}")
+            subprocess.run(
+                [os.path.join(ARGS.pgbin, "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", ARGS.host,
+                 "-p", ARGS.port, "-U", "postgres", "-d", name, "-c", "CREATE EXTENSION pg_quota"],
+                check=True, capture_output=True, text=True)
+
+
+def run_databases(n, logdir, tag):
+    """n pgbench processes, one client each, each in its own database. Unlike `run`, a
+    client that fails (53000) is counted, not fatal."""
+    def one(i):
+        prefix = os.path.join(logdir, f"{tag}-{i}")
+        cmd = [os.path.join(ARGS.pgbin, "pgbench"), "-n", "-h", ARGS.host, "-p", ARGS.port,
+               "-U", "bench_dbs", "-c", "1", "-T", str(SECONDS), "-f", os.path.join(SCRIPTS, "dbs.sql"),
+               "-l", "--log-prefix", prefix, f"bench_db_{i}"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        m = re.search(r"number of transactions actually processed: (\d+)", res.stdout)
+        lat = []
+        for name in os.listdir(logdir):
+            if name.startswith(f"{tag}-{i}."):
+                with open(os.path.join(logdir, name)) as f:
+                    lat += [int(c[2]) for c in (line.split() for line in f) if len(c) >= 3 and c[2].isdigit()]
+                os.remove(os.path.join(logdir, name))
+        return int(m.group(1)) if m else 0, res.returncode != 0, lat
+    with ThreadPoolExecutor(max_workers=n) as ex:
+        results = list(ex.map(one, range(1, n + 1)))
+    return {"tps": sum(r[0] for r in results) / SECONDS,
+            "served": sum(1 for r in results if r[0] > 0),
+            "failed": sum(1 for r in results if r[1]),
+            "lat": sorted(x for r in results for x in r[2])}
 
 
 def run(system_script, clients, mode, logdir, tag, role="bench_r1", per_statement=False):
@@ -210,7 +251,9 @@ def main():
     wake = {"finish": [], "lease": []}   # (wake_us, commit_us) samples
     lifecycle = []   # runs of bench/scripts/lifecycle.sql, 16 clients on 16 roles
     jobs = {name: [] for name in JOBS}   # runs of bench/scripts/job*.sql, 16 on 16 roles
+    dbs = {n: [] for n in DATABASES}   # runs of bench/scripts/dbs.sql, a client per database
     start_idempotency_keys()
+    ensure_databases(max(DATABASES))
 
     for rnd in range(ROUNDS):
         print(f"round {rnd + 1} of {ROUNDS}", flush=True)
@@ -232,6 +275,12 @@ def main():
             r = run(script, 16, "roles", logdir, name)
             jobs[name].append(r)
             print(f"  {name:8} 16 clients, a role each: {r['tps']:9.1f} jobs/s", flush=True)
+        # Databases beyond the worker slots: 7 fit, the others share the slots in turn.
+        for n in DATABASES:
+            r = run_databases(n, logdir, f"dbs-{n}")
+            dbs[n].append(r)
+            print(f"  {n:3} databases, a client each: {r['tps']:9.1f} tx/s, {r['served']} served,"
+                  f" {r['failed']} clients failed", flush=True)
         # The refusal path against SELECT 1 under the same load.
         for name, script in (("refuse", "refuse.sql"), ("select1", "select1.sql")):
             a = wal_lsn()
@@ -284,7 +333,7 @@ def main():
             p50 = pct(sorted(w for w, _ in got if w is not None), 0.5)
             print(f"  wake after {how:6}: {len(got)} samples, p50 {p50:.2f} ms", flush=True)
 
-    write_report(through, refusal, history, snapshot, idem, wake, lifecycle, jobs)
+    write_report(through, refusal, history, snapshot, idem, wake, lifecycle, jobs, dbs)
 
     shutil.rmtree(logdir, ignore_errors=True)
 
@@ -298,7 +347,7 @@ def lat_pcts(through, system, mode, clients):
     return pct(lat, 0.5), pct(lat, 0.99)
 
 
-def write_report(through, refusal, history, snapshot, idem, wake, lifecycle, jobs):
+def write_report(through, refusal, history, snapshot, idem, wake, lifecycle, jobs, dbs):
     lines = []
     add = lines.append
     add(f"# pg_quota benchmark results ({'quick' if QUICK else 'full'} run)")
@@ -453,6 +502,26 @@ def write_report(through, refusal, history, snapshot, idem, wake, lifecycle, job
         f"({sum(idem['wal']) / max(1.0, idem_calls):.4f} bytes per repeat).")
     add("")
 
+    add("## Databases beyond the worker slots")
+    add("")
+    add("One client per database, each looping `start()` + `finish()` (bench/scripts/dbs.sql), "
+        "all databases at once, on `max_worker_processes = 8` (the logical replication launcher "
+        "holds one slot, so 7 writers fit). Latency is per start+finish, pooled over the rounds; "
+        "a client that failed (53000) counts as failed.")
+    add("")
+    add("| databases | tx/s | p50 ms | p99 ms | served | clients failed | tx/s vs 7 | p99 vs 7 |")
+    add("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    base_tps = median([r["tps"] for r in dbs[DATABASES[0]]])
+    base_p99 = pct(sorted(x for r in dbs[DATABASES[0]] for x in r["lat"]), .99)
+    for n in DATABASES:
+        t = median([r["tps"] for r in dbs[n]])
+        lat = sorted(x for r in dbs[n] for x in r["lat"])
+        served = min(r["served"] for r in dbs[n])
+        failed = max(r["failed"] for r in dbs[n])
+        add(f"| {n} | {t:.0f} | {pct(lat, .5):.2f} | {pct(lat, .99):.2f} | {served} of {n} | {failed} |"
+            f" {t / base_tps if base_tps else float('nan'):.2f}x | {pct(lat, .99) / base_p99 if base_p99 else float('nan'):.2f}x |")
+    add("")
+
     def ratio(a, b):
         return a / b if b else float("nan")
     c16 = 16 if 16 in CLIENTS else CLIENTS[-1]
@@ -473,6 +542,8 @@ def write_report(through, refusal, history, snapshot, idem, wake, lifecycle, job
         ("0.4.0: start+finish vs B1", ratio(pq, tps(through, "B1", "roles", c16)), ">=", 1.5),
         ("0.4.0: start+finish vs B2", ratio(pq, tps(through, "B2", "roles", c16)), ">=", 2.5),
         ("0.4.0: refusals/s vs SELECT 1/s", ratio(ref, sel), ">=", 0.9),
+        (f"0.4.0: databases served, {DATABASES[-1]} on 8 worker slots (share)",
+         min(r["served"] for r in dbs[DATABASES[-1]]) / DATABASES[-1], ">=", 1.0),
     ]
     add("## Targets")
     add("")

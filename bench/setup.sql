@@ -12,6 +12,10 @@ SELECT format('ALTER ROLE bench_r%s SET quota.max_active_per_role = 1000', i) FR
 SELECT format('ALTER ROLE bench_r%s SET quota.max_retained_per_role = 0', i) FROM generate_series(1, :roles) i \gexec
 CREATE ROLE bench_refused LOGIN;
 ALTER ROLE bench_refused SET quota.max_active_per_role = 1;
+-- Databases beyond the worker slots (bench_db_N, made by run.py): one client each.
+CREATE ROLE bench_dbs LOGIN;
+ALTER ROLE bench_dbs SET quota.max_active_per_role = 1000;
+ALTER ROLE bench_dbs SET quota.max_retained_per_role = 0;
 CREATE ROLE bench_history LOGIN;
 ALTER ROLE bench_history SET quota.max_active_per_role = 10;
 ALTER ROLE bench_history SET quota.max_retained_per_role = 1000000;

@@ -454,13 +454,16 @@ fn admit_under_lock(
                 // A start with our key may have committed after our last look, and the
                 // counts we refuse on may include its ticket: look again, under a snapshot
                 // taken after those counts, before refusing a repeat.
+                // The requests in flight first, then the snapshot: a start with our key
+                // that leaves the writer's hands in between has committed, and the
+                // snapshot sees it.
+                if queue::in_flight_with_key(role, key) {
+                    return Err(Repeat::InFlight);
+                }
                 if let Some(id) =
                     retained_with_key(&reader.rels, &Latest::take(), role, key, now, cutoff)
                 {
                     return Err(Repeat::Found(pgrx::Uuid::from_bytes(id)));
-                }
-                if queue::in_flight_with_key(role, key) {
-                    return Err(Repeat::InFlight);
                 }
             }
             let complete = limits.max_active > 0 && limits.max_retained > 0;

@@ -1,8 +1,8 @@
 //! Layer 1: every `quota.*` setting. The limits, retention, lease and log_refusals are
 //! PGC_SUSET: only superusers (or roles granted `SET ON PARAMETER`) change them, so a
 //! tenant cannot raise its own limits, and `ALTER ROLE … SET` / `ALTER DATABASE … SET`
-//! give per-role and per-database values. writer_idle_timeout is server-wide
-//! (PGC_SIGHUP) and stats_max sizes shared memory (PGC_POSTMASTER).
+//! give per-role and per-database values; so is writer_start_wait. writer_idle_timeout
+//! is server-wide (PGC_SIGHUP) and stats_max sizes shared memory (PGC_POSTMASTER).
 
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 
@@ -16,6 +16,7 @@ static MAX_ACTIVE_PER_DATABASE: GucSetting<i32> = GucSetting::<i32>::new(0);
 static DEFAULT_LEASE: GucSetting<i32> = GucSetting::<i32>::new(24 * 3600);
 static STATS_MAX: GucSetting<i32> = GucSetting::<i32>::new(5000);
 static LOG_REFUSALS: GucSetting<bool> = GucSetting::<bool>::new(false);
+static WRITER_START_WAIT: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 
 pub fn init() {
     // 0 turns the limit off; a million concurrent tickets for one role is far beyond
@@ -89,6 +90,18 @@ pub fn init() {
         GucContext::Sighup,
         GucFlags::UNIT_S,
     );
+    // 0.4.0. SUSET: while a caller waits for a writer slot, writers of other databases
+    // give theirs up in turn, so a tenant must not stretch that wait itself.
+    GucRegistry::define_int_guc(
+        c"quota.writer_start_wait",
+        c"How long quota.start() waits for a ledger writer slot before it fails with 53000.",
+        c"When every background worker slot is taken, the ledger writers of other databases give theirs up, one at a time, as soon as they have nothing to do.",
+        &WRITER_START_WAIT,
+        0,
+        600_000,
+        GucContext::Suset,
+        GucFlags::UNIT_MS,
+    );
     // 0.3.0. Set at server start: it sizes quota.stats in shared memory. About 200
     // bytes per entry; pg_stat_statements.max has the same default and bounds.
     GucRegistry::define_int_guc(
@@ -134,6 +147,10 @@ pub fn retention_secs() -> i64 {
 
 pub fn writer_idle_timeout() -> std::time::Duration {
     std::time::Duration::from_secs(WRITER_IDLE_TIMEOUT.get().max(1) as u64)
+}
+
+pub fn writer_start_wait() -> std::time::Duration {
+    std::time::Duration::from_millis(WRITER_START_WAIT.get().max(0) as u64)
 }
 
 pub fn stats_max() -> usize {

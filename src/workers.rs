@@ -13,8 +13,6 @@ use std::time::{Duration, Instant};
 use pgrx::pg_sys;
 
 use crate::compat;
-use crate::core::QuotaError;
-use crate::error::raise;
 use crate::shmem::{self, Base, Layout, Segment};
 
 /// How long DROP DATABASE waits for the database's writer to leave by itself before it
@@ -60,6 +58,14 @@ struct Header {
     /// Bumped when a transaction that dropped a role commits; writers purge dropped
     /// roles' tickets when it moves (see hooks.rs and writer/).
     roles_dropped: AtomicU64,
+    /// Set by a caller that found no writer slot (every entry taken, or no background
+    /// worker slot): the next writer with nothing to do takes it back and gives its slot
+    /// up (`take_yield`), so that databases share the slots in turn.
+    yield_wanted: AtomicBool,
+    /// When a writer last gave its entry up (ms, `now_ms`): its process frees the
+    /// background worker slot a moment later, so a caller that finds no slot then waits
+    /// for that one instead of asking another writer to go.
+    last_left_ms: AtomicU64,
 }
 
 static BASE: Base = Base::new();
@@ -224,18 +230,35 @@ pub fn writer_state() -> WriterState {
     WriterState::Alive
 }
 
+/// A slot that a writer gave up this recently is still held by its exiting process.
+const LEFT_JUST_NOW_MS: u64 = 200;
+
+fn now_ms() -> u64 {
+    // SAFETY: plain clock read.
+    (unsafe { pg_sys::GetCurrentTimestamp() } / 1000).max(0) as u64
+}
+
 /// Claims a free writer entry for this database and registers a writer for it.
 /// Called with the table lock held exclusively, when the database has no entry. Dead
-/// entries are swept first, so the table cannot fill up with them.
-pub fn start_writer() -> usize {
+/// entries are swept first, so the table cannot fill up with them. None when there is
+/// no free entry or no background worker slot: then the next writer of another
+/// database with nothing to do is asked to give its slot up (unless one just did), and
+/// the caller tries again (queue/caller.rs), for at most `quota.writer_start_wait`.
+pub fn try_start_writer() -> Option<usize> {
     let db = shmem::my_db();
     if writer_of(pg_sys::InvalidOid).is_none() {
         sweep_dead_entries();
     }
-    let Some(i) = writer_of(pg_sys::InvalidOid) else {
-        raise(QuotaError::NoWorkerSlot);
+    let registered = writer_of(pg_sys::InvalidOid).and_then(|i| Some((i, register_worker(i, db)?)));
+    let Some((i, handle)) = registered else {
+        let h = header();
+        let left = now_ms().saturating_sub(h.last_left_ms.load(Ordering::Acquire));
+        if left >= LEFT_JUST_NOW_MS && !h.yield_wanted.swap(true, Ordering::AcqRel) {
+            wake_others(db);
+        }
+        return None;
     };
-    let handle = register_worker(i, db).unwrap_or_else(|| raise(QuotaError::NoWorkerSlot));
+    header().yield_wanted.store(false, Ordering::Release);
     // SAFETY: called with the table lock held exclusively; no other reference to it.
     let w = unsafe { writer_mut(i) };
     w.dboid = db;
@@ -244,7 +267,36 @@ pub fn start_writer() -> usize {
     w.exit_requested.store(false, Ordering::Relaxed);
     w.leave_when_idle.store(false, Ordering::Relaxed);
     w.rebuild_summary.store(false, Ordering::Relaxed);
-    i
+    Some(i)
+}
+
+/// For a writer with nothing to do: whether a caller waits for a writer slot, taking
+/// the request (at most one writer answers each). A writer that then cannot leave
+/// (a request came in) puts it back with `want_yield`.
+pub fn take_yield() -> bool {
+    header().yield_wanted.swap(false, Ordering::AcqRel)
+}
+
+pub fn want_yield() {
+    header().yield_wanted.store(true, Ordering::Release);
+}
+
+/// Notes that a writer gave its entry up now. Table lock held.
+pub fn note_left() {
+    header().last_left_ms.store(now_ms(), Ordering::Release);
+}
+
+/// Wakes the writers of databases other than `db`, so that an idle one sees a yield
+/// request at once. Table lock held.
+fn wake_others(db: pg_sys::Oid) {
+    for i in 0..n_writers() {
+        let w = writer(i);
+        if w.dboid != pg_sys::InvalidOid && w.dboid != db {
+            if let Ok(p) = usize::try_from(w.procno) {
+                shmem::wake(p);
+            }
+        }
+    }
 }
 
 /// Frees the entries of writers that are no longer running. Table lock held.

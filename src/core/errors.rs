@@ -102,7 +102,7 @@ pub enum QuotaError {
     #[error("pg_quota must be loaded via shared_preload_libraries")]
     NotPreloaded,
     #[error("could not start the pg_quota ledger writer")]
-    NoWorkerSlot,
+    NoWorkerSlot { waited_ms: u64 },
     #[error("the pg_quota ledger writer exited before it answered")]
     WriterGone,
     /// The writer committed the charge on this server, but was stopped (terminated, or
@@ -247,7 +247,7 @@ impl QuotaError {
             }
             QuotaError::ForeignTicket { .. } => Sqlstate::InsufficientPrivilege,
             QuotaError::NotPreloaded => Sqlstate::ObjectNotInPrerequisiteState,
-            QuotaError::NoWorkerSlot => Sqlstate::InsufficientResources,
+            QuotaError::NoWorkerSlot { .. } => Sqlstate::InsufficientResources,
             QuotaError::WriterGone => Sqlstate::OperatorIntervention,
             QuotaError::CommitUnconfirmed => Sqlstate::StatementCompletionUnknown,
             QuotaError::WriterDidNotStart { .. }
@@ -341,6 +341,9 @@ impl QuotaError {
                 "pg_quota keeps its counters and its summary exact with its triggers, and keeps pg_repack off its tables with repack_trigger."
                     .to_string(),
             ),
+            QuotaError::NoWorkerSlot { waited_ms } => Some(format!(
+                "No background worker slot (max_worker_processes) came free for this database's ledger writer in {waited_ms} ms (quota.writer_start_wait); the writers of other databases give theirs up when they have nothing to do."
+            )),
             _ => None,
         }
     }
@@ -376,7 +379,7 @@ impl QuotaError {
                 "Add pg_quota to shared_preload_libraries in postgresql.conf and restart the server."
                     .to_string(),
             ),
-            QuotaError::NoWorkerSlot => Some(
+            QuotaError::NoWorkerSlot { .. } => Some(
                 "Raise max_worker_processes, or wait for other background workers to exit.".to_string(),
             ),
             QuotaError::WriterGone => Some(
@@ -667,7 +670,7 @@ mod tests {
                 action: "finish",
             },
             QuotaError::NotPreloaded,
-            QuotaError::NoWorkerSlot,
+            QuotaError::NoWorkerSlot { waited_ms: 10_000 },
             QuotaError::WriterGone,
             QuotaError::CommitUnconfirmed,
             QuotaError::WriterDidNotStart { db: "app".into() },

@@ -44,6 +44,19 @@ pub fn confirmed(level: i32, state: SyncState, lsn: u64) -> bool {
     !state.wal_senders || !state.standbys_defined || lsn <= state.released[mode]
 }
 
+/// Whether a server of `server_version_num` keeps WalSndCtl's synchronous-standby flag
+/// as bits (SYNC_STANDBY_INIT, SYNC_STANDBY_DEFINED), as the May 2025 minor releases
+/// made it, rather than as a bool.
+pub fn flag_bits_in(server_version_num: u32) -> bool {
+    match server_version_num / 10_000 {
+        0..=14 => false,
+        15 => server_version_num >= 150_013,
+        16 => server_version_num >= 160_009,
+        17 => server_version_num >= 170_005,
+        _ => true,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,6 +85,16 @@ mod tests {
         assert!(!confirmed(REMOTE_FLUSH, WAITING, 250));
         assert!(confirmed(REMOTE_FLUSH, WAITING, 200));
         assert!(!confirmed(REMOTE_APPLY, WAITING, 150));
+    }
+
+    #[test]
+    fn flag_bits_came_with_the_may_2025_minors() {
+        assert!(!flag_bits_in(150_012));
+        assert!(flag_bits_in(150_013));
+        assert!(flag_bits_in(150_020));
+        assert!(!flag_bits_in(160_008) && flag_bits_in(160_009));
+        assert!(!flag_bits_in(170_004) && flag_bits_in(170_005));
+        assert!(flag_bits_in(180_000));
     }
 
     #[test]

@@ -15,12 +15,15 @@ use crate::catalog::database_name;
 use crate::compat::{self, nap};
 use crate::core::{QuotaError, RefusalKind, Usage};
 use crate::error::raise;
+use crate::gucs;
 use crate::workers::{self, TableLock, WriterState};
 
 /// How often a waiting caller looks around without being woken.
 const POLL_MS: i64 = 250;
 /// How often a waiting caller makes sure its writer is still there.
 const LIVENESS_EVERY: Duration = Duration::from_millis(500);
+/// How often a caller that found no writer slot tries again.
+const SLOT_POLL_MS: i64 = 10;
 /// How many writers a caller starts for one request before it gives up: a writer
 /// that keeps exiting before it serves anything will not do better the next time.
 const MAX_WRITER_STARTS: u32 = 3;
@@ -52,6 +55,7 @@ unsafe extern "C-unwind" fn withdraw_at_exit(_code: i32, _arg: pg_sys::Datum) {
             Ordering::AcqRel,
             Ordering::Acquire,
         );
+        slot(me).slot_line.store(0, Ordering::Release);
     }
 }
 
@@ -90,9 +94,73 @@ pub fn enqueue(fill: impl FnOnce(&mut Request)) {
             return;
         }
     }
-    let _exclusive = TableLock::acquire();
-    let i = workers::writer_of(db).unwrap_or_else(workers::start_writer);
-    publish(slot, i);
+    // No writer: start one. When every writer slot is taken, a writer of another
+    // database gives its up once it has nothing to do (workers::try_start_writer), and
+    // callers wait in line for the slots, for at most quota.writer_start_wait: the
+    // first in line starts the next writer, so databases get slots in the order their
+    // callers asked. A caller whose database gets a writer meanwhile (another caller
+    // of it started one) leaves the line. The request is not published yet, so a
+    // cancel meanwhile leaves nothing behind.
+    let began = Instant::now();
+    let mut place: Option<InLine> = None;
+    loop {
+        let head = line_head();
+        let my_turn = match &place {
+            None => head == 0,
+            Some(p) => head == p.0,
+        };
+        if my_turn {
+            let _exclusive = TableLock::acquire();
+            if let Some(i) = workers::writer_of(db).or_else(workers::try_start_writer) {
+                publish(slot, i);
+                return;
+            }
+        } else {
+            let _shared = TableLock::acquire_shared();
+            if let Some(i) = workers::writer_of(db) {
+                publish(slot, i);
+                return;
+            }
+        }
+        if place.is_none() {
+            place = Some(InLine::join(slot));
+        }
+        let waited = began.elapsed();
+        if waited >= gucs::writer_start_wait() {
+            raise(QuotaError::NoWorkerSlot {
+                waited_ms: waited.as_millis() as u64,
+            });
+        }
+        nap(SLOT_POLL_MS, compat::Wait::WriterStart);
+    }
+}
+
+/// A caller's place in the line for writer slots, left when dropped (an ERROR
+/// unwinds through it; a FATAL goes through withdraw_at_exit).
+struct InLine(u64, &'static Slot);
+
+impl InLine {
+    fn join(slot: &'static Slot) -> InLine {
+        let place = next_place_in_line();
+        slot.slot_line.store(place, Ordering::Release);
+        InLine(place, slot)
+    }
+}
+
+impl Drop for InLine {
+    fn drop(&mut self) {
+        self.1.slot_line.store(0, Ordering::Release);
+    }
+}
+
+/// The first place in the line for writer slots; 0 when nobody waits.
+fn line_head() -> u64 {
+    slots()
+        .iter()
+        .map(|s| s.slot_line.load(Ordering::Acquire))
+        .filter(|&p| p != 0)
+        .min()
+        .unwrap_or(0)
 }
 
 fn publish(slot: &Slot, idx: usize) {
@@ -169,6 +237,8 @@ pub struct Patience {
     last_check: Instant,
     starts: u32,
     never_started: u32,
+    /// Since when no writer slot was free for a new writer.
+    no_slot_since: Option<Instant>,
 }
 
 impl Patience {
@@ -177,6 +247,7 @@ impl Patience {
             last_check: Instant::now(),
             starts: 0,
             never_started: 0,
+            no_slot_since: None,
         }
     }
 
@@ -203,11 +274,24 @@ impl Patience {
             raise(gave_up);
         }
         // Requests of this database may be waiting for a writer: ours, or others'
-        // that this caller's scope waits on. Bring one up.
-        self.starts += 1;
-        let _lock = TableLock::acquire();
-        if workers::writer_of(shmem::my_db()).is_none() {
-            workers::start_writer();
+        // that this caller's scope waits on. Bring one up; without a free slot, ask
+        // again at the next check, for at most quota.writer_start_wait.
+        let lock = TableLock::acquire();
+        if workers::writer_of(shmem::my_db()).is_some() || workers::try_start_writer().is_some() {
+            self.starts += 1;
+            self.no_slot_since = None;
+            return true;
+        }
+        drop(lock);
+        let waited = self
+            .no_slot_since
+            .get_or_insert_with(Instant::now)
+            .elapsed();
+        if waited >= gucs::writer_start_wait() {
+            withdraw_mine();
+            raise(QuotaError::NoWorkerSlot {
+                waited_ms: waited.as_millis() as u64,
+            });
         }
         true
     }

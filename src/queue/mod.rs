@@ -11,7 +11,7 @@ pub mod caller;
 pub mod serve;
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use pgrx::pg_sys;
 
@@ -93,6 +93,9 @@ pub struct Slot {
     pub role: AtomicU32,
     pub request: UnsafeCell<Request>,
     pub reply: UnsafeCell<Reply>,
+    /// The owner's place in the line for writer slots (0: not in it); see
+    /// caller::enqueue. Written only by the owner, read by every caller in the line.
+    pub slot_line: AtomicU64,
 }
 
 impl Slot {
@@ -108,6 +111,8 @@ impl Slot {
 #[repr(C)]
 struct Header {
     n_slots: usize,
+    /// The last place handed out in the line for writer slots.
+    line_last: AtomicU64,
 }
 
 static BASE: Base = Base::new();
@@ -143,6 +148,15 @@ pub static SEGMENT: Segment = Segment {
     locks: 0,
     attach,
 };
+
+/// A new place at the end of the line for writer slots (never 0).
+pub fn next_place_in_line() -> u64 {
+    // SAFETY: the segment starts with a Header (see `layout`).
+    unsafe { BASE.header::<Header>() }
+        .line_last
+        .fetch_add(1, Ordering::AcqRel)
+        + 1
+}
 
 pub fn n_slots() -> usize {
     // SAFETY: the segment starts with a Header (see `layout`).

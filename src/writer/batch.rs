@@ -53,6 +53,11 @@ pub fn committed() -> bool {
 pub fn hand_back_at_exit(committed: bool) {
     if committed {
         BATCH.with_borrow(|b| count_admitted(b));
+        // As `settle` judges it: a commit the synchronous standbys did not confirm
+        // hands out no ticket.
+        if !crate::syncrep::confirmed(crate::syncrep::last_commit_end()) {
+            BATCH.with_borrow(|b| b.iter().for_each(|&i| serve::set_unconfirmed(i)));
+        }
     }
     BATCH.with_borrow(|b| b.iter().for_each(|&i| serve::hand_back(i, committed)));
     QUEUED.with_borrow(|q| q.iter().for_each(|&i| serve::hand_back(i, false)));

@@ -270,6 +270,15 @@ fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64, mut purge_due:
         if (idle_long || w.leave_when_idle.load(Ordering::Acquire)) && leave(idx, db, false) {
             return;
         }
+        // A caller of another database waits for a writer slot: give ours up while we
+        // have nothing to do; our next caller waits for a slot in turn. One writer
+        // answers each request; one that cannot leave (a request came in) passes it on.
+        if workers::take_yield() {
+            if leave(idx, db, false) {
+                return;
+            }
+            workers::want_yield();
+        }
         // SAFETY: our own latch; WL_EXIT_ON_PM_DEATH ends us with the postmaster.
         unsafe {
             pg_sys::WaitLatch(
@@ -310,6 +319,7 @@ fn leave(idx: usize, db: pg_sys::Oid, force: bool) -> bool {
     w.exit_requested.store(false, Ordering::Release);
     w.leave_when_idle.store(false, Ordering::Release);
     w.rebuild_summary.store(false, Ordering::Release);
+    workers::note_left();
     // SAFETY: single-threaded worker state.
     unsafe { LEFT = true };
     true

@@ -2,8 +2,9 @@
 # Faults of the ledger writer: it is killed with SIGKILL during a burst of starts (I6:
 # no received ticket is lost), it is terminated while callers wait for it (they get an
 # error at once, not a hang), a caller holds a lock the writer needs (55P03 after the
-# writer's lock_timeout, not a deadlock), and no background worker slot is free (53000
-# with a hint, not a hang).
+# writer's lock_timeout, not a deadlock), and background worker slots run short (a writer
+# of another database gives its slot up; 53000 after quota.writer_start_wait, not a hang,
+# when no writer can).
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-$((5521 + PORT_OFFSET))}"
 with_cluster faults_writer
@@ -166,9 +167,12 @@ expect_eq "start() works once the caller's lock is gone" t \
 check "the summary equals the ledger after the lock timeouts" summary_matches_ledger
 
 # ------------------------------------------------------------------------------------
-# 4. No background worker slot: max_worker_processes = 1 (and no logical replication
+# 4. One background worker slot: max_worker_processes = 1 (and no logical replication
 #    launcher to take it). The first database's writer takes the only slot; the
-#    second database's start() fails with 53000 and a hint, at once.
+#    second database's start() does not fail: the first writer, idle, gives the slot
+#    up. Then the slot is taken by something else than a writer (the logical
+#    replication launcher): start() waits quota.writer_start_wait (1 s here) and fails
+#    with 53000, a detail and a hint.
 # ------------------------------------------------------------------------------------
 stop_cluster "$CL"
 CL2="$(dirname "$CL1")/faults_writer_slots"
@@ -180,16 +184,31 @@ expect_eq "the first database's start() takes the only worker slot" t \
   "$(psql_as fw_tenant2 -c "SELECT quota.start('db one') IS NOT NULL" 2>&1)"
 s=$(now_s)
 out=$(timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -v VERBOSITY=verbose -h "$CL" -p "$PORT" -U fw_tenant2 -d second \
-      -c "SELECT quota.start('db two')" -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
+      -c "SELECT quota.start('db two') IS NOT NULL" -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
 e=$(now_s)
-check "the second database's start() fails with 53000: $(grep -m1 ERROR <<<"$out")" grep -q "^SQLSTATE=53000$" <<<"$out"
-check "... with a hint to raise max_worker_processes" grep -q "^HINT:.*max_worker_processes" <<<"$out"
-check "... at once, not after a wait (under 5 s)" elapsed_lt "$s" "$e" 5
-expect_eq "the second database recorded nothing" 0 "$(sql -d second -c "SELECT count(*) FROM quota.ledger")"
-expect_eq "the first database keeps working" t \
+expect_eq "the second database's start() gets the slot: the first database's idle writer gives it up" \
+  "t SQLSTATE=00000" "$(paste -sd' ' <<<"$out")"
+check "... within 5 s (the writer idles 10 s before it leaves by itself)" elapsed_lt "$s" "$e" 5
+expect_eq "the first database keeps working: its next start() gets the slot back in turn" t \
   "$(psql_as fw_tenant2 -c "SELECT quota.start('db one again') IS NOT NULL" 2>&1)"
-# Once the first writer leaves (idle for 10 s), the slot serves the second database.
-timeout 30 bash -c "until [ \"\$('$PG_BIN/psql' -X -At -h '$CL' -p '$PORT' -U postgres -c \"SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer'\")\" = 0 ]; do sleep 0.2; done" || true
-expect_eq "after the first writer left, the second database's start() succeeds" t \
-  "$(timeout 20 "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U fw_tenant2 -d second -c "SELECT quota.start('db two later') IS NOT NULL" 2>&1)"
+expect_eq "each database recorded its tickets" "2 1" \
+  "$(sql -c "SELECT count(*) FROM quota.ledger") $(sql -d second -c "SELECT count(*) FROM quota.ledger")"
+
+stop_cluster "$CL"
+CL3="$(dirname "$CL1")/faults_writer_noslot"
+new_cluster "$CL3" "$PORT" "max_worker_processes = 1" "quota.writer_start_wait = '1s'"
+CL="$CL3"
+sql -c "CREATE EXTENSION pg_quota" -c "CREATE ROLE fw_tenant3 LOGIN" >/dev/null
+timeout 30 bash -c "until [ \"\$('$PG_BIN/psql' -X -At -h '$CL' -p '$PORT' -U postgres -c \"SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'logical replication launcher'\")\" = 1 ]; do sleep 0.2; done" || true
+s=$(now_s)
+out=$(timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=0 -v VERBOSITY=verbose -h "$CL" -p "$PORT" -U fw_tenant3 -d postgres \
+      -c "SELECT quota.start('no slot')" -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
+e=$(now_s)
+check "with the only slot held by the logical replication launcher, start() fails with 53000: $(grep -m1 ERROR <<<"$out")" \
+  grep -q "^SQLSTATE=53000$" <<<"$out"
+check "... with a detail naming quota.writer_start_wait" grep -q "^DETAIL:.*quota.writer_start_wait" <<<"$out"
+check "... and a hint to raise max_worker_processes" grep -q "^HINT:.*max_worker_processes" <<<"$out"
+check "... after waiting quota.writer_start_wait (1 s), not at once and not much longer" \
+  awk -v a="$s" -v b="$e" 'BEGIN { exit !((b - a) >= 1 && (b - a) < 5) }'
+expect_eq "nothing was recorded" 0 "$(sql -c "SELECT count(*) FROM quota.ledger")"
 finish_checks

@@ -1,0 +1,1 @@
+SELECT quota.finish(quota.start('db'));

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# More databases than background worker slots (issue 18; USER_GUIDE "Ledger writers").
+#
+# max_worker_processes = 8, of which the logical replication launcher takes one, as on
+# a default server. 24 databases use pg_quota, one client each, starting and finishing
+# tickets for 12 s with pgbench, all at once. Each database needs a writer, and only 7
+# can run at a time: writers give their slots up in turn, when they have nothing to
+# do and a caller of another database waits for one. Checked: every database was
+# served, no call failed (0.3.x failed 17 of the 24 with 53000 at once), every
+# database's ledger holds what its client was told, and no ticket is left active.
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
+
+DBS=24
+SECS=12
+with_cluster writer_slots "max_worker_processes = 8" "max_connections = 100"
+sql -c "CREATE ROLE ws LOGIN" -c "ALTER ROLE ws SET quota.max_active_per_role = 5" \
+    -c "ALTER ROLE ws SET quota.max_retained_per_role = 0" >/dev/null
+for i in $(seq 1 "$DBS"); do
+  sql -c "CREATE DATABASE ws_$i" >/dev/null
+  sql -d "ws_$i" -c "CREATE EXTENSION pg_quota" >/dev/null
+done
+echo "SELECT quota.finish(quota.start('loop'));" > "$CL/loop.sql"
+expect_eq "background worker slots: 8, the logical replication launcher holds one" \
+  "8 1" "$(sql -c "SHOW max_worker_processes") $(sql -c "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'logical replication launcher'")"
+
+pids=()
+for i in $(seq 1 "$DBS"); do
+  "$PG_BIN/pgbench" -n -f "$CL/loop.sql" -T "$SECS" -c 1 -h "$CL" -p "$PORT" -U ws "ws_$i" \
+    > "$CL/pgbench.$i" 2>&1 &
+  pids+=($!)
+done
+failed_runs=0
+for p in "${pids[@]}"; do wait "$p" || failed_runs=$((failed_runs + 1)); done
+
+served=0; counts=()
+for i in $(seq 1 "$DBS"); do
+  n=$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$CL/pgbench.$i")
+  counts+=("${n:-0}")
+  [ "${n:-0}" -gt 0 ] && served=$((served + 1))
+done
+echo "# transactions per database in $SECS s: ${counts[*]}"
+expect_eq "every one of the $DBS databases was served" "$DBS" "$served"
+expect_eq "no client's run failed" 0 "$failed_runs"
+expect_eq "no call failed with 53000 (could not start the ledger writer)" 0 \
+  "$(cat "$CL"/pgbench.* | grep -c 'could not start the pg_quota ledger writer' || true)"
+expect_eq "no call failed at all" 0 "$(cat "$CL"/pgbench.* | grep -c 'ERROR' || true)"
+bad=""
+for i in $(seq 1 "$DBS"); do
+  got=$(sql -d "ws_$i" -c "SELECT count(*) FILTER (WHERE ended_at IS NULL) || ' ' || count(*) FROM quota.ledger")
+  [ "$got" = "0 ${counts[$((i - 1))]}" ] || bad="$bad ws_$i:[$got]/${counts[$((i - 1))]}"
+done
+expect_eq "each database's ledger holds one ended ticket per transaction its client ran, none active" "" "$bad"
+finish_checks

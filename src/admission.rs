@@ -510,6 +510,8 @@ fn admit_under_lock(
     // the writer's commits. The writer checks again in any case (it is the single
     // authority: for the database cap, which spans scopes, it is the only exact
     // check), so this only keeps refusals off the writer.
+    // A wait in line for a writer slot happens before the scope lock, not under it.
+    queue::ensure_writer();
     let _lock = ScopeLock::acquire(role);
     let mut waited = Patience::new();
     loop {

@@ -233,9 +233,16 @@ pub fn writer_state() -> WriterState {
 /// A slot that a writer gave up this recently is still held by its exiting process.
 const LEFT_JUST_NOW_MS: u64 = 200;
 
+/// Milliseconds on the monotonic clock, which every process of the server shares and
+/// no clock step moves.
 fn now_ms() -> u64 {
-    // SAFETY: plain clock read.
-    (unsafe { pg_sys::GetCurrentTimestamp() } / 1000).max(0) as u64
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: fills the struct we pass; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec.max(0) as u64) * 1000 + (ts.tv_nsec.max(0) as u64) / 1_000_000
 }
 
 /// Claims a free writer entry for this database and registers a writer for it.
@@ -258,7 +265,9 @@ pub fn try_start_writer() -> Option<usize> {
         }
         return None;
     };
+    // The slot a writer gave up is taken: the next caller may ask for another at once.
     header().yield_wanted.store(false, Ordering::Release);
+    header().last_left_ms.store(0, Ordering::Release);
     // SAFETY: called with the table lock held exclusively; no other reference to it.
     let w = unsafe { writer_mut(i) };
     w.dboid = db;

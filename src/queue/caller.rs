@@ -22,8 +22,11 @@ use crate::workers::{self, TableLock, WriterState};
 const POLL_MS: i64 = 250;
 /// How often a waiting caller makes sure its writer is still there.
 const LIVENESS_EVERY: Duration = Duration::from_millis(500);
-/// How often a caller that found no writer slot tries again.
-const SLOT_POLL_MS: i64 = 10;
+/// How often the first caller in line for a writer slot tries again (a writer that
+/// leaves wakes it at once), and how often the others look whether their database got
+/// a writer meanwhile.
+const HEAD_POLL_MS: i64 = 10;
+const LINE_POLL_MS: i64 = 50;
 /// How many writers a caller starts for one request before it gives up: a writer
 /// that keeps exiting before it serves anything will not do better the next time.
 const MAX_WRITER_STARTS: u32 = 3;
@@ -59,8 +62,9 @@ unsafe extern "C-unwind" fn withdraw_at_exit(_code: i32, _arg: pg_sys::Datum) {
     }
 }
 
-/// Hands one start request to this database's writer. The caller then calls `wait`.
-pub fn enqueue(fill: impl FnOnce(&mut Request)) {
+/// This backend's request slot, with the exit callback that withdraws what a FATAL
+/// leaves behind registered.
+fn my_slot() -> &'static Slot {
     let me = shmem::my_procno();
     if me >= n_slots() {
         pgrx::error!("pg_quota: process number {me} has no request slot");
@@ -72,7 +76,12 @@ pub fn enqueue(fill: impl FnOnce(&mut Request)) {
             EXIT_CALLBACK_REGISTERED = true;
         }
     }
-    let slot = slot(me);
+    slot(me)
+}
+
+/// Hands one start request to this database's writer. The caller then calls `wait`.
+pub fn enqueue(fill: impl FnOnce(&mut Request)) {
+    let slot = my_slot();
     reclaim(slot);
 
     // SAFETY: the slot is FREE and ours (indexed by our PGPROC number), so nobody
@@ -83,24 +92,35 @@ pub fn enqueue(fill: impl FnOnce(&mut Request)) {
     // SAFETY: a plain read of backend state.
     let role = unsafe { pg_sys::GetUserId() };
     slot.role.store(u32::from(role), Ordering::Relaxed);
-    // The common case, a running writer, needs only the shared lock. Callers publish
-    // under the table lock, so a writer deciding to leave (exclusively) sees every
-    // request queued for it.
-    let db = shmem::my_db();
+    // Callers publish under the table lock, so a writer deciding to leave
+    // (exclusively) sees every request queued for it. The request is not published
+    // before, so a cancel while waiting in line leaves nothing behind.
+    let (_lock, i) = writer_in_line(slot, shmem::my_db()).unwrap_or_else(|e| raise(e));
+    publish(slot, i);
+}
+
+/// Makes sure this database has a writer, waiting in line for a slot if need be,
+/// before a caller takes its scope lock: a wait in line under that lock would hold up
+/// every other start of the scope.
+pub fn ensure_writer() {
+    let _ = writer_in_line(my_slot(), shmem::my_db()).unwrap_or_else(|e| raise(e));
+}
+
+/// This database's writer, with the table lock held to publish to it. The common case,
+/// a running writer, needs only the shared lock. Without one, a writer is started;
+/// when every writer slot is taken, a writer of another database gives its up once it
+/// has nothing to do (workers::try_start_writer), and callers wait in line for the
+/// slots, for at most quota.writer_start_wait: the first in line starts the next
+/// writer, so databases get slots in the order their callers asked, and a caller
+/// whose database gets a writer meanwhile (another caller of it started one) leaves
+/// the line. A writer that leaves wakes the first in line.
+fn writer_in_line(slot: &'static Slot, db: pg_sys::Oid) -> Result<(TableLock, usize), QuotaError> {
     {
-        let _shared = TableLock::acquire_shared();
+        let shared = TableLock::acquire_shared();
         if let Some(i) = workers::writer_of(db) {
-            publish(slot, i);
-            return;
+            return Ok((shared, i));
         }
     }
-    // No writer: start one. When every writer slot is taken, a writer of another
-    // database gives its up once it has nothing to do (workers::try_start_writer), and
-    // callers wait in line for the slots, for at most quota.writer_start_wait: the
-    // first in line starts the next writer, so databases get slots in the order their
-    // callers asked. A caller whose database gets a writer meanwhile (another caller
-    // of it started one) leaves the line. The request is not published yet, so a
-    // cancel meanwhile leaves nothing behind.
     let began = Instant::now();
     let mut place: Option<InLine> = None;
     loop {
@@ -110,16 +130,14 @@ pub fn enqueue(fill: impl FnOnce(&mut Request)) {
             Some(p) => head == p.0,
         };
         if my_turn {
-            let _exclusive = TableLock::acquire();
+            let lock = TableLock::acquire();
             if let Some(i) = workers::writer_of(db).or_else(workers::try_start_writer) {
-                publish(slot, i);
-                return;
+                return Ok((lock, i));
             }
         } else {
-            let _shared = TableLock::acquire_shared();
+            let lock = TableLock::acquire_shared();
             if let Some(i) = workers::writer_of(db) {
-                publish(slot, i);
-                return;
+                return Ok((lock, i));
             }
         }
         if place.is_none() {
@@ -127,11 +145,12 @@ pub fn enqueue(fill: impl FnOnce(&mut Request)) {
         }
         let waited = began.elapsed();
         if waited >= gucs::writer_start_wait() {
-            raise(QuotaError::NoWorkerSlot {
+            return Err(QuotaError::NoWorkerSlot {
                 waited_ms: waited.as_millis() as u64,
             });
         }
-        nap(SLOT_POLL_MS, compat::Wait::WriterStart);
+        let poll = if my_turn { HEAD_POLL_MS } else { LINE_POLL_MS };
+        nap(poll, compat::Wait::WriterStart);
     }
 }
 
@@ -153,8 +172,21 @@ impl Drop for InLine {
     }
 }
 
+/// Wakes the first caller in line for a writer slot, if any: a writer just left.
+pub fn wake_line_head() {
+    let first = slots()
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.slot_line.load(Ordering::Acquire), i))
+        .filter(|&(p, _)| p != 0)
+        .min();
+    if let Some((_, i)) = first {
+        shmem::wake(i);
+    }
+}
+
 /// The first place in the line for writer slots; 0 when nobody waits.
-fn line_head() -> u64 {
+pub fn line_head() -> u64 {
     slots()
         .iter()
         .map(|s| s.slot_line.load(Ordering::Acquire))
@@ -237,8 +269,6 @@ pub struct Patience {
     last_check: Instant,
     starts: u32,
     never_started: u32,
-    /// Since when no writer slot was free for a new writer.
-    no_slot_since: Option<Instant>,
 }
 
 impl Patience {
@@ -247,7 +277,6 @@ impl Patience {
             last_check: Instant::now(),
             starts: 0,
             never_started: 0,
-            no_slot_since: None,
         }
     }
 
@@ -274,24 +303,12 @@ impl Patience {
             raise(gave_up);
         }
         // Requests of this database may be waiting for a writer: ours, or others'
-        // that this caller's scope waits on. Bring one up; without a free slot, ask
-        // again at the next check, for at most quota.writer_start_wait.
-        let lock = TableLock::acquire();
-        if workers::writer_of(shmem::my_db()).is_some() || workers::try_start_writer().is_some() {
-            self.starts += 1;
-            self.no_slot_since = None;
-            return true;
-        }
-        drop(lock);
-        let waited = self
-            .no_slot_since
-            .get_or_insert_with(Instant::now)
-            .elapsed();
-        if waited >= gucs::writer_start_wait() {
+        // that this caller's scope waits on. Bring one up, in line with the other
+        // callers that wait for a writer slot.
+        self.starts += 1;
+        if let Err(e) = writer_in_line(slot(shmem::my_procno()), shmem::my_db()) {
             withdraw_mine();
-            raise(QuotaError::NoWorkerSlot {
-                waited_ms: waited.as_millis() as u64,
-            });
+            raise(e);
         }
         true
     }

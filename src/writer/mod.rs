@@ -51,6 +51,10 @@ const WRITER_LOCK_TIMEOUT: &std::ffi::CStr = c"5s";
 const PURGE_RETRY: Duration = Duration::from_secs(1);
 /// How often an idle writer looks around without being woken.
 const POLL_MS: i64 = 250;
+/// How long a writer serves before it gives its slot up to a caller of another
+/// database that waits for one: a new writer costs a process start, so it should
+/// serve more than one batch.
+const MIN_TENURE: Duration = Duration::from_millis(50);
 
 /// The twin guard: a session lock that only one writer per database can hold. Its
 /// field4 is private to pg_quota, so no SQL advisory lock call can produce it (I4).
@@ -208,6 +212,7 @@ fn configure_session() {
 }
 
 fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64, mut purge_due: Option<Instant>) {
+    let started = Instant::now();
     let mut last_work = Instant::now();
     let mut last_sweep = Instant::now() - SWEEP_EVERY;
     // A role drop is purged twice: at once, and a second later. The dropping backend
@@ -272,9 +277,11 @@ fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64, mut purge_due:
         }
         // A caller of another database waits for a writer slot: give ours up while we
         // have nothing to do; our next caller waits for a slot in turn. One writer
-        // answers each request; one that cannot leave (a request came in) passes it on.
-        if workers::take_yield() {
-            if leave(idx, db, false) {
+        // answers each request; one that cannot leave (a request came in, or it has
+        // served less than MIN_TENURE) passes it on; a request nobody waits for any
+        // more is dropped.
+        if workers::take_yield() && crate::queue::caller::line_head() != 0 {
+            if started.elapsed() >= MIN_TENURE && leave(idx, db, false) {
                 return;
             }
             workers::want_yield();
@@ -320,6 +327,7 @@ fn leave(idx: usize, db: pg_sys::Oid, force: bool) -> bool {
     w.leave_when_idle.store(false, Ordering::Release);
     w.rebuild_summary.store(false, Ordering::Release);
     workers::note_left();
+    crate::queue::caller::wake_line_head();
     // SAFETY: single-threaded worker state.
     unsafe { LEFT = true };
     true

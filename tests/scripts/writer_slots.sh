@@ -10,11 +10,11 @@
 # database's ledger holds what its client was told, and no ticket is left active.
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
 
-DBS=24
+DBS="${WS_DBS:-24}"   # WS_DBS=100 for a larger run by hand
 SECS=12
 # quota.writer_start_wait is raised from 10 s to 60 s, so that a loaded machine does
 # not turn a slow hand-over into a failure; the longest start+finish is printed.
-with_cluster writer_slots "max_worker_processes = 8" "max_connections = 100" "quota.writer_start_wait = '60s'"
+with_cluster writer_slots "max_worker_processes = 8" "max_connections = $((DBS + 30))" "quota.writer_start_wait = '60s'"
 sql -c "CREATE ROLE ws LOGIN" -c "ALTER ROLE ws SET quota.max_active_per_role = 5" \
     -c "ALTER ROLE ws SET quota.max_retained_per_role = 0" >/dev/null
 for i in $(seq 1 "$DBS"); do

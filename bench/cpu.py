@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Where a unit of work spends its time: CPU per unit and wait events, for the job
+lifecycles (JOB, JOB1, JOBQ) and start+finish. Called by `scripts/bench --cpu`, which
+builds, installs and starts the server as for a normal run. Standard library only;
+Linux only (it reads /proc).
+
+Each workload runs as the throughput runs do (16 pgbench processes, one client each, on
+16 roles) for SECONDS. Meanwhile every process of the server and every pgbench
+process is sampled from /proc every 0.2 s (user and system CPU; a process that exits
+keeps its last sample), and pg_stat_activity every 50 ms from one session of its own
+(psql's \\watch), which leaves itself out. The report divides the CPU by the units
+done, per kind of process, and gives each kind's share of the wait-event samples.
+"""
+import argparse
+import collections
+import os
+import re
+import subprocess
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(HERE, "scripts")
+WORKLOADS = [("JOB", "job.sql"), ("JOB1", "job1.sql"), ("JOBQ", "jobq.sql"),
+             ("start+finish", "pgq.sql")]
+CLIENTS = 16
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    for a in ("--host", "--port", "--pgbin", "--out", "--datadir"):
+        p.add_argument(a, required=True)
+    p.add_argument("--db", default="bench")
+    p.add_argument("--seconds", type=int, default=10)
+    p.add_argument("--machine", default="")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+
+
+def kind_of(pid, pgbench_pids):
+    """'pgbench', 'backend', 'writer', 'other postgres', or None (not ours)."""
+    if pid in pgbench_pids:
+        return "pgbench"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    if "pg_quota ledger writer" in cmd:
+        return "writer"
+    if re.search(r"postgres: bench_r\d+ ", cmd):
+        return "backend"
+    return "other postgres"
+
+
+def cpu_of(pid):
+    """(user, system) seconds of a process, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) / TICK, int(fields[12]) / TICK
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def server_pids(postmaster):
+    """The postmaster and its children."""
+    pids = [postmaster]
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == postmaster:
+                        pids.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return pids
+
+
+def machine_cpu():
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:8]]
+    return {"user": (v[0] + v[1]) / TICK, "system": (v[2] + v[5] + v[6]) / TICK,
+            "idle": (v[3] + v[4]) / TICK}
+
+
+def run(name, script):
+    with open(os.path.join(ARGS.datadir, "postmaster.pid")) as f:
+        postmaster = int(f.readline())
+    first = {}   # pid -> (kind, user, system) at its first sample
+    last = {}    # pid -> (kind, user, system) at its last sample
+    procs = []
+    stop = threading.Event()
+
+    def sample(pgbench_pids):
+        for pid in server_pids(postmaster) + list(pgbench_pids):
+            c = cpu_of(pid)
+            if c is None:
+                continue
+            k = last.get(pid, (None,))[0] or kind_of(pid, pgbench_pids)
+            if k is None:
+                continue
+            first.setdefault(pid, (k,) + c)
+            last[pid] = (k,) + c
+
+    sample(set())   # what runs before: the writer, walwriter, checkpointer…
+    preexisting = set(first)
+    m0 = machine_cpu()
+    watch = subprocess.Popen(
+        [os.path.join(ARGS.pgbin, "psql"), "-X", "-At", "-h", ARGS.host, "-p", ARGS.port,
+         "-U", "postgres", "-d", ARGS.db, "-v", "ON_ERROR_STOP=1"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    watch.stdin.write(
+        "SET application_name = 'cpu_sampler';\n"
+        "SELECT CASE WHEN backend_type = 'pg_quota ledger writer' THEN 'writer' ELSE 'backend' END,"
+        " coalesce(wait_event_type || ':' || wait_event, 'on CPU') FROM pg_stat_activity"
+        " WHERE (backend_type = 'pg_quota ledger writer' OR application_name = 'pgbench')"
+        f" \\watch 0.05\n")
+    watch.stdin.flush()
+    t0 = time.time()
+    for i in range(CLIENTS):
+        procs.append(subprocess.Popen(
+            [os.path.join(ARGS.pgbin, "pgbench"), "-n", "-h", ARGS.host, "-p", ARGS.port,
+             "-U", f"bench_r{i + 1}", "-c", "1", "-T", str(ARGS.seconds),
+             "-f", os.path.join(SCRIPTS, script), ARGS.db],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    pg_pids = {p.pid for p in procs}
+
+    def sampler():
+        while not stop.is_set():
+            sample(pg_pids)
+            time.sleep(0.2)
+    th = threading.Thread(target=sampler)
+    th.start()
+    outs = [p.communicate()[0] for p in procs]
+    stop.set()
+    th.join()
+    wall = time.time() - t0
+    m1 = machine_cpu()
+    watch.kill()
+    waits = collections.Counter()
+    for line in watch.stdout.read().splitlines():
+        parts = line.split("|")
+        if len(parts) == 2:
+            waits[(parts[0], parts[1])] += 1
+    units = sum(int(m.group(1)) for o in outs
+                for m in [re.search(r"number of transactions actually processed: (\d+)", o)] if m)
+    cpu = collections.defaultdict(lambda: [0.0, 0.0])
+    for pid, (k, u, s) in last.items():
+        base = first[pid] if pid in preexisting else (k, 0.0, 0.0)
+        cpu[k][0] += u - base[1]
+        cpu[k][1] += s - base[2]
+    machine = {k: m1[k] - m0[k] for k in m0}
+    return {"name": name, "units": units, "wall": wall, "cpu": dict(cpu), "waits": waits,
+            "machine": machine}
+
+
+def report(results):
+    kinds = ["backend", "writer", "other postgres", "pgbench"]
+    lines = ["# Where the time goes (scripts/bench --cpu)", ""]
+    if ARGS.machine:
+        lines += [f"Machine: {ARGS.machine}", ""]
+    lines += [f"{CLIENTS} pgbench processes, one client each on 16 roles, {ARGS.seconds} s per "
+              "workload. CPU in microseconds per unit (a job, or a start+finish), user + system; "
+              "the machine's columns are all its CPUs together.", "",
+              "| workload | units/s | " + " | ".join(f"{k} us" for k in kinds)
+              + " | all processes us | machine user us | machine system us | machine idle |",
+              "|---|---:|" + "---:|" * (len(kinds) + 4)]
+    for r in results:
+        n = max(r["units"], 1)
+        per = {k: sum(r["cpu"].get(k, (0, 0))) * 1e6 / n for k in kinds}
+        busy = r["machine"]["user"] + r["machine"]["system"]
+        idle = r["machine"]["idle"] / max(busy + r["machine"]["idle"], 1e-9)
+        lines.append(f"| {r['name']} | {r['units'] / r['wall']:.0f} | "
+                     + " | ".join(f"{per[k]:.0f}" for k in kinds)
+                     + f" | {sum(per.values()):.0f} | {r['machine']['user'] * 1e6 / n:.0f}"
+                     f" | {r['machine']['system'] * 1e6 / n:.0f} | {idle:.0%} |")
+    lines += ["", "Kernel time of our processes (system CPU) apart, per unit:", "",
+              "| workload | " + " | ".join(f"{k} system us" for k in kinds) + " |",
+              "|---|" + "---:|" * len(kinds)]
+    for r in results:
+        n = max(r["units"], 1)
+        lines.append(f"| {r['name']} | " + " | ".join(
+            f"{r['cpu'].get(k, (0, 0))[1] * 1e6 / n:.0f}" for k in kinds) + " |")
+    lines += ["", "Wait events, share of the samples of each kind of process (top 6):", ""]
+    for r in results:
+        for who in ("backend", "writer"):
+            total = sum(v for (w, _), v in r["waits"].items() if w == who)
+            if not total:
+                continue
+            top = sorted(((v, e) for (w, e), v in r["waits"].items() if w == who), reverse=True)[:6]
+            lines.append(f"- {r['name']}, {who} ({total} samples): "
+                         + ", ".join(f"{e} {v / total:.0%}" for v, e in top))
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    results = []
+    for name, script in WORKLOADS:
+        r = run(name, script)
+        results.append(r)
+        print(f"{name}: {r['units'] / r['wall']:.0f} units/s", flush=True)
+    text = report(results)
+    os.makedirs(ARGS.out, exist_ok=True)
+    with open(os.path.join(ARGS.out, "cpu.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -409,13 +409,18 @@ fn attempt(
         // With every limit off there is nothing to count either.
         through_writer()
     } else {
-        match admit_under_lock(args, role, limits, now, retention, seq, fill) {
-            Ok(Ok(())) => queue::wait(crate::waiters::leave),
-            Ok(Err(refused)) => return Ok(Err(refused)),
-            Err(Repeat::Found(id)) if !crate::syncrep::standbys_defined() => {
-                return Ok(Ok((id, true)))
+        loop {
+            match admit_under_lock(args, role, limits, now, retention, seq, fill) {
+                Ok(Ok(())) => break queue::wait(crate::waiters::leave),
+                Ok(Err(refused)) => return Ok(Err(refused)),
+                Err(Repeat::Found(id)) if !crate::syncrep::standbys_defined() => {
+                    return Ok(Ok((id, true)))
+                }
+                // The database had no writer: wait in line for one without the scope
+                // lock, then decide again (the counts may have moved meanwhile).
+                Err(Repeat::NoWriter) => queue::ensure_writer(),
+                Err(_) => break through_writer(),
             }
-            Err(_) => through_writer(),
         }
     };
     Ok(match answer {
@@ -430,11 +435,14 @@ enum Repeat {
     Found(pgrx::Uuid),
     /// A start with the key, in the writer's hands: the writer must answer this one.
     InFlight,
+    /// Not a repeat: the request fits, but the database has no writer to take it.
+    NoWriter,
 }
 
 /// The limited path of start(): refuses from the committed state without a lock, or
 /// hands the request to the writer under the scope lock once it surely fits. Err
-/// carries a repeat of the caller's key found meanwhile.
+/// carries a repeat of the caller's key found meanwhile, or says that the database
+/// has no writer to hand the request to.
 fn admit_under_lock(
     args: &StartArgs,
     role: pg_sys::Oid,
@@ -510,8 +518,6 @@ fn admit_under_lock(
     // the writer's commits. The writer checks again in any case (it is the single
     // authority: for the database cap, which spans scopes, it is the only exact
     // check), so this only keeps refusals off the writer.
-    // A wait in line for a writer slot happens before the scope lock, not under it.
-    queue::ensure_writer();
     let _lock = ScopeLock::acquire(role);
     let mut waited = Patience::new();
     loop {
@@ -557,6 +563,11 @@ fn admit_under_lock(
         nap(INFLIGHT_POLL_MS, compat::Wait::InFlight);
         waited.check_writer();
     }
-    queue::enqueue(fill);
-    Ok(Ok(()))
+    // Handed over only to a running writer: a wait in line for a writer slot under the
+    // scope lock would hold up every other start of the scope (see attempt).
+    if queue::enqueue_to_running(fill) {
+        Ok(Ok(()))
+    } else {
+        Err(Repeat::NoWriter)
+    }
 }

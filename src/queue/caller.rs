@@ -79,8 +79,8 @@ fn my_slot() -> &'static Slot {
     slot(me)
 }
 
-/// Hands one start request to this database's writer. The caller then calls `wait`.
-pub fn enqueue(fill: impl FnOnce(&mut Request)) {
+/// Fills this backend's slot with a request of this database and role.
+fn prepare(fill: impl FnOnce(&mut Request)) -> &'static Slot {
     let slot = my_slot();
     reclaim(slot);
 
@@ -92,11 +92,33 @@ pub fn enqueue(fill: impl FnOnce(&mut Request)) {
     // SAFETY: a plain read of backend state.
     let role = unsafe { pg_sys::GetUserId() };
     slot.role.store(u32::from(role), Ordering::Relaxed);
+    slot
+}
+
+/// Hands one start request to this database's writer, starting one (in line for a
+/// writer slot) if need be. The caller then calls `wait`.
+pub fn enqueue(fill: impl FnOnce(&mut Request)) {
+    let slot = prepare(fill);
     // Callers publish under the table lock, so a writer deciding to leave
     // (exclusively) sees every request queued for it. The request is not published
     // before, so a cancel while waiting in line leaves nothing behind.
     let (_lock, i) = writer_in_line(slot, shmem::my_db()).unwrap_or_else(|e| raise(e));
     publish(slot, i);
+}
+
+/// Hands one start request to this database's writer if one runs; false (nothing
+/// handed over) if none does. For callers holding a lock that a wait in line must not
+/// be made under.
+pub fn enqueue_to_running(fill: impl FnOnce(&mut Request)) -> bool {
+    let slot = prepare(fill);
+    let _shared = TableLock::acquire_shared();
+    match workers::writer_of(shmem::my_db()) {
+        Some(i) => {
+            publish(slot, i);
+            true
+        }
+        None => false,
+    }
 }
 
 /// Makes sure this database has a writer, waiting in line for a slot if need be,
@@ -140,14 +162,14 @@ fn writer_in_line(slot: &'static Slot, db: pg_sys::Oid) -> Result<(TableLock, us
                 return Ok((lock, i));
             }
         }
-        if place.is_none() {
-            place = Some(InLine::join(slot));
-        }
         let waited = began.elapsed();
         if waited >= gucs::writer_start_wait() {
             return Err(QuotaError::NoWorkerSlot {
                 waited_ms: waited.as_millis() as u64,
             });
+        }
+        if place.is_none() {
+            place = Some(InLine::join(slot));
         }
         let poll = if my_turn { HEAD_POLL_MS } else { LINE_POLL_MS };
         nap(poll, compat::Wait::WriterStart);
@@ -169,6 +191,8 @@ impl InLine {
 impl Drop for InLine {
     fn drop(&mut self) {
         self.1.slot_line.store(0, Ordering::Release);
+        // The next in line may be first now.
+        wake_line_head();
     }
 }
 

@@ -75,6 +75,20 @@ def psql(sql, user="postgres"):
     return out.stdout.strip()
 
 
+def read_latencies(logdir, tag):
+    """The per-transaction latencies (us) of pgbench's logs for `tag`, which it removes."""
+    lat = []
+    for name in os.listdir(logdir):
+        if name.startswith(tag + "."):
+            with open(os.path.join(logdir, name)) as f:
+                for line in f:
+                    cols = line.split()
+                    if len(cols) >= 3 and cols[2].isdigit():
+                        lat.append(int(cols[2]))
+            os.remove(os.path.join(logdir, name))
+    return lat
+
+
 def pgbench(script, user, clients, seconds, logdir, tag, per_statement=False):
     """One pgbench process. Returns (transactions, failed, latencies_us, stmt_lat_ms)."""
     prefix = os.path.join(logdir, tag)
@@ -88,15 +102,7 @@ def pgbench(script, user, clients, seconds, logdir, tag, per_statement=False):
     if res.returncode != 0:
         sys.stderr.write(res.stdout + res.stderr)
         raise SystemExit(f"pgbench failed: {' '.join(cmd)}")
-    lat = []
-    for name in os.listdir(logdir):
-        if name.startswith(tag + "."):
-            with open(os.path.join(logdir, name)) as f:
-                for line in f:
-                    cols = line.split()
-                    if len(cols) >= 3 and cols[2].isdigit():
-                        lat.append(int(cols[2]))
-            os.remove(os.path.join(logdir, name))
+    lat = read_latencies(logdir, tag)
     m = re.search(r"number of transactions actually processed: (\d+)", res.stdout)
     failed = re.search(r"number of failed transactions: (\d+)", res.stdout)
     stmt = {}
@@ -131,13 +137,7 @@ def run_databases(n, logdir, tag):
                "-l", "--log-prefix", prefix, f"bench_db_{i}"]
         res = subprocess.run(cmd, capture_output=True, text=True)
         m = re.search(r"number of transactions actually processed: (\d+)", res.stdout)
-        lat = []
-        for name in os.listdir(logdir):
-            if name.startswith(f"{tag}-{i}."):
-                with open(os.path.join(logdir, name)) as f:
-                    lat += [int(c[2]) for c in (line.split() for line in f) if len(c) >= 3 and c[2].isdigit()]
-                os.remove(os.path.join(logdir, name))
-        return int(m.group(1)) if m else 0, res.returncode != 0, lat
+        return int(m.group(1)) if m else 0, res.returncode != 0, read_latencies(logdir, f"{tag}-{i}")
     with ThreadPoolExecutor(max_workers=n) as ex:
         results = list(ex.map(one, range(1, n + 1)))
     return {"tps": sum(r[0] for r in results) / SECONDS,

@@ -97,10 +97,10 @@ pub fn standbys_defined() -> bool {
     s.wal_senders && s.standbys_defined
 }
 
-/// The end of the last commit record this process wrote.
-pub fn last_commit_end() -> pg_sys::XLogRecPtr {
+/// Whether the last commit this process made is confirmed (see `confirmed`).
+pub fn last_commit_confirmed() -> bool {
     // SAFETY: a plain read of this process's own state, set at each commit.
-    unsafe { pg_sys::XactLastCommitEnd }
+    confirmed(unsafe { pg_sys::XactLastCommitEnd })
 }
 
 /// Waits, as a commit at this process's `synchronous_commit` waits, until the

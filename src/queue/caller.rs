@@ -121,9 +121,9 @@ pub fn enqueue_to_running(fill: impl FnOnce(&mut Request)) -> bool {
     }
 }
 
-/// Makes sure this database has a writer, waiting in line for a slot if need be,
-/// before a caller takes its scope lock: a wait in line under that lock would hold up
-/// every other start of the scope.
+/// Makes sure this database has a writer, waiting in line for a slot if need be. For
+/// a limited start that found no writer under its scope lock: it waits here, without
+/// that lock, which would otherwise hold up every other start of the scope.
 pub fn ensure_writer() {
     let _ = writer_in_line(my_slot(), shmem::my_db()).unwrap_or_else(|e| raise(e));
 }
@@ -196,27 +196,26 @@ impl Drop for InLine {
     }
 }
 
-/// Wakes the first caller in line for a writer slot, if any: a writer just left.
-pub fn wake_line_head() {
-    let first = slots()
+/// The first in line for writer slots: its place and its slot's index.
+fn first_in_line() -> Option<(u64, usize)> {
+    slots()
         .iter()
         .enumerate()
         .map(|(i, s)| (s.slot_line.load(Ordering::Acquire), i))
         .filter(|&(p, _)| p != 0)
-        .min();
-    if let Some((_, i)) = first {
+        .min()
+}
+
+/// Wakes the first caller in line for a writer slot, if any: a writer just left.
+pub fn wake_line_head() {
+    if let Some((_, i)) = first_in_line() {
         shmem::wake(i);
     }
 }
 
 /// The first place in the line for writer slots; 0 when nobody waits.
 pub fn line_head() -> u64 {
-    slots()
-        .iter()
-        .map(|s| s.slot_line.load(Ordering::Acquire))
-        .filter(|&p| p != 0)
-        .min()
-        .unwrap_or(0)
+    first_in_line().map_or(0, |(p, _)| p)
 }
 
 fn publish(slot: &Slot, idx: usize) {
@@ -234,11 +233,13 @@ pub fn inflight(role: pg_sys::Oid) -> i64 {
     let db = shmem::my_db();
     slots()
         .iter()
-        .filter(|s| {
-            let st = load_state(s);
-            (st == SLOT_PENDING || st == SLOT_CLAIMED) && s.dboid() == db && s.role() == role
-        })
+        .filter(|s| in_writers_hands(s) && s.dboid() == db && s.role() == role)
         .count() as i64
+}
+
+/// Whether slot `s` holds a request handed over to a writer and not yet answered.
+fn in_writers_hands(s: &Slot) -> bool {
+    matches!(load_state(s), SLOT_PENDING | SLOT_CLAIMED)
 }
 
 /// How many requests of any role in this database are in the writer's hands: what
@@ -248,10 +249,7 @@ pub fn inflight_db() -> i64 {
     let db = shmem::my_db();
     slots()
         .iter()
-        .filter(|s| {
-            let st = load_state(s);
-            (st == SLOT_PENDING || st == SLOT_CLAIMED) && s.dboid() == db
-        })
+        .filter(|s| in_writers_hands(s) && s.dboid() == db)
         .count() as i64
 }
 
@@ -264,8 +262,7 @@ pub fn inflight_db() -> i64 {
 pub fn in_flight_with_key(role: pg_sys::Oid, key: &[u8]) -> bool {
     let db = shmem::my_db();
     slots().iter().any(|s| {
-        let busy = |s: &Slot| matches!(load_state(s), SLOT_PENDING | SLOT_CLAIMED);
-        if !(busy(s) && s.dboid() == db && s.role() == role) {
+        if !(in_writers_hands(s) && s.dboid() == db && s.role() == role) {
             return false;
         }
         // SAFETY: the owner writes the request only while the slot is FREE, so while it
@@ -282,7 +279,7 @@ pub fn in_flight_with_key(role: pg_sys::Oid, key: &[u8]) -> bool {
                     .enumerate()
                     .all(|(i, &b)| std::ptr::read_volatile(&raw const (*r).key[i]) == b)
         };
-        same && busy(s)
+        same && in_writers_hands(s)
     })
 }
 

@@ -94,7 +94,7 @@ pub struct Slot {
     pub request: UnsafeCell<Request>,
     pub reply: UnsafeCell<Reply>,
     /// The owner's place in the line for writer slots (0: not in it); see
-    /// caller::enqueue. Written only by the owner, read by every caller in the line.
+    /// caller::writer_in_line. Written only by the owner, read by every caller in line.
     pub slot_line: AtomicU64,
 }
 

@@ -55,7 +55,7 @@ pub fn hand_back_at_exit(committed: bool) {
         BATCH.with_borrow(|b| count_admitted(b));
         // As `settle` judges it: a commit the synchronous standbys did not confirm
         // hands out no ticket.
-        if !crate::syncrep::confirmed(crate::syncrep::last_commit_end()) {
+        if !crate::syncrep::last_commit_confirmed() {
             BATCH.with_borrow(|b| b.iter().for_each(|&i| serve::set_unconfirmed(i)));
         }
     }
@@ -174,7 +174,7 @@ fn settle(group: &[usize], wrote: bool) -> bool {
         r.kind == REPLY_ADMITTED && r.reused
     });
     let confirmed = if wrote {
-        crate::syncrep::confirmed(crate::syncrep::last_commit_end())
+        crate::syncrep::last_commit_confirmed()
     } else if reused {
         crate::syncrep::wait_for_flushed()
     } else {

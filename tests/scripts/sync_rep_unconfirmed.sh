@@ -55,7 +55,10 @@ caller caller "SELECT quota.start('waits for the standby', idempotency_key => 'k
 writer_in_syncrep() {
   [ "$(sql -c "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer' AND wait_event = 'SyncRep'")" = 1 ]
 }
-for _ in $(seq 1 200); do writer_in_syncrep && break; sleep 0.05; done
+wait_writer_in_syncrep() {  # 10 s at most
+  for _ in $(seq 1 200); do writer_in_syncrep && return; sleep 0.05; done
+}
+wait_writer_in_syncrep
 check "the writer's commit waits for the synchronous standby (wait event SyncRep)" writer_in_syncrep
 expect_eq "the ticket's row is not yet visible: the commit has not ended" 1 \
   "$(sql -c "SELECT count(*) FROM quota.ledger")"
@@ -80,7 +83,7 @@ standby_waited_for
 # pg_cancel_backend ends a commit's wait for the standby as well, with a WARNING and
 # no flag; the standby's confirmed position tells.
 caller cancelled "SELECT quota.start('cancelled wait', idempotency_key => 'k2')"
-for _ in $(seq 1 200); do writer_in_syncrep && break; sleep 0.05; done
+wait_writer_in_syncrep
 check "a new start's commit waits for the standby" writer_in_syncrep
 sql -c "SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer'" >/dev/null
 answered cancelled
@@ -92,7 +95,7 @@ check "... and the writer goes on (it was cancelled, not terminated)" \
 # it, and waits for the standby first (before, the caller's own session found the
 # ticket and returned it at once).
 caller repeat "SELECT quota.start(idempotency_key => 'k1')"
-for _ in $(seq 1 200); do writer_in_syncrep && break; sleep 0.05; done
+wait_writer_in_syncrep
 check "a repeat of the key waits for the standby: the writer waits in SyncRep" writer_in_syncrep
 check "... and the repeat has no answer meanwhile" bash -c "! grep -q '^SQLSTATE=' '$CL/repeat.out'"
 sql -c "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer'" >/dev/null
@@ -101,7 +104,7 @@ expect_eq "terminated in that wait, the writer answers the repeat 40003, not the
 
 # Once the standby is no longer waited for, a repeat gets the ticket the key names.
 caller confirmed "SELECT quota.start(idempotency_key => 'k1')"
-for _ in $(seq 1 200); do writer_in_syncrep && break; sleep 0.05; done
+wait_writer_in_syncrep
 check "the next repeat waits for the standby too (a new writer)" writer_in_syncrep
 sql -c "ALTER SYSTEM RESET synchronous_standby_names" -c "SELECT pg_reload_conf()" >/dev/null
 answered confirmed

@@ -65,12 +65,18 @@ WAKE_LEASE = "250 ms"
 # Databases beyond the worker slots (max_worker_processes = 8, the logical replication
 # launcher holds one): one client per database, each database its own writer.
 DATABASES = [7, 24] if QUICK else [7, 24, 100]
+# Tenants beyond the scope counters: this many roles in database bench_roles, each
+# holding one ticket; quota.scope_counters keeps its default (65,536), so not every
+# role fits. MANY_ROLES_AT are the roles whose start() is timed, interleaved.
+MANY_ROLES = 100_000
+MANY_ROLES_DB = "bench_roles"
+MANY_ROLES_AT = [1, MANY_ROLES // 2, MANY_ROLES]
 
 
-def psql(sql, user="postgres"):
+def psql(sql, user="postgres", db=None):
     out = subprocess.run(
         [os.path.join(ARGS.pgbin, "psql"), "-X", "-At", "-v", "ON_ERROR_STOP=1",
-         "-h", ARGS.host, "-p", ARGS.port, "-U", user, "-d", ARGS.db, "-c", sql],
+         "-h", ARGS.host, "-p", ARGS.port, "-U", user, "-d", db or ARGS.db, "-c", sql],
         check=True, capture_output=True, text=True)
     return out.stdout.strip()
 
@@ -89,7 +95,7 @@ def read_latencies(logdir, tag):
     return lat
 
 
-def pgbench(script, user, clients, seconds, logdir, tag, per_statement=False):
+def pgbench(script, user, clients, seconds, logdir, tag, per_statement=False, db=None):
     """One pgbench process. Returns (transactions, failed, latencies_us, stmt_lat_ms)."""
     prefix = os.path.join(logdir, tag)
     cmd = [os.path.join(ARGS.pgbin, "pgbench"), "-n", "-h", ARGS.host, "-p", ARGS.port,
@@ -97,7 +103,7 @@ def pgbench(script, user, clients, seconds, logdir, tag, per_statement=False):
            "-f", os.path.join(SCRIPTS, script), "-l", "--log-prefix", prefix]
     if per_statement:
         cmd.append("-r")
-    cmd.append(ARGS.db)
+    cmd.append(db or ARGS.db)
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         sys.stderr.write(res.stdout + res.stderr)
@@ -146,7 +152,7 @@ def run_databases(n, logdir, tag):
             "lat": sorted(x for r in results for x in r[2])}
 
 
-def run(system_script, clients, mode, logdir, tag, role="bench_r1", per_statement=False):
+def run(system_script, clients, mode, logdir, tag, role="bench_r1", per_statement=False, db=None):
     """mode 'roles': one pgbench process per role, one client each; 'one': all on `role`."""
     t0 = time.time()
     if mode == "roles":
@@ -155,7 +161,7 @@ def run(system_script, clients, mode, logdir, tag, role="bench_r1", per_statemen
                               f"{tag}-{i + 1}") for i in range(clients)]
             results = [f.result() for f in futs]
     else:
-        results = [pgbench(system_script, role, clients, SECONDS, logdir, tag, per_statement)]
+        results = [pgbench(system_script, role, clients, SECONDS, logdir, tag, per_statement, db)]
     elapsed = max(SECONDS, time.time() - t0 - 0.5)
     tx = sum(r[0] for r in results)
     lat = sorted(x for r in results for x in r[2])
@@ -190,10 +196,13 @@ class HeldSnapshot:
     """A session that holds a REPEATABLE READ snapshot open, as pg_dump or an idle
     reporting session does, so that no row version dead since then can be pruned."""
 
+    def __init__(self, db=None):
+        self.db = db or ARGS.db
+
     def __enter__(self):
         self.proc = subprocess.Popen(
             [os.path.join(ARGS.pgbin, "psql"), "-X", "-q", "-h", ARGS.host, "-p", ARGS.port,
-             "-U", "postgres", "-d", ARGS.db],
+             "-U", "postgres", "-d", self.db],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
         self.proc.stdin.write("SET application_name = 'bench_snapshot';\n"
                               "BEGIN ISOLATION LEVEL REPEATABLE READ;\n"
@@ -210,6 +219,51 @@ class HeldSnapshot:
         self.proc.stdin.write("COMMIT;\n")
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
+
+
+def ensure_many_roles():
+    """Database bench_roles with MANY_ROLES roles bench_many_N, each holding one ticket
+    (started by four sessions at once, each walking its share of the roles with SET
+    ROLE). Returns the seconds it took."""
+    t0 = time.time()
+    if not psql(f"SELECT 1 FROM pg_database WHERE datname = '{MANY_ROLES_DB}'"):
+        psql(f"CREATE DATABASE {MANY_ROLES_DB}")
+        for sql in ("CREATE EXTENSION pg_quota",
+                    f"ALTER DATABASE {MANY_ROLES_DB} SET quota.max_active_per_role = 1000",
+                    f"ALTER DATABASE {MANY_ROLES_DB} SET quota.max_retained_per_role = 0"):
+            psql(sql, db=MANY_ROLES_DB)
+    psql(f"DO $$ BEGIN FOR i IN 1..{MANY_ROLES} LOOP "
+         "IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'bench_many_' || i) THEN "
+         "EXECUTE format('CREATE ROLE bench_many_%s LOGIN', i); END IF; END LOOP; END $$")
+    parts = 4
+    def charge(k):
+        lo, hi = k * MANY_ROLES // parts + 1, (k + 1) * MANY_ROLES // parts
+        psql(f"DO $$ BEGIN FOR i IN {lo}..{hi} LOOP "
+             "IF NOT EXISTS (SELECT FROM quota.ledger WHERE role = ('bench_many_' || i)::regrole) THEN "
+             "EXECUTE format('SET ROLE bench_many_%s', i); PERFORM quota.start('held'); RESET ROLE; "
+             "END IF; END LOOP; END $$", db=MANY_ROLES_DB)
+    with ThreadPoolExecutor(max_workers=parts) as ex:
+        list(ex.map(charge, range(parts)))
+    held = psql("SELECT count(DISTINCT role) FROM quota.ledger WHERE ended_at IS NULL", db=MANY_ROLES_DB)
+    if int(held) < MANY_ROLES:
+        raise SystemExit(f"only {held} of {MANY_ROLES} roles hold a ticket in {MANY_ROLES_DB}")
+    return time.time() - t0
+
+
+def many_roles_round(logdir, rnd):
+    """start() latency (ms, pgbench per statement) of each role of MANY_ROLES_AT, with an
+    old snapshot held: first each role churns through tickets for the same time behind
+    it, then each is timed, in an order that turns with the round."""
+    out = {}
+    with HeldSnapshot(MANY_ROLES_DB):
+        for n in MANY_ROLES_AT:
+            run("pgq.sql", 1, "one", logdir, f"roles-churn-{n}", role=f"bench_many_{n}", db=MANY_ROLES_DB)
+        order = MANY_ROLES_AT[rnd % len(MANY_ROLES_AT):] + MANY_ROLES_AT[:rnd % len(MANY_ROLES_AT)]
+        for n in order:
+            r = run("pgq.sql", 1, "one", logdir, f"roles-{n}", role=f"bench_many_{n}",
+                    per_statement=True, db=MANY_ROLES_DB)
+            out[n] = next((v for k, v in r["stmt"].items() if "quota.start" in k), float("nan"))
+    return out
 
 
 def ledger_rows(role):
@@ -252,8 +306,11 @@ def main():
     lifecycle = []   # runs of bench/scripts/lifecycle.sql, 16 clients on 16 roles
     jobs = {name: [] for name in JOBS}   # runs of bench/scripts/job*.sql, 16 on 16 roles
     dbs = {n: [] for n in DATABASES}   # runs of bench/scripts/dbs.sql, a client per database
+    roles = {n: [] for n in MANY_ROLES_AT}   # start() ms of role bench_many_N, per round
     start_idempotency_keys()
     ensure_databases(max(DATABASES))
+    print(f"{MANY_ROLES} roles holding a ticket each in {MANY_ROLES_DB}: "
+          f"{ensure_many_roles():.0f} s", flush=True)
 
     for rnd in range(ROUNDS):
         print(f"round {rnd + 1} of {ROUNDS}", flush=True)
@@ -281,6 +338,11 @@ def main():
             dbs[n].append(r)
             print(f"  {n:3} databases, a client each: {r['tps']:9.1f} tx/s, {r['served']} served,"
                   f" {r['failed']} clients failed", flush=True)
+        # Tenants beyond the scope counters, with an old snapshot held.
+        for n, ms in many_roles_round(logdir, rnd).items():
+            roles[n].append(ms)
+        print("  start() of role #" + ", #".join(f"{n}: {roles[n][-1]:.3f} ms" for n in MANY_ROLES_AT),
+              flush=True)
         # The refusal path against SELECT 1 under the same load.
         for name, script in (("refuse", "refuse.sql"), ("select1", "select1.sql")):
             a = wal_lsn()
@@ -333,7 +395,7 @@ def main():
             p50 = pct(sorted(w for w, _ in got if w is not None), 0.5)
             print(f"  wake after {how:6}: {len(got)} samples, p50 {p50:.2f} ms", flush=True)
 
-    write_report(through, refusal, history, snapshot, idem, wake, lifecycle, jobs, dbs)
+    write_report(through, refusal, history, snapshot, idem, wake, lifecycle, jobs, dbs, roles)
 
     shutil.rmtree(logdir, ignore_errors=True)
 
@@ -347,7 +409,7 @@ def lat_pcts(through, system, mode, clients):
     return pct(lat, 0.5), pct(lat, 0.99)
 
 
-def write_report(through, refusal, history, snapshot, idem, wake, lifecycle, jobs, dbs):
+def write_report(through, refusal, history, snapshot, idem, wake, lifecycle, jobs, dbs, roles):
     lines = []
     add = lines.append
     add(f"# pg_quota benchmark results ({'quick' if QUICK else 'full'} run)")
@@ -522,6 +584,25 @@ def write_report(through, refusal, history, snapshot, idem, wake, lifecycle, job
             f" {t / base_tps if base_tps else float('nan'):.2f}x | {pct(lat, .99) / base_p99 if base_p99 else float('nan'):.2f}x |")
     add("")
 
+    add("## Tenants beyond the scope counters")
+    add("")
+    n_counters = psql("SHOW quota.scope_counters")
+    add(f"{MANY_ROLES:,} roles in one database, each holding one ticket; `quota.scope_counters` "
+        f"= {n_counters}, so not all of them have a counter at once. A REPEATABLE READ session "
+        "holds its snapshot through each round; in it, each timed role first loops start() + "
+        "finish() with one client for the same time as the timed run, leaving dead row versions "
+        "behind the snapshot, then each role is timed in turn (pgbench -r, the mean start() per "
+        "round; the order turns with the round).")
+    add("")
+    add("| role | start() ms per round | median | vs role #1 |")
+    add("|---:|---|---:|---:|")
+    first = median(roles[MANY_ROLES_AT[0]])
+    for n in MANY_ROLES_AT:
+        m = median(roles[n])
+        add(f"| #{n:,} | " + ", ".join(f"{x:.3f}" for x in roles[n]) + f" | {m:.3f} | "
+            f"{m / first if first else float('nan'):.2f}x |")
+    add("")
+
     def ratio(a, b):
         return a / b if b else float("nan")
     c16 = 16 if 16 in CLIENTS else CLIENTS[-1]
@@ -544,6 +625,8 @@ def write_report(through, refusal, history, snapshot, idem, wake, lifecycle, job
         ("0.4.0: refusals/s vs SELECT 1/s", ratio(ref, sel), ">=", 0.9),
         (f"0.4.0: databases served, {DATABASES[-1]} on 8 worker slots (share)",
          min(r["served"] for r in dbs[DATABASES[-1]]) / DATABASES[-1], ">=", 1.0),
+        (f"0.4.0: start() of role #{MANY_ROLES:,} vs #1, old snapshot held",
+         ratio(median(roles[MANY_ROLES]), median(roles[1])), "<=", 1.25),
     ]
     add("## Targets")
     add("")

@@ -2,7 +2,8 @@
 //! PGC_SUSET: only superusers (or roles granted `SET ON PARAMETER`) change them, so a
 //! tenant cannot raise its own limits, and `ALTER ROLE … SET` / `ALTER DATABASE … SET`
 //! give per-role and per-database values; so is writer_start_wait. writer_idle_timeout
-//! is server-wide (PGC_SIGHUP) and stats_max sizes shared memory (PGC_POSTMASTER).
+//! is server-wide (PGC_SIGHUP); stats_max and scope_counters size shared memory
+//! (PGC_POSTMASTER).
 
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 
@@ -17,6 +18,7 @@ static DEFAULT_LEASE: GucSetting<i32> = GucSetting::<i32>::new(24 * 3600);
 static STATS_MAX: GucSetting<i32> = GucSetting::<i32>::new(5000);
 static LOG_REFUSALS: GucSetting<bool> = GucSetting::<bool>::new(false);
 static WRITER_START_WAIT: GucSetting<i32> = GucSetting::<i32>::new(10_000);
+static SCOPE_COUNTERS: GucSetting<i32> = GucSetting::<i32>::new(65_536);
 
 pub fn init() {
     // 0 turns the limit off; a million concurrent tickets for one role is far beyond
@@ -114,6 +116,19 @@ pub fn init() {
         GucContext::Postmaster,
         GucFlags::default(),
     );
+    // 0.4.0. Set at server start: it sizes the scope counters in shared memory (40
+    // bytes each, 2.5 MiB by default). The bottom lets a test fill the table; 2^22
+    // (160 MiB) is far beyond the (database, role) pairs any server serves.
+    GucRegistry::define_int_guc(
+        c"quota.scope_counters",
+        c"How many (database, role) pairs keep their ticket counts in shared memory.",
+        c"When the table is full, the least recently used counter near a new pair gives its place up and is rebuilt from the ledger when needed again.",
+        &SCOPE_COUNTERS,
+        16,
+        1 << 22,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
     // 0.3.0. SUSET: a tenant cannot turn its own refusals into log lines (or off).
     GucRegistry::define_bool_guc(
         c"quota.log_refusals",
@@ -155,6 +170,10 @@ pub fn writer_start_wait() -> std::time::Duration {
 
 pub fn stats_max() -> usize {
     STATS_MAX.get().max(0) as usize
+}
+
+pub fn scope_counters() -> usize {
+    SCOPE_COUNTERS.get().max(1) as usize
 }
 
 pub fn log_refusals() -> bool {

@@ -27,8 +27,13 @@
 //! A counter is valid only for the relations it was built from: each carries the
 //! relfilenodes of the ledger and the summary. TRUNCATE of either (the triggers
 //! truncate the summary after any SQL-level write to the ledger), VACUUM FULL or a
-//! reinstall gives them new ones, and the next reader rebuilds. If the table is full,
-//! a role has no counter and admission counts from the ledger as before.
+//! reinstall gives them new ones, and the next reader rebuilds.
+//!
+//! The table holds `quota.scope_counters` counters (0.4.0; 16,384 before, and a scope
+//! beyond them was counted from the ledger on every call, walking a whole full table
+//! first). A scope lives within a bounded window of its home entry, so a lookup costs
+//! the same however full the table is; when the window is full, its least recently
+//! used counter gives its entry up (core::counters) and is rebuilt when read again.
 //!
 //! The counters live in a segment of their own, with their
 //! LWLock and the key of the scope lock's tag (`scope_tag`). Beside the counters, this
@@ -40,6 +45,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
 
 use pgrx::pg_sys;
 
+use crate::core::counters::{self, Entry};
 use crate::core::lease::earliest;
 use crate::core::{RefusalKind, Usage};
 use crate::ledger::count::{active, expired, lapsed, oldest_ended, rows, summary_rows};
@@ -48,8 +54,6 @@ use crate::ledger::scan::Latest;
 use crate::shmem::{self, Base, Layout, Segment};
 use crate::workers;
 
-/// Counters for this many scopes across the cluster.
-pub const N_SCOPES: usize = 16384;
 /// Pending changes one backend can publish for one transaction: one per role. A
 /// transaction that touches more roles invalidates the others' counters instead.
 pub const PENDING_PER_SLOT: usize = 64;
@@ -65,6 +69,9 @@ pub struct Scope {
     valid: AtomicBool,
     ledger_node: AtomicU32,
     summary_node: AtomicU32,
+    /// When the counter was last read, in seconds (see `now_secs`): the least recently
+    /// used one gives its entry up when a scope's window is full.
+    used: AtomicU32,
     active: AtomicI64,
     rows: AtomicI64,
 }
@@ -110,15 +117,19 @@ impl Drop for Held {
 fn home(db: u32, role: u32) -> usize {
     let h = (u64::from(db).wrapping_mul(0x9E37_79B9_7F4A_7C15))
         ^ u64::from(role).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
-    (h >> 17) as usize % N_SCOPES
+    (h >> 17) as usize % n_scopes()
+}
+
+/// The entries a scope may live in: `counters::WINDOW` from its home on.
+fn window(db: u32, role: u32) -> impl Iterator<Item = &'static Scope> {
+    let table = scopes();
+    let start = home(db, role);
+    (0..counters::window(table.len())).map(move |k| &table[(start + k) % table.len()])
 }
 
 /// The entry of (db, role). The caller holds the lock.
 fn find(db: u32, role: u32) -> Option<&'static Scope> {
-    let table = scopes();
-    let start = home(db, role);
-    for k in 0..N_SCOPES {
-        let e = &table[(start + k) % N_SCOPES];
+    for e in window(db, role) {
         match e.db.load(Ordering::Relaxed) {
             FREE_KEY => return None,
             d if d == db && e.role.load(Ordering::Relaxed) == role => return Some(e),
@@ -128,22 +139,48 @@ fn find(db: u32, role: u32) -> Option<&'static Scope> {
     None
 }
 
-/// The entry of (db, role), created (invalid) if missing. The caller holds the lock
-/// exclusively. None when the table is full.
-fn find_or_insert(db: u32, role: u32) -> Option<&'static Scope> {
-    if let Some(e) = find(db, role) {
-        return Some(e);
+/// The seconds a counter's `used` is measured in: the transaction's start, which
+/// costs no clock read.
+fn now_secs() -> u32 {
+    // SAFETY: a read of the transaction's start time.
+    let ts = unsafe { pg_sys::GetCurrentTransactionStartTimestamp() };
+    (ts / 1_000_000).clamp(0, i64::from(u32::MAX)) as u32
+}
+
+/// Marks `e` as read now, writing only when the second changed, so that readers of a
+/// hot scope do not all write its cache line.
+fn touch(e: &Scope) {
+    let now = now_secs();
+    if e.used.load(Ordering::Relaxed) != now {
+        e.used.store(now, Ordering::Relaxed);
     }
-    let table = scopes();
-    let start = home(db, role);
-    (0..N_SCOPES)
-        .map(|k| &table[(start + k) % N_SCOPES])
-        .find(|e| matches!(e.db.load(Ordering::Relaxed), FREE_KEY | TOMBSTONE))
-        .inspect(|e| {
-            e.valid.store(false, Ordering::Relaxed);
-            e.role.store(role, Ordering::Relaxed);
-            e.db.store(db, Ordering::Relaxed);
-        })
+}
+
+/// The entry of (db, role), created (invalid) if missing. The caller holds the lock
+/// exclusively. When its window is full, the least recently used counter there gives
+/// its entry up (see core::counters): it is rebuilt from the ledger if needed again,
+/// and a change published for it meanwhile is applied to that rebuild or absorbed by
+/// it, as after `forget`.
+fn find_or_insert(db: u32, role: u32) -> &'static Scope {
+    if let Some(e) = find(db, role) {
+        return e;
+    }
+    let slots: Vec<&'static Scope> = window(db, role).collect();
+    let k = counters::place(slots.iter().map(|e| match e.db.load(Ordering::Relaxed) {
+        FREE_KEY => Entry::Free,
+        TOMBSTONE => Entry::Removed,
+        _ => Entry::Taken {
+            valid: e.valid.load(Ordering::Relaxed),
+            used: e.used.load(Ordering::Relaxed),
+        },
+    }))
+    .expect("the window of a scope is never empty");
+    let e = slots[k];
+    e.valid.store(false, Ordering::Relaxed);
+    e.role.store(role, Ordering::Relaxed);
+    e.db.store(db, Ordering::Relaxed);
+    e.used.store(now_secs(), Ordering::Relaxed);
+    e
 }
 
 fn current(e: &Scope, tags: Tags) -> Option<(i64, i64)> {
@@ -159,8 +196,9 @@ fn current(e: &Scope, tags: Tags) -> Option<(i64, i64)> {
 }
 
 /// (active, rows) of (db, role): from its counter, rebuilt first with `count` (the
-/// ledger's numbers under the snapshot it is given) if missing or stale. None if the
-/// table is full; the caller then counts from the ledger itself.
+/// ledger's numbers under the snapshot it is given) if missing or stale. None if
+/// `count` has no numbers (no summary row yet); the caller then counts from the ledger
+/// itself.
 pub fn get(
     db: pg_sys::Oid,
     role: pg_sys::Oid,
@@ -170,12 +208,13 @@ pub fn get(
     let (db, role) = (u32::from(db), u32::from(role));
     {
         let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
-        if let Some(v) = find(db, role).and_then(|e| current(e, tags)) {
+        if let Some((e, v)) = find(db, role).and_then(|e| Some((e, current(e, tags)?))) {
+            touch(e);
             return Some(v);
         }
     }
     let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
-    let e = find_or_insert(db, role)?;
+    let e = find_or_insert(db, role);
     if let Some(v) = current(e, tags) {
         return Some(v);
     }
@@ -325,6 +364,8 @@ pub fn forget(db: pg_sys::Oid, roles: Option<&[pg_sys::Oid]>) {
 struct Header {
     lock: *mut pg_sys::LWLock,
     n_slots: usize,
+    /// Counters in the table: quota.scope_counters when the server started.
+    n_scopes: usize,
     /// Random bytes drawn when the server starts, which the scope lock's tag is made
     /// from (see `scope_tag`).
     secret: [u64; 2],
@@ -332,17 +373,19 @@ struct Header {
 
 static BASE: Base = Base::new();
 
-/// The segment's layout for `n` backends: the header, the counters, then each
-/// backend's pending changes.
-fn layout(n: usize) -> (Layout, usize, usize) {
+/// The segment's layout for `n` backends and `scopes` counters: the header, the
+/// counters, then each backend's pending changes.
+fn layout(n: usize, scopes: usize) -> (Layout, usize, usize) {
     let mut l = Layout::of::<Header>();
-    let scopes = l.array::<Scope>(N_SCOPES);
+    let at = l.array::<Scope>(scopes);
     let pending = l.array::<Pending>(n * PENDING_PER_SLOT);
-    (l, scopes, pending)
+    (l, at, pending)
 }
 
 fn size() -> usize {
-    layout(shmem::max_backends()).0.size()
+    layout(shmem::max_backends(), crate::gucs::scope_counters())
+        .0
+        .size()
 }
 
 /// # Safety
@@ -355,6 +398,7 @@ unsafe fn attach(base: *mut u8, found: bool, locks: *mut pg_sys::LWLockPadded) {
             let h = base as *mut Header;
             (*h).lock = &mut (*locks).lock;
             (*h).n_slots = shmem::max_backends();
+            (*h).n_scopes = crate::gucs::scope_counters();
             if !pg_sys::pg_strong_random(
                 (*h).secret.as_mut_ptr().cast(),
                 std::mem::size_of::<[u64; 2]>(),
@@ -384,20 +428,29 @@ fn n_slots() -> usize {
     header().n_slots
 }
 
+fn n_scopes() -> usize {
+    header().n_scopes
+}
+
 fn scope_lock() -> *mut pg_sys::LWLock {
     header().lock
 }
 
-/// The scope counters, N_SCOPES of them.
+/// The scope counters, quota.scope_counters of them.
 fn scopes() -> &'static [Scope] {
-    // SAFETY: `layout` put N_SCOPES counters there; zeroed is a free entry.
-    unsafe { BASE.slice::<Scope>(layout(n_slots()).1, N_SCOPES) }
+    // SAFETY: `layout` put n_scopes counters there; zeroed is a free entry.
+    unsafe { BASE.slice::<Scope>(layout(n_slots(), n_scopes()).1, n_scopes()) }
 }
 
 /// Every backend's pending counter changes, PENDING_PER_SLOT per PGPROC number.
 fn all_pending() -> &'static [Pending] {
     // SAFETY: `layout` put them there; zeroed is PENDING_FREE.
-    unsafe { BASE.slice::<Pending>(layout(n_slots()).2, n_slots() * PENDING_PER_SLOT) }
+    unsafe {
+        BASE.slice::<Pending>(
+            layout(n_slots(), n_scopes()).2,
+            n_slots() * PENDING_PER_SLOT,
+        )
+    }
 }
 
 /// The pending counter changes published by backend `procno`.

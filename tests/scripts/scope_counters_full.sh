@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# More roles than scope counters (0.4.0, quota.scope_counters): with 16 counters and
+# 48 roles, a role's counter keeps giving its entry up to another role's and is rebuilt
+# from the ledger when read again (src/scopes.rs, core::counters). Admission stays
+# exact through that: every role is admitted exactly the room its own tickets leave
+# (a counter taken over with its old numbers, or a change applied to the wrong role,
+# would admit more or fewer), and under load, with other roles evicting the loaded
+# roles' counters all the time, no role's committed active count passes its limit (I1)
+# and each is left exactly its room.
+source "$(dirname "$0")/../../scripts/lib.sh"
+PORT="${PORT:-$((5741 + PORT_OFFSET))}"
+with_cluster scope_counters_full "quota.scope_counters = 16"
+LIMIT=3
+ROLES=48
+
+expect_eq "quota.scope_counters is set at server start" 16 "$(sql -c "SHOW quota.scope_counters")"
+expect_eq "... and cannot be changed without a restart (55P02)" 55P02 \
+  "$(state postgres postgres "SET quota.scope_counters = 32")"
+
+sql -c "CREATE EXTENSION pg_quota" \
+    -c "DO \$\$ BEGIN FOR i IN 1..$ROLES LOOP
+          EXECUTE format('CREATE ROLE sf_%s LOGIN', i);
+          EXECUTE format('ALTER ROLE sf_%s SET quota.max_active_per_role = $LIMIT', i);
+          EXECUTE format('ALTER ROLE sf_%s SET quota.max_retained_per_role = 0', i);
+        END LOOP; END \$\$" >/dev/null
+
+# 1. Role k holds k % 3 tickets, started one role after another: 48 scopes pass
+#    through 16 counters.
+for k in $(seq 1 $ROLES); do
+  for _ in $(seq 1 $((k % 3))); do psql_as "sf_$k" -c "SELECT quota.start('held')" >/dev/null; done
+done
+expect_eq "every role holds its tickets" "$((ROLES / 3 * 3))" \
+  "$(sql -c "SELECT count(*) FROM quota.ledger WHERE ended_at IS NULL")"
+
+# 2. In an order unlike the first, each role asks for 5 more: it must get exactly
+#    3 - k % 3. Each ask reads its counter, so counters keep changing hands meanwhile.
+wrong=""
+for k in $(seq 1 $ROLES | shuf --random-source=<(yes)); do
+  got=$(psql_as "sf_$k" -c "SELECT count(*) FROM generate_series(1, 5) i WHERE quota.try_start('more ' || i) IS NOT NULL")
+  [ "$got" = "$((LIMIT - k % 3))" ] || wrong+=" sf_$k:$got/$((LIMIT - k % 3))"
+done
+expect_eq "each of the $ROLES roles is admitted exactly the room its tickets leave" "" "$wrong"
+expect_eq "... and now every role is at its limit" "$((ROLES * LIMIT))" \
+  "$(sql -c "SELECT count(*) FROM quota.ledger WHERE ended_at IS NULL")"
+expect_eq "... and refused (53400)" 53400 "$(state sf_7 postgres "SELECT quota.start('over')")"
+sql -c "SELECT quota.finish(id) FROM quota.ledger WHERE ended_at IS NULL" >/dev/null
+expect_eq "the superuser finished them all" 0 "$(sql -c "SELECT count(*) FROM quota.ledger WHERE ended_at IS NULL")"
+
+# 3. Under load: 6 roles (sf_1..sf_6, limit 2 now) cycle start / finish rolled back /
+#    finish, 3 sessions each, while a churner starts and finishes a ticket for each of the other
+#    42 roles in turn, so the loaded roles' counters are given up and rebuilt over and
+#    over. A sampler watches each loaded role's committed active count.
+sql -c "CREATE TABLE public.sf_stop (x int)" \
+    -c "CREATE FUNCTION public.sf_cycle() RETURNS void LANGUAGE plpgsql AS \$\$
+          DECLARE t uuid;
+          BEGIN
+            t := quota.try_start('cycle');
+            IF t IS NULL THEN RETURN; END IF;
+            BEGIN
+              PERFORM quota.finish(t);
+              RAISE EXCEPTION 'roll the finish back';
+            EXCEPTION WHEN raise_exception THEN NULL;
+            END;
+            PERFORM pg_sleep(0.001);
+            PERFORM quota.finish(t);
+          END \$\$" \
+    -c "GRANT SELECT ON public.sf_stop TO PUBLIC" \
+    -c "DO \$\$ BEGIN FOR i IN 1..6 LOOP
+          EXECUTE format('ALTER ROLE sf_%s SET quota.max_active_per_role = 2', i);
+        END LOOP; END \$\$" >/dev/null
+LIMIT=2
+echo "SELECT public.sf_cycle();" > "$CL/cycle.sql"
+cat > "$CL/sampler.sql" <<'SQL'
+DO $$
+DECLARE m int := 0; n int; k int := 0;
+BEGIN
+  WHILE NOT EXISTS (SELECT 1 FROM public.sf_stop) LOOP
+    SELECT coalesce(max(c), 0) INTO n FROM (
+      SELECT count(*) AS c FROM quota.ledger
+       WHERE ended_at IS NULL AND role::regrole::text IN ('sf_1','sf_2','sf_3','sf_4','sf_5','sf_6')
+       GROUP BY role) s;
+    m := greatest(m, n); k := k + 1;
+  END LOOP;
+  RAISE NOTICE 'max % samples %', m, k;
+END $$;
+SQL
+bg bash -c "'$PG_BIN/psql' -X -At -h '$CL' -p '$PORT' -U postgres -f '$CL/sampler.sql' > '$CL/sampler.out' 2>&1"
+sampler=$LAST_BG
+# Each statement its own transaction, so that each finish commits.
+for _ in $(seq 1 200); do
+  for i in $(seq 7 $ROLES); do echo "SET ROLE sf_$i; SELECT quota.finish(quota.start('churn')); RESET ROLE;"; done
+done > "$CL/churn.sql"
+bg bash -c "'$PG_BIN/psql' -X -q -h '$CL' -p '$PORT' -U postgres -f '$CL/churn.sql' > '$CL/churn.out' 2>&1"
+churner=$LAST_BG
+loaders=()
+for k in 1 2 3 4 5 6; do
+  bg bash -c "'$PG_BIN/pgbench' -n -h '$CL' -p '$PORT' -U sf_$k -c 3 -j 1 -T 8 -f '$CL/cycle.sql' postgres > '$CL/pgbench.$k' 2>&1"
+  loaders+=("$LAST_BG")
+done
+wait "${loaders[@]}" || true
+kill -- "-$churner" 2>/dev/null || true
+sql -c "INSERT INTO public.sf_stop VALUES (1)"
+timeout 30 tail --pid="$sampler" -f /dev/null || true
+
+processed=$(cat "$CL"/pgbench.* | sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' | awk '{s += $1} END {print s + 0}')
+admitted=$(sql -c "SELECT count(*) FROM quota.ledger WHERE label = 'cycle'")
+check "the load ran (${processed:-0} cycles, ${admitted:-0} admitted)" test "${admitted:-0}" -gt 500
+churned=$(sql -c "SELECT count(*) FROM quota.ledger WHERE label = 'churn'")
+check "the churner ran through the other roles (${churned:-0} tickets)" test "${churned:-0}" -gt "$((ROLES - 6))"
+samples=$(sed -n 's/.*max \([0-9]*\) samples \([0-9]*\).*/\2/p' "$CL/sampler.out")
+max=$(sed -n 's/.*max \([0-9]*\) samples \([0-9]*\).*/\1/p' "$CL/sampler.out")
+check "the sampler ran (${samples:-0} samples)" test "${samples:-0}" -gt 100
+check "no loaded role's committed active count passed $LIMIT (max ${max:-?})" test "${max:-99}" -le "$LIMIT"
+wrong=""
+for k in 1 2 3 4 5 6; do
+  active=$(sql -c "SELECT count(*) FROM quota.ledger WHERE role = 'sf_$k'::regrole AND ended_at IS NULL")
+  got=$(psql_as "sf_$k" -c "SELECT count(*) FROM generate_series(1, $((LIMIT + 2))) i WHERE quota.try_start('after ' || i) IS NOT NULL")
+  [ "$got" = "$((LIMIT - active))" ] || wrong+=" sf_$k:$got/$((LIMIT - active))"
+done
+expect_eq "after the load, each loaded role is admitted exactly the room the ledger leaves" "" "$wrong"
+finish_checks

@@ -151,16 +151,20 @@ fn writer_in_line(slot: &'static Slot, db: pg_sys::Oid) -> Result<(TableLock, us
             None => head == 0,
             Some(p) => head == p.0,
         };
-        if my_turn {
+        let found = if my_turn {
             let lock = TableLock::acquire();
-            if let Some(i) = workers::writer_of(db).or_else(workers::try_start_writer) {
-                return Ok((lock, i));
-            }
+            workers::writer_of(db)
+                .or_else(workers::try_start_writer)
+                .map(|i| (lock, i))
         } else {
             let lock = TableLock::acquire_shared();
-            if let Some(i) = workers::writer_of(db) {
-                return Ok((lock, i));
+            workers::writer_of(db).map(|i| (lock, i))
+        };
+        if let Some(found) = found {
+            if let Some(place) = place {
+                place.leave_served();
             }
+            return Ok(found);
         }
         let waited = began.elapsed();
         if waited >= gucs::writer_start_wait() {
@@ -177,7 +181,7 @@ fn writer_in_line(slot: &'static Slot, db: pg_sys::Oid) -> Result<(TableLock, us
 }
 
 /// A caller's place in the line for writer slots, left when dropped (an ERROR
-/// unwinds through it; a FATAL goes through withdraw_at_exit).
+/// unwinds through it; a FATAL goes through withdraw_at_exit), or by `leave_served`.
 struct InLine(u64, &'static Slot);
 
 impl InLine {
@@ -186,12 +190,25 @@ impl InLine {
         slot.slot_line.store(place, Ordering::Release);
         InLine(place, slot)
     }
+
+    /// Leaves the line with a writer for our database, without waking the next in
+    /// line: it finds its turn at its next look (LINE_POLL_MS). Woken now, it would ask
+    /// at once for another writer to yield (a slot just taken lets the next yield be
+    /// asked at once, see workers::try_start_writer), and slots would change hands as
+    /// fast as writers may yield (MIN_TENURE): each database served for about 50 ms
+    /// between waits of a whole round of hand-overs, many more starts waiting in line,
+    /// and a process start per hand-over.
+    fn leave_served(self) {
+        self.1.slot_line.store(0, Ordering::Release);
+        std::mem::forget(self);
+    }
 }
 
 impl Drop for InLine {
     fn drop(&mut self) {
         self.1.slot_line.store(0, Ordering::Release);
-        // The next in line may be first now.
+        // Left without a writer (an error, a cancel): the next in line may be first
+        // now, and may start one.
         wake_line_head();
     }
 }

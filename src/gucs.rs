@@ -122,7 +122,7 @@ pub fn init() {
     GucRegistry::define_int_guc(
         c"quota.scope_counters",
         c"How many (database, role) pairs keep their ticket counts in shared memory.",
-        c"When the table is full, the least recently used counter near a new pair gives its place up and is rebuilt from the ledger when needed again.",
+        c"A new pair takes the place of the least recently read counter near its hash, unless all of those were read in the last 2 s; then it is counted from the ledger on each call.",
         &SCOPE_COUNTERS,
         16,
         1 << 22,

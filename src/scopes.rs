@@ -139,48 +139,50 @@ fn find(db: u32, role: u32) -> Option<&'static Scope> {
     None
 }
 
-/// The seconds a counter's `used` is measured in: the transaction's start, which
-/// costs no clock read.
+/// The seconds a counter's `used` is measured in. The clock, not the transaction's
+/// start: a long transaction (a DO block starting tickets in a loop) must neither make
+/// the counters it reads look idle nor see every counter it read as read just now.
 fn now_secs() -> u32 {
-    // SAFETY: a read of the transaction's start time.
-    let ts = unsafe { pg_sys::GetCurrentTransactionStartTimestamp() };
+    // SAFETY: a clock read.
+    let ts = unsafe { pg_sys::GetCurrentTimestamp() };
     (ts / 1_000_000).clamp(0, i64::from(u32::MAX)) as u32
 }
 
-/// Marks `e` as read now, writing only when the second changed, so that readers of a
-/// hot scope do not all write its cache line.
+/// Marks `e` as read now. `used` only moves forward (a reader whose transaction began
+/// long ago must not make a hot counter look idle), and it is written only when the
+/// second moved, so that readers of a hot scope do not all write its cache line.
 fn touch(e: &Scope) {
     let now = now_secs();
-    if e.used.load(Ordering::Relaxed) != now {
-        e.used.store(now, Ordering::Relaxed);
+    if e.used.load(Ordering::Relaxed) < now {
+        e.used.fetch_max(now, Ordering::Relaxed);
     }
 }
 
-/// The entry of (db, role), created (invalid) if missing. The caller holds the lock
-/// exclusively. When its window is full, the least recently used counter there gives
-/// its entry up (see core::counters): it is rebuilt from the ledger if needed again,
-/// and a change published for it meanwhile is applied to that rebuild or absorbed by
-/// it, as after `forget`.
-fn find_or_insert(db: u32, role: u32) -> &'static Scope {
-    if let Some(e) = find(db, role) {
-        return e;
-    }
+/// The entry a new counter for (db, role) would take, and the scope it would take it
+/// from (if any). The caller holds the lock exclusively and found no entry of its
+/// own. When its window is full, the least recently read counter there gives its
+/// entry up (see core::counters): it is rebuilt from the ledger if needed again, and a
+/// change published for it meanwhile is applied to that rebuild or absorbed by it, as
+/// after `forget`. None when every counter in the window was read lately.
+fn vacancy(db: u32, role: u32) -> Option<(&'static Scope, Option<(u32, u32)>)> {
     let slots: Vec<&'static Scope> = window(db, role).collect();
-    let k = counters::place(slots.iter().map(|e| match e.db.load(Ordering::Relaxed) {
-        FREE_KEY => Entry::Free,
-        TOMBSTONE => Entry::Removed,
-        _ => Entry::Taken {
-            valid: e.valid.load(Ordering::Relaxed),
-            used: e.used.load(Ordering::Relaxed),
-        },
-    }))
-    .expect("the window of a scope is never empty");
+    let k = counters::place(
+        slots.iter().map(|e| match e.db.load(Ordering::Relaxed) {
+            FREE_KEY => Entry::Free,
+            TOMBSTONE => Entry::Removed,
+            _ => Entry::Taken {
+                valid: e.valid.load(Ordering::Relaxed),
+                used: e.used.load(Ordering::Relaxed),
+            },
+        }),
+        now_secs(),
+    )?;
     let e = slots[k];
-    e.valid.store(false, Ordering::Relaxed);
-    e.role.store(role, Ordering::Relaxed);
-    e.db.store(db, Ordering::Relaxed);
-    e.used.store(now_secs(), Ordering::Relaxed);
-    e
+    let from = match e.db.load(Ordering::Relaxed) {
+        FREE_KEY | TOMBSTONE => None,
+        d => Some((d, e.role.load(Ordering::Relaxed))),
+    };
+    Some((e, from))
 }
 
 fn current(e: &Scope, tags: Tags) -> Option<(i64, i64)> {
@@ -197,8 +199,9 @@ fn current(e: &Scope, tags: Tags) -> Option<(i64, i64)> {
 
 /// (active, rows) of (db, role): from its counter, rebuilt first with `count` (the
 /// ledger's numbers under the snapshot it is given) if missing or stale. None if
-/// `count` has no numbers (no summary row yet); the caller then counts from the ledger
-/// itself.
+/// `count` has no numbers (no summary row yet), or if the scope has no counter and
+/// every counter of its window was read lately; the caller then counts from the
+/// ledger itself.
 pub fn get(
     db: pg_sys::Oid,
     role: pg_sys::Oid,
@@ -213,11 +216,38 @@ pub fn get(
             return Some(v);
         }
     }
-    let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
-    let e = find_or_insert(db, role);
-    if let Some(v) = current(e, tags) {
-        return Some(v);
+    let (v, evicted) = {
+        let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
+        let (e, evicted) = match find(db, role) {
+            Some(e) => {
+                // Rebuilt by another backend since our shared look?
+                if let Some(v) = current(e, tags) {
+                    touch(e);
+                    return Some(v);
+                }
+                (e, None)
+            }
+            // Another scope's entry (or a free one): its numbers are not ours.
+            None => vacancy(db, role)?,
+        };
+        (rebuild(e, db, role, tags, count)?, evicted)
+    };
+    if let Some((d, r)) = evicted {
+        pgrx::debug1!("pg_quota: the scope counter of role {r} in database {d} gave its place up to role {role} in database {db}");
     }
+    Some(v)
+}
+
+/// Builds the counter of (db, role) in entry `e` (its own, or the one it takes over)
+/// from `count`. The caller holds the lock exclusively. Nothing changes if `count`
+/// has no numbers.
+fn rebuild(
+    e: &'static Scope,
+    db: u32,
+    role: u32,
+    tags: Tags,
+    count: impl FnOnce(&Latest) -> Option<(i64, i64)>,
+) -> Option<(i64, i64)> {
     // The snapshot is taken under the exclusive lock: no change is applied until we
     // are done, and every change that S sees committed was published before that.
     let snap = Latest::take();
@@ -243,6 +273,11 @@ pub fn get(
             );
         }
     }
+    // Taken over (or new): the entry is this scope's from here on.
+    e.valid.store(false, Ordering::Relaxed);
+    e.role.store(role, Ordering::Relaxed);
+    e.db.store(db, Ordering::Relaxed);
+    e.used.store(now_secs(), Ordering::Relaxed);
     e.active.store(active, Ordering::Release);
     e.rows.store(rows, Ordering::Release);
     e.ledger_node.store(tags.ledger, Ordering::Relaxed);
@@ -344,15 +379,20 @@ pub fn forget(db: pg_sys::Oid, roles: Option<&[pg_sys::Oid]>) {
     }
     let db = u32::from(db);
     let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
-    for e in scopes() {
-        if e.db.load(Ordering::Relaxed) != db {
-            continue;
-        }
-        let role = pg_sys::Oid::from(e.role.load(Ordering::Relaxed));
-        if roles.is_none_or(|rs| rs.contains(&role)) {
-            e.valid.store(false, Ordering::Release);
-            e.db.store(TOMBSTONE, Ordering::Relaxed);
-        }
+    let remove = |e: &Scope| {
+        e.valid.store(false, Ordering::Release);
+        e.db.store(TOMBSTONE, Ordering::Relaxed);
+    };
+    match roles {
+        // A role's counter is in its window: no walk over the whole table.
+        Some(rs) => rs
+            .iter()
+            .filter_map(|&r| find(db, u32::from(r)))
+            .for_each(remove),
+        None => scopes()
+            .iter()
+            .filter(|e| e.db.load(Ordering::Relaxed) == db)
+            .for_each(remove),
     }
 }
 
@@ -479,8 +519,8 @@ pub fn scope_tag(db: pg_sys::Oid, role: pg_sys::Oid) -> (u32, u32) {
 // ---------------------------------------------------------------------------------
 
 /// (active tickets, ledger rows) of `role`: from its scope counter (see scopes.rs),
-/// which is built from the ledger if missing or stale, or, if the counter table is
-/// full, counted from the ledger under `snap`.
+/// which is built from the ledger if missing or stale, or, where it has none (see
+/// `get`), counted from the ledger under `snap`.
 pub fn scope(reader: &Reader, snap: &Latest, role: pg_sys::Oid) -> (i64, i64) {
     let r = &reader.rels;
     reader

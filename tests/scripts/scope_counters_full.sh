@@ -74,7 +74,7 @@ ROLES=48
 
 # 3. Under load: 6 roles (sf_1..sf_6, limit 2 now) cycle start / finish rolled back /
 #    finish, 3 sessions each, while a churner starts and finishes a ticket for each of
-#    the other 42 roles in turn: with 128 counters for 148 roles left, the churned
+#    the other 42 roles in turn: with 128 counters taken by earlier phases, the churned
 #    roles take the places of idle counters (phase 2's roles) or, where their window
 #    was read lately, are counted from the ledger, beside the loaded roles' counters.
 #    A sampler watches each loaded role's committed active count.

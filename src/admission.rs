@@ -41,15 +41,7 @@ pub fn usage_for(
     limits: Limits,
 ) -> Usage {
     let max_active = (limits.max_active > 0).then_some(limits.max_active);
-    let mut u = scopes::usage(
-        r,
-        snap,
-        role,
-        now,
-        cutoff,
-        max_active,
-        limits.max_retained > 0,
-    );
+    let mut u = scopes::usage(r, role, now, cutoff, max_active, limits.max_retained > 0);
     if limits.max_db > 0 {
         u.db_active = db_active(&r.rels, snap, now, limits.max_db);
     }

@@ -163,15 +163,17 @@ fn touch(e: &Scope) {
 /// own. When its window is full, the least recently read counter there gives its
 /// entry up (see core::counters): it is rebuilt from the ledger if needed again, and a
 /// change published for it meanwhile is applied to that rebuild or absorbed by it, as
-/// after `forget`. None when every counter in the window was read lately.
-fn vacancy(db: u32, role: u32) -> Option<(&'static Scope, Option<(u32, u32)>)> {
+/// after `forget`. None when every counter in the window was read lately. The caller
+/// holds the lock, shared (to see whether there is a place) or exclusively.
+fn vacancy(db: u32, role: u32, tags: Tags) -> Option<(&'static Scope, Option<(u32, u32)>)> {
     let slots: Vec<&'static Scope> = window(db, role).collect();
     let k = counters::place(
         slots.iter().map(|e| match e.db.load(Ordering::Relaxed) {
             FREE_KEY => Entry::Free,
             TOMBSTONE => Entry::Removed,
+            // Built for relations that are gone (TRUNCATE, VACUUM FULL) is stale too.
             _ => Entry::Taken {
-                valid: e.valid.load(Ordering::Relaxed),
+                valid: current(e, tags).is_some(),
                 used: e.used.load(Ordering::Relaxed),
             },
         }),
@@ -211,9 +213,17 @@ pub fn get(
     let (db, role) = (u32::from(db), u32::from(role));
     {
         let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
-        if let Some((e, v)) = find(db, role).and_then(|e| Some((e, current(e, tags)?))) {
-            touch(e);
-            return Some(v);
+        match find(db, role) {
+            Some(e) => {
+                if let Some(v) = current(e, tags) {
+                    touch(e);
+                    return Some(v);
+                }
+            }
+            // No counter and no place for one: count without taking the lock
+            // exclusively, which every admission of the server would queue behind.
+            None if vacancy(db, role, tags).is_none() => return None,
+            None => {}
         }
     }
     let (v, evicted) = {
@@ -228,14 +238,43 @@ pub fn get(
                 (e, None)
             }
             // Another scope's entry (or a free one): its numbers are not ours.
-            None => vacancy(db, role)?,
+            None => vacancy(db, role, tags)?,
         };
         (rebuild(e, db, role, tags, count)?, evicted)
     };
     if let Some((d, r)) = evicted {
-        pgrx::debug1!("pg_quota: the scope counter of role {r} in database {d} gave its place up to role {role} in database {db}");
+        log_eviction(d, r, db, role);
     }
     Some(v)
+}
+
+/// Writes a line to the server log, when it keeps DEBUG1 lines, that a scope's counter
+/// gave its place up. The server log only, at LOG: the OIDs would tell a tenant with
+/// client_min_messages = debug1 which roles were admitted lately (see `scope_tag`).
+fn log_eviction(d: u32, r: u32, db: u32, role: u32) {
+    // SAFETY: a plain read of a GUC variable.
+    if unsafe { pg_sys::log_min_messages } > pg_sys::DEBUG1 as i32 {
+        return;
+    }
+    pgrx::pg_sys::panic::ErrorReport::new(
+        pgrx::PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
+        format!("pg_quota: the scope counter of role {r} in database {d} gave its place up to role {role} in database {db}"),
+        "pg_quota",
+    )
+    .report(pgrx::PgLogLevel::LOG_SERVER_ONLY);
+}
+
+/// The snapshot a count is made under: the latest, without this transaction's own
+/// uncommitted changes, as every other backend sees the ledger. A ticket this
+/// transaction finished is still active until it commits (its finish is applied to
+/// the counter then, and published only at commit, so no rebuild can absorb it);
+/// counting it as ended here would count that finish twice, or, without a counter,
+/// admit where a counter would refuse.
+fn others_view() -> Latest {
+    let snap = Latest::take();
+    // SAFETY: `take` registered a private copy of the snapshot.
+    unsafe { (*snap.0).curcid = pg_sys::FirstCommandId };
+    snap
 }
 
 /// Builds the counter of (db, role) in entry `e` (its own, or the one it takes over)
@@ -250,13 +289,7 @@ fn rebuild(
 ) -> Option<(i64, i64)> {
     // The snapshot is taken under the exclusive lock: no change is applied until we
     // are done, and every change that S sees committed was published before that.
-    let snap = Latest::take();
-    // Count as every other backend sees the ledger: without this transaction's own
-    // uncommitted changes. A ticket it finished is still active until it commits, and
-    // its finish is applied then (it is published only at commit, so no rebuild can
-    // absorb it); counting it as ended here would count that finish twice.
-    // SAFETY: `take` registered a private copy of the snapshot.
-    unsafe { (*snap.0).curcid = pg_sys::FirstCommandId };
+    let snap = others_view();
     let (active, rows) = count(&snap)?;
     for p in all_pending() {
         if p.state.load(Ordering::Acquire) == PENDING_SET
@@ -520,8 +553,8 @@ pub fn scope_tag(db: pg_sys::Oid, role: pg_sys::Oid) -> (u32, u32) {
 
 /// (active tickets, ledger rows) of `role`: from its scope counter (see scopes.rs),
 /// which is built from the ledger if missing or stale, or, where it has none (see
-/// `get`), counted from the ledger under `snap`.
-pub fn scope(reader: &Reader, snap: &Latest, role: pg_sys::Oid) -> (i64, i64) {
+/// `get`), counted from the ledger under a snapshot taken now.
+pub fn scope(reader: &Reader, role: pg_sys::Oid) -> (i64, i64) {
     let r = &reader.rels;
     reader
         .tags
@@ -535,11 +568,14 @@ pub fn scope(reader: &Reader, snap: &Latest, role: pg_sys::Oid) -> (i64, i64) {
             })
         })
         .unwrap_or_else(|| {
-            let (rows, rebuild) = rows(r, snap, role);
+            // Counted as a counter would be (see `others_view`), in a snapshot taken
+            // no earlier than `snap`.
+            let own = others_view();
+            let (rows, rebuild) = rows(r, &own, role);
             if rebuild {
                 workers::request_summary_rebuild();
             }
-            (active(r, snap, role, None), rows)
+            (active(r, &own, role, None), rows)
         })
 }
 
@@ -548,7 +584,6 @@ pub fn scope(reader: &Reader, snap: &Latest, role: pg_sys::Oid) -> (i64, i64) {
 /// ran out by `now` are neither active nor, once past the cutoff, retained.
 pub fn usage(
     reader: &Reader,
-    snap: &Latest,
     role: pg_sys::Oid,
     now: pg_sys::TimestampTz,
     cutoff: pg_sys::TimestampTz,
@@ -558,7 +593,7 @@ pub fn usage(
     if max_active.is_none() && !count_retained {
         return Usage::default();
     }
-    let (active, rows) = scope(reader, snap, role);
+    let (active, rows) = scope(reader, role);
     // A snapshot taken after the counter was read: it sees every purge and every
     // expiry sweep the counter already reflects, so nothing is subtracted twice.
     let after = Latest::take();
@@ -590,7 +625,7 @@ pub fn refusal_numbers(
     kind: RefusalKind,
 ) -> (Usage, Option<pg_sys::TimestampTz>) {
     let r = &reader.rels;
-    let (active, rows) = scope(reader, snap, role);
+    let (active, rows) = scope(reader, role);
     // As in counts::usage: a snapshot that sees every purge and sweep the counter
     // reflects.
     let after = Latest::take();

@@ -271,7 +271,7 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
         .into_iter()
         .map(|(role, needs)| {
             let oid = pg_sys::Oid::from(role);
-            let (active, rows) = crate::scopes::scope(&reader, &snap, oid);
+            let (active, rows) = crate::scopes::scope(&reader, oid);
             let after = Latest::take();
             let lapsed = lapsed(&rels, &after, oid, now);
             let retained = needs

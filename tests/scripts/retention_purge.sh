@@ -11,9 +11,17 @@
 # (The writer reads these settings by index probe since 0.4.0; a full scan before.)
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-$((5685 + PORT_OFFSET))}"
-with_cluster retention_purge "quota.retention = '1s'"
+# One writer serves the whole test (it does not leave when idle within it): a writer
+# takes ALTER DATABASE and ALTER ROLE ALL settings as its own when it starts, so one
+# that started while those say 1h would keep the tickets even if it ignored them.
+with_cluster retention_purge "quota.retention = '1s'" "quota.writer_idle_timeout = 300"
+writer_pid() {
+  sql -c "SELECT pid FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer' AND datname = 'postgres'"
+}
 
-sql -c "CREATE EXTENSION pg_quota" >/dev/null
+sql -c "CREATE EXTENSION pg_quota" -c "SELECT quota.finish(quota.start('first writer'))" >/dev/null
+WRITER=$(writer_pid)
+check "a writer runs (pid ${WRITER:-none}) with the server's quota.retention = 1s" test -n "$WRITER"
 case_of() {  # case_of ROLE HOW SET-SQL RESET-SQL
   local role="$1" how="$2"
   sql -c "CREATE ROLE $role LOGIN" \
@@ -32,6 +40,7 @@ case_of() {  # case_of ROLE HOW SET-SQL RESET-SQL
     "$(sql -c "SELECT count(*) FROM quota.ledger WHERE role = '$role'::regrole AND ended_at IS NOT NULL")"
   expect_eq "$how: $role's own sessions still count them and refuse" 53400 \
     "$(state "$role" postgres "SELECT quota.start('still over')")"
+  expect_eq "$how: the same writer served it" "$WRITER" "$(writer_pid)"
   sql -c "$4" >/dev/null
 }
 case_of rp_role "ALTER ROLE SET" "ALTER ROLE rp_role SET quota.retention = '1h'" "SELECT 1"
@@ -50,4 +59,5 @@ sleep 1.5
 as postgres postgres "SET quota.retention = '1s'" "SET ROLE rp_none" "SELECT quota.start('purge')" >/dev/null
 expect_eq "with nothing configured, the writer purged rp_none's ended tickets past 1s" 0 \
   "$(sql -c "SELECT count(*) FROM quota.ledger WHERE role = 'rp_none'::regrole AND ended_at IS NOT NULL")"
+expect_eq "... the same writer" "$WRITER" "$(writer_pid)"
 finish_checks

@@ -74,7 +74,7 @@ done
 echo "SELECT quota.start('busy');" > "$CL/busy.sql"
 busy=()
 for i in $(seq 1 7); do
-  "$PG_BIN/pgbench" -n -f "$CL/busy.sql" -T 8 -c 8 -j 2 -h "$CL" -p "$PORT" -U wsb "wsb_$i" > "$CL/busy.$i" 2>&1 &
+  "$PG_BIN/pgbench" -n -f "$CL/busy.sql" -T 15 -c 8 -j 2 -h "$CL" -p "$PORT" -U wsb "wsb_$i" > "$CL/busy.$i" 2>&1 &
   busy+=($!)
 done
 writers() {
@@ -85,7 +85,10 @@ expect_eq "the 7 busy databases hold every writer slot" 7 "$(writers)"
 t0=$(date +%s%N)
 late=$(as postgres ws_1 "SET quota.writer_start_wait = '5s'" "SELECT quota.finish(quota.start('late'))" '\echo SQLSTATE=:SQLSTATE' 2>&1)
 ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+running=0
+for p in "${busy[@]}"; do kill -0 "$p" 2>/dev/null && running=$((running + 1)); done
 expect_eq "a start() in an eighth database is served (in $ms ms), not refused a slot" "t SQLSTATE=00000" "$(echo $late)"
+expect_eq "... while the 7 busy databases' clients were all still running" 7 "$running"
 busy_failed=0
 for p in "${busy[@]}"; do wait "$p" || busy_failed=$((busy_failed + 1)); done
 expect_eq "no busy client's call failed" "0 0" "$busy_failed $(cat "$CL"/busy.* | grep -c 'ERROR' || true)"

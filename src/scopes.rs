@@ -159,8 +159,7 @@ fn touch(e: &Scope) {
 }
 
 /// The entry a new counter for (db, role) would take, and the scope it would take it
-/// from (if any). The caller holds the lock exclusively and found no entry of its
-/// own. When its window is full, the least recently read counter there gives its
+/// from (if any), for a scope that found no entry of its own. When its window is full, the least recently read counter there gives its
 /// entry up (see core::counters): it is rebuilt from the ledger if needed again, and a
 /// change published for it meanwhile is applied to that rebuild or absorbed by it, as
 /// after `forget`. None when every counter in the window was read lately. The caller
@@ -569,7 +568,7 @@ pub fn scope(reader: &Reader, role: pg_sys::Oid) -> (i64, i64) {
         })
         .unwrap_or_else(|| {
             // Counted as a counter would be (see `others_view`), in a snapshot taken
-            // no earlier than `snap`.
+            // now: after whatever the caller read before (its requests in flight).
             let own = others_view();
             let (rows, rebuild) = rows(r, &own, role);
             if rebuild {

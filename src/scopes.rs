@@ -159,15 +159,15 @@ fn touch(e: &Scope) {
 }
 
 /// The entry a new counter for (db, role) would take, and the scope it would take it
-/// from (if any), for a scope that found no entry of its own. When its window is full, the least recently read counter there gives its
-/// entry up (see core::counters): it is rebuilt from the ledger if needed again, and a
-/// change published for it meanwhile is applied to that rebuild or absorbed by it, as
-/// after `forget`. None when every counter in the window was read lately. The caller
-/// holds the lock, shared (to see whether there is a place) or exclusively.
+/// from (if any), for a scope that found no entry of its own. When its window is full,
+/// the least recently read counter there gives its entry up (see core::counters): it
+/// is rebuilt from the ledger if needed again, and a change published for it meanwhile
+/// is applied to that rebuild or absorbed by it, as after `forget`. None when every
+/// counter in the window was read lately. The caller holds the lock, shared (to see
+/// whether there is a place) or exclusively.
 fn vacancy(db: u32, role: u32, tags: Tags) -> Option<(&'static Scope, Option<(u32, u32)>)> {
-    let slots: Vec<&'static Scope> = window(db, role).collect();
     let k = counters::place(
-        slots.iter().map(|e| match e.db.load(Ordering::Relaxed) {
+        window(db, role).map(|e| match e.db.load(Ordering::Relaxed) {
             FREE_KEY => Entry::Free,
             TOMBSTONE => Entry::Removed,
             // Built for relations that are gone (TRUNCATE, VACUUM FULL) is stale too.
@@ -178,12 +178,17 @@ fn vacancy(db: u32, role: u32, tags: Tags) -> Option<(&'static Scope, Option<(u3
         }),
         now_secs(),
     )?;
-    let e = slots[k];
+    let e = window(db, role).nth(k)?;
     let from = match e.db.load(Ordering::Relaxed) {
         FREE_KEY | TOMBSTONE => None,
         d => Some((d, e.role.load(Ordering::Relaxed))),
     };
     Some((e, from))
+}
+
+/// The counter's numbers if it is current, marking it as read.
+fn read(e: &Scope, tags: Tags) -> Option<(i64, i64)> {
+    current(e, tags).inspect(|_| touch(e))
 }
 
 fn current(e: &Scope, tags: Tags) -> Option<(i64, i64)> {
@@ -214,8 +219,7 @@ pub fn get(
         let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
         match find(db, role) {
             Some(e) => {
-                if let Some(v) = current(e, tags) {
-                    touch(e);
+                if let Some(v) = read(e, tags) {
                     return Some(v);
                 }
             }
@@ -230,8 +234,7 @@ pub fn get(
         let (e, evicted) = match find(db, role) {
             Some(e) => {
                 // Rebuilt by another backend since our shared look?
-                if let Some(v) = current(e, tags) {
-                    touch(e);
+                if let Some(v) = read(e, tags) {
                     return Some(v);
                 }
                 (e, None)

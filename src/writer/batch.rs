@@ -430,13 +430,13 @@ fn configured_retention(role: pg_sys::Oid) -> i64 {
     const DB_ROLE_SETTING: pg_sys::Oid = pg_sys::Oid::from_u32(2964);
     const DB_ROLE_SETTING_INDEX: pg_sys::Oid = pg_sys::Oid::from_u32(2965);
     let mut longest = 0;
-    for db in [shmem::my_db(), pg_sys::InvalidOid] {
-        // SAFETY: an index scan of a catalog under the catalog snapshot, as
-        // PostgreSQL's own readers of this catalog do (ApplySetting); every datum is
-        // read while the tuple is current.
-        unsafe {
-            let rel = pg_sys::table_open(DB_ROLE_SETTING, pg_sys::AccessShareLock as i32);
-            let desc = (*rel).rd_att;
+    // SAFETY: index scans of a catalog under the catalog snapshot, as PostgreSQL's own
+    // readers of this catalog do (ApplySetting); every datum is read while the tuple
+    // is current.
+    unsafe {
+        let rel = pg_sys::table_open(DB_ROLE_SETTING, pg_sys::AccessShareLock as i32);
+        let desc = (*rel).rd_att;
+        for db in [shmem::my_db(), pg_sys::InvalidOid] {
             let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
             for (k, (attno, value)) in [(1, db), (2, role)].into_iter().enumerate() {
                 pg_sys::ScanKeyInit(
@@ -467,8 +467,8 @@ fn configured_retention(role: pg_sys::Oid) -> i64 {
                 }
             }
             pg_sys::systable_endscan(scan);
-            pg_sys::table_close(rel, pg_sys::AccessShareLock as i32);
         }
+        pg_sys::table_close(rel, pg_sys::AccessShareLock as i32);
     }
     longest
 }

@@ -381,21 +381,17 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
         let e = longest.entry(b.role).or_insert(b.retention_secs);
         *e = (*e).max(b.retention_secs);
     }
-    // Values set for every role (the database's and the cluster's) once, then each
-    // role's own: a few index probes, however many roles have settings.
-    let for_all = configured_retention(pg_sys::InvalidOid);
-    for (&role, l) in longest.iter_mut() {
-        *l = (*l)
-            .max(crate::gucs::retention_secs())
-            .max(for_all)
-            .max(configured_retention(pg_sys::Oid::from(role)));
-    }
+    // Values set for every role (the database's and the cluster's) once, then the own
+    // values of each role that purges: a few index probes, however many roles have
+    // settings, and none for a role of the batch that admitted nothing.
+    let for_all = configured_retention(pg_sys::InvalidOid).max(crate::gucs::retention_secs());
     let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
     let mut delta: Vec<(pg_sys::Oid, i64)> = Vec::new();
     let mut changes = Vec::new();
     for (&role, &n) in &pending {
         let oid = pg_sys::Oid::from(role);
-        let cutoff = cutoff(now, longest[&role]);
+        let keep = longest[&role].max(for_all).max(configured_retention(oid));
+        let cutoff = cutoff(now, keep);
         let purged = delete_where(
             &ledger,
             rels.ledger_idx,

@@ -127,10 +127,7 @@ def ensure_databases(n):
         name = f"bench_db_{i}"
         if name not in have:
             psql(f"CREATE DATABASE {name}")
-            subprocess.run(
-                [os.path.join(ARGS.pgbin, "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", ARGS.host,
-                 "-p", ARGS.port, "-U", "postgres", "-d", name, "-c", "CREATE EXTENSION pg_quota"],
-                check=True, capture_output=True, text=True)
+            psql("CREATE EXTENSION pg_quota", db=name)
 
 
 def run_databases(n, logdir, tag):

@@ -364,7 +364,8 @@ fn attempt(
             repeat = true;
         }
     }
-    let lease_until = lease_until(now, args.lease)?;
+    // A length: the writer ends the lease this long after the ticket really starts.
+    let lease_us = lease_until(now, args.lease)?.map(|until| until - now);
     // SAFETY: a plain read of backend state.
     let pid = unsafe { pg_sys::MyProcPid };
     let fill = |r: &mut Request| {
@@ -381,7 +382,7 @@ fn attempt(
         let key = args.key.unwrap_or(b"");
         r.key[..key.len()].copy_from_slice(key);
         r.key_len = key.len();
-        r.lease_until = lease_until;
+        r.lease_us = lease_us;
         r.pid = pid;
     };
 
@@ -401,15 +402,19 @@ fn attempt(
         // With every limit off there is nothing to count either.
         through_writer()
     } else {
+        // Kept across the tries below, so that writers that keep failing to start
+        // end the call (see Patience).
+        let mut waited = Patience::new();
         loop {
-            match admit_under_lock(args, role, limits, now, retention, seq, fill) {
+            match admit_under_lock(args, role, limits, now, retention, seq, &mut waited, fill) {
                 Ok(Ok(())) => break queue::wait(crate::waiters::leave),
                 Ok(Err(refused)) => return Ok(Err(refused)),
                 Err(Repeat::Found(id)) if !crate::syncrep::standbys_defined() => {
                     return Ok(Ok((id, true)))
                 }
-                // The database had no writer: wait in line for one without the scope
-                // lock, then decide again (the counts may have moved meanwhile).
+                // The database had no writer, or the one that the requests in flight
+                // waited for is gone: wait in line for one without the scope lock, then
+                // decide again (the counts may have moved meanwhile).
                 Err(Repeat::NoWriter) => queue::ensure_writer(),
                 Err(_) => break through_writer(),
             }
@@ -427,7 +432,8 @@ enum Repeat {
     Found(pgrx::Uuid),
     /// A start with the key, in the writer's hands: the writer must answer this one.
     InFlight,
-    /// Not a repeat: the request fits, but the database has no writer to take it.
+    /// Not a repeat: the database has no writer, to take the request or to answer the
+    /// requests in flight it waited for; one is to be started without the scope lock.
     NoWriter,
 }
 
@@ -435,6 +441,7 @@ enum Repeat {
 /// hands the request to the writer under the scope lock once it surely fits. Err
 /// carries a repeat of the caller's key found meanwhile, or says that the database
 /// has no writer to hand the request to.
+#[allow(clippy::too_many_arguments)]
 fn admit_under_lock(
     args: &StartArgs,
     role: pg_sys::Oid,
@@ -442,6 +449,7 @@ fn admit_under_lock(
     now: pg_sys::TimestampTz,
     retention: i64,
     seq: u64,
+    waited: &mut Patience,
     fill: impl FnOnce(&mut Request),
 ) -> Result<Result<(), Refused>, Repeat> {
     let cutoff = cutoff(now, retention);
@@ -510,8 +518,13 @@ fn admit_under_lock(
     // the writer's commits. The writer checks again in any case (it is the single
     // authority: for the database cap, which spans scopes, it is the only exact
     // check), so this only keeps refusals off the writer.
+    //
+    // Nothing under the lock waits for anything but the counts: the answer to a request
+    // this session abandoned earlier is waited for before the lock is taken, and a
+    // writer that must be started is started after it is released (Repeat::NoWriter).
+    // Every other start of the scope, refusals included, queues behind this lock.
+    queue::reclaim_mine();
     let _lock = ScopeLock::acquire(role);
-    let mut waited = Patience::new();
     loop {
         // Read the requests in flight BEFORE taking the snapshot: a request that the
         // writer commits in between is then counted twice (we wait and count again),
@@ -549,11 +562,14 @@ fn admit_under_lock(
         }
         // Requests in flight would take the last slots; wait for them to be
         // committed (then counted) or refused, and count again. If their writer is
-        // gone, bring up a new one (or fail clearly) rather than wait for ever.
+        // gone, a new one is brought up (or the call fails clearly) rather than wait
+        // for ever, in line for a slot without the lock.
         drop(snap);
         drop(reader);
         nap(INFLIGHT_POLL_MS, compat::Wait::InFlight);
-        waited.check_writer();
+        if waited.writer_needed() {
+            return Err(Repeat::NoWriter);
+        }
     }
     // Handed over only to a running writer: a wait in line for a writer slot under the
     // scope lock would hold up every other start of the scope (see attempt).

@@ -41,11 +41,11 @@
 //! counter, or from the ledger where there is none (`scope`, `usage`,
 //! `refusal_numbers`).
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU8, Ordering};
 
 use pgrx::pg_sys;
 
-use crate::core::counters::{self, Entry};
+use crate::core::counters::{self, Entry, Slot};
 use crate::core::lease::earliest;
 use crate::core::{RefusalKind, Usage};
 use crate::ledger::count::{active, expired, lapsed, oldest_ended, rows, summary_rows};
@@ -58,15 +58,24 @@ use crate::workers;
 /// transaction that touches more roles invalidates the others' counters instead.
 pub const PENDING_PER_SLOT: usize = 64;
 
-const FREE_KEY: u32 = 0;
-/// A removed entry: probing goes on past it; inserting may reuse it.
-const TOMBSTONE: u32 = u32::MAX;
+/// An entry's state (`Scope::state`). Never used: probing stops here.
+const ENTRY_FREE: u8 = 0;
+/// A scope's counter: `db` and `role` say whose.
+const ENTRY_TAKEN: u8 = 1;
+/// A removed scope's entry (dropped role or database): probing goes on past it, and a
+/// new counter may take it. Its `db` and `role` mean nothing; 0.4.0 wrote the database
+/// OID 4294967295 there instead, which a database can have (0.4.1, F5).
+const ENTRY_REMOVED: u8 = 2;
 
 #[repr(C)]
 pub struct Scope {
     db: AtomicU32,
     role: AtomicU32,
     valid: AtomicBool,
+    /// ENTRY_FREE, ENTRY_TAKEN or ENTRY_REMOVED. Written under the lock held
+    /// exclusively; every reader holds it shared at least. Beside `valid`, in what was
+    /// padding: an entry is still 40 bytes.
+    state: AtomicU8,
     ledger_node: AtomicU32,
     summary_node: AtomicU32,
     /// When the counter was last read, in seconds (see `now_secs`): the least recently
@@ -79,6 +88,11 @@ pub struct Scope {
 const PENDING_FREE: u32 = 0;
 const PENDING_SET: u32 = 1;
 const PENDING_ABSORBED: u32 = 2;
+
+const _: () = assert!(
+    std::mem::size_of::<Scope>() == 40,
+    "USER_GUIDE.md gives 40 bytes"
+);
 
 #[repr(C)]
 pub struct Pending {
@@ -127,16 +141,19 @@ fn window(db: u32, role: u32) -> impl Iterator<Item = &'static Scope> {
     (0..counters::window(table.len())).map(move |k| &table[(start + k) % table.len()])
 }
 
+/// What entry `e` holds, for core::counters.
+fn slot(e: &Scope) -> Slot {
+    match e.state.load(Ordering::Relaxed) {
+        ENTRY_FREE => Slot::Free,
+        ENTRY_TAKEN => Slot::Taken(e.db.load(Ordering::Relaxed), e.role.load(Ordering::Relaxed)),
+        _ => Slot::Removed,
+    }
+}
+
 /// The entry of (db, role). The caller holds the lock.
 fn find(db: u32, role: u32) -> Option<&'static Scope> {
-    for e in window(db, role) {
-        match e.db.load(Ordering::Relaxed) {
-            FREE_KEY => return None,
-            d if d == db && e.role.load(Ordering::Relaxed) == role => return Some(e),
-            _ => {}
-        }
-    }
-    None
+    let k = counters::find(window(db, role).map(slot), db, role)?;
+    window(db, role).nth(k)
 }
 
 /// The seconds a counter's `used` is measured in. The clock, not the transaction's
@@ -167,21 +184,25 @@ fn touch(e: &Scope) {
 /// whether there is a place) or exclusively.
 fn vacancy(db: u32, role: u32, tags: Tags) -> Option<(&'static Scope, Option<(u32, u32)>)> {
     let k = counters::place(
-        window(db, role).map(|e| match e.db.load(Ordering::Relaxed) {
-            FREE_KEY => Entry::Free,
-            TOMBSTONE => Entry::Removed,
-            // Built for relations that are gone (TRUNCATE, VACUUM FULL) is stale too.
-            _ => Entry::Taken {
-                valid: current(e, tags).is_some(),
-                used: e.used.load(Ordering::Relaxed),
-            },
+        window(db, role).map(|e| match slot(e) {
+            Slot::Free => Entry::Free,
+            Slot::Removed => Entry::Removed,
+            // A counter of this database built for relations that are gone (TRUNCATE,
+            // VACUUM FULL) is stale too; one of another database is judged by its own
+            // flag, since its relations are not ours to see.
+            Slot::Taken(d, _) => counters::judged(
+                d == db,
+                e.valid.load(Ordering::Acquire),
+                current(e, tags).is_some(),
+                e.used.load(Ordering::Relaxed),
+            ),
         }),
         now_secs(),
     )?;
     let e = window(db, role).nth(k)?;
-    let from = match e.db.load(Ordering::Relaxed) {
-        FREE_KEY | TOMBSTONE => None,
-        d => Some((d, e.role.load(Ordering::Relaxed))),
+    let from = match slot(e) {
+        Slot::Taken(d, r) => Some((d, r)),
+        Slot::Free | Slot::Removed => None,
     };
     Some((e, from))
 }
@@ -208,10 +229,16 @@ fn current(e: &Scope, tags: Tags) -> Option<(i64, i64)> {
 /// `count` has no numbers (no summary row yet), or if the scope has no counter and
 /// every counter of its window was read lately; the caller then counts from the
 /// ledger itself.
+///
+/// `has_numbers` says, without the lock, whether `count` would have numbers now: a
+/// scope without them (its summary row gone after a TRUNCATE, say) is counted by the
+/// caller without taking the lock exclusively for a rebuild that would build nothing,
+/// on every call, while every admission of the server queues behind it.
 pub fn get(
     db: pg_sys::Oid,
     role: pg_sys::Oid,
     tags: Tags,
+    has_numbers: impl FnOnce() -> bool,
     count: impl FnOnce(&Latest) -> Option<(i64, i64)>,
 ) -> Option<(i64, i64)> {
     let (db, role) = (u32::from(db), u32::from(role));
@@ -228,6 +255,9 @@ pub fn get(
             None if vacancy(db, role, tags).is_none() => return None,
             None => {}
         }
+    }
+    if !has_numbers() {
+        return None;
     }
     let (v, evicted) = {
         let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
@@ -312,6 +342,7 @@ fn rebuild(
     e.valid.store(false, Ordering::Relaxed);
     e.role.store(role, Ordering::Relaxed);
     e.db.store(db, Ordering::Relaxed);
+    e.state.store(ENTRY_TAKEN, Ordering::Relaxed);
     e.used.store(now_secs(), Ordering::Relaxed);
     e.active.store(active, Ordering::Release);
     e.rows.store(rows, Ordering::Release);
@@ -406,6 +437,11 @@ pub fn invalidate(roles: &[pg_sys::Oid]) {
     }
 }
 
+/// How many entries `forget` looks at under one hold of the lock, when it walks the
+/// whole table for a database: every admission of the server waits while the lock is
+/// held exclusively, and the table can hold millions of entries.
+const FORGET_CHUNK: usize = 4096;
+
 /// Removes the counters of `db` (all roles if `roles` is None), for dropped roles and
 /// databases, so that the table does not fill up with them.
 pub fn forget(db: pg_sys::Oid, roles: Option<&[pg_sys::Oid]>) {
@@ -413,21 +449,32 @@ pub fn forget(db: pg_sys::Oid, roles: Option<&[pg_sys::Oid]>) {
         return;
     }
     let db = u32::from(db);
-    let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
     let remove = |e: &Scope| {
         e.valid.store(false, Ordering::Release);
-        e.db.store(TOMBSTONE, Ordering::Relaxed);
+        e.state.store(ENTRY_REMOVED, Ordering::Relaxed);
     };
     match roles {
         // A role's counter is in its window: no walk over the whole table.
-        Some(rs) => rs
-            .iter()
-            .filter_map(|&r| find(db, u32::from(r)))
-            .for_each(remove),
-        None => scopes()
-            .iter()
-            .filter(|e| e.db.load(Ordering::Relaxed) == db)
-            .for_each(remove),
+        Some(rs) => {
+            let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
+            rs.iter()
+                .filter_map(|&r| find(db, u32::from(r)))
+                .for_each(remove);
+        }
+        // The whole table, a chunk at a time, the lock released in between. A counter
+        // of `db` built meanwhile behind the walk (by a session of the database still
+        // running before DROP DATABASE or DROP EXTENSION commits) is for relations that
+        // are about to be gone: stale, so it gives its place up first and is rebuilt if
+        // read again.
+        None => {
+            for chunk in scopes().chunks(FORGET_CHUNK) {
+                let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
+                chunk
+                    .iter()
+                    .filter(|e| matches!(slot(e), Slot::Taken(d, _) if d == db))
+                    .for_each(remove);
+            }
+        }
     }
 }
 
@@ -561,7 +608,8 @@ pub fn scope(reader: &Reader, role: pg_sys::Oid) -> (i64, i64) {
     reader
         .tags
         .and_then(|tags| {
-            get(shmem::my_db(), role, tags, |s| {
+            let has_numbers = || summary_rows(r, &Latest::take(), role).is_some();
+            get(shmem::my_db(), role, tags, has_numbers, |s| {
                 // A rebuild holds the counters' lock: never count a whole history
                 // under it. Without a summary row, count this once without a
                 // counter; the writer rebuilds the summary row meanwhile.

@@ -45,8 +45,11 @@ pub struct WriterEntry {
     /// Set by a caller that found a role without a summary row and a long history:
     /// the writer rebuilds missing summary rows.
     pub rebuild_summary: AtomicBool,
-    /// The database and handle of the last writer that gave up this entry: it may still
-    /// be connected while it exits, and DROP DATABASE waits for it (writer::stop).
+    /// The database and handle of the last writer that gave up this entry, by itself
+    /// or from its exit callback (terminated, FATAL): it may still be connected while
+    /// it exits, and DROP DATABASE waits for it (`stop`). The entry is not taken again
+    /// until that process is gone (`free_entry`), so no exit is ever overwritten before
+    /// it is over. InvalidOid once it is known to be gone.
     pub left_db: pg_sys::Oid,
     pub left_handle: WorkerHandle,
 }
@@ -145,7 +148,50 @@ pub unsafe fn writer_mut(i: usize) -> &'static mut WriterEntry {
 
 /// The writer entry serving database `db`, if any. Callers hold the table lock.
 pub fn writer_of(db: pg_sys::Oid) -> Option<usize> {
+    debug_assert!(
+        db != pg_sys::InvalidOid,
+        "free entries are found with free_entry"
+    );
     (0..n_writers()).find(|&i| writer(i).dboid == db)
+}
+
+/// The status of the writer process behind `handle`.
+fn status(handle: WorkerHandle) -> pg_sys::BgwHandleStatus::Type {
+    let mut pid = 0;
+    let mut h = handle;
+    // SAFETY: `h` has the layout of BackgroundWorkerHandle (see WorkerHandle); the
+    // postmaster's slot generation tells a reused slot apart. STOPPED comes only once
+    // the postmaster has reaped the process, which is out of the ProcArray by then.
+    unsafe { pg_sys::GetBackgroundWorkerPid(&mut h as *mut WorkerHandle as *mut _, &mut pid) }
+}
+
+/// Records in entry `w` that its writer of `db` gives it up now: what `stop` waits for.
+/// Table lock held exclusively.
+pub fn record_exit(w: &mut WriterEntry, db: pg_sys::Oid) {
+    w.left_db = db;
+    w.left_handle = w.handle;
+}
+
+/// Whether entry `w` is free for a new writer: no writer serves it, and the last one's
+/// process is gone. Table lock held.
+fn takeable(w: &WriterEntry) -> bool {
+    w.dboid == pg_sys::InvalidOid
+        && (w.left_db == pg_sys::InvalidOid
+            || status(w.left_handle) == pg_sys::BgwHandleStatus::BGWH_STOPPED)
+}
+
+/// A free writer entry that a new writer may take (see `takeable`). Table lock held
+/// exclusively.
+fn free_entry() -> Option<usize> {
+    let i = (0..n_writers()).find(|&i| takeable(writer(i)))?;
+    // SAFETY: the table lock is held exclusively; no other reference to the entry.
+    unsafe { writer_mut(i) }.left_db = pg_sys::InvalidOid;
+    Some(i)
+}
+
+/// Whether a new writer could take an entry now. Table lock held, shared at least.
+pub fn has_free_entry() -> bool {
+    (0..n_writers()).any(|i| takeable(writer(i)))
 }
 
 /// How many role-dropping transactions have committed since the server started.
@@ -210,11 +256,7 @@ pub fn writer_state() -> WriterState {
     };
     // SAFETY: the table lock is held exclusively; no other reference to the entry.
     let w = unsafe { writer_mut(i) };
-    let mut pid = 0;
-    let mut h = w.handle;
-    // SAFETY: `h` has the layout of BackgroundWorkerHandle (see WorkerHandle).
-    let status =
-        unsafe { pg_sys::GetBackgroundWorkerPid(&mut h as *mut WorkerHandle as *mut _, &mut pid) };
+    let status = status(w.handle);
     if status == pg_sys::BgwHandleStatus::BGWH_STOPPED
         || status == pg_sys::BgwHandleStatus::BGWH_POSTMASTER_DIED
     {
@@ -253,10 +295,11 @@ fn now_ms() -> u64 {
 /// the caller tries again (queue/caller.rs), for at most `quota.writer_start_wait`.
 pub fn try_start_writer() -> Option<usize> {
     let db = shmem::my_db();
-    if writer_of(pg_sys::InvalidOid).is_none() {
+    let free = free_entry().or_else(|| {
         sweep_dead_entries();
-    }
-    let registered = writer_of(pg_sys::InvalidOid).and_then(|i| Some((i, register_worker(i, db)?)));
+        free_entry()
+    });
+    let registered = free.and_then(|i| Some((i, register_worker(i, db)?)));
     let Some((i, handle)) = registered else {
         let h = header();
         let left = now_ms().saturating_sub(h.last_left_ms.load(Ordering::Acquire));
@@ -316,13 +359,7 @@ fn sweep_dead_entries() {
         if w.dboid == pg_sys::InvalidOid {
             continue;
         }
-        let mut pid = 0;
-        let mut h = w.handle;
-        // SAFETY: see writer_state.
-        let status = unsafe {
-            pg_sys::GetBackgroundWorkerPid(&mut h as *mut WorkerHandle as *mut _, &mut pid)
-        };
-        if status == pg_sys::BgwHandleStatus::BGWH_STOPPED {
+        if status(w.handle) == pg_sys::BgwHandleStatus::BGWH_STOPPED {
             w.dboid = pg_sys::InvalidOid;
             w.procno = -1;
         }
@@ -393,8 +430,10 @@ pub fn request_exit(db: pg_sys::Oid, force: bool) {
 ///   and may already be connected: it is terminated at once. One that is not connected
 ///   yet cannot connect while the drop holds the database's lock, and finds the
 ///   database gone afterwards;
-/// - one that gave up its entry a moment ago (an idle exit) may still be connected
-///   while it exits: it is waited for too.
+/// - one that gave up its entry a moment ago (an idle exit, or a terminated writer whose
+///   exit callback freed it) may still be connected while it exits: it is waited for
+///   too, until its process is gone (`record_exit`; 0.4.0 recorded only clean exits,
+///   and only the last of each entry).
 pub fn stop(db: pg_sys::Oid) {
     if !shmem::available() {
         return;
@@ -423,13 +462,7 @@ pub fn stop(db: pg_sys::Oid) {
     for (handle, starting) in handles {
         let mut terminated = false;
         loop {
-            let mut pid = 0;
-            let mut h = handle;
-            // SAFETY: `h` has the layout of BackgroundWorkerHandle (see WorkerHandle);
-            // the postmaster's slot generation tells a reused slot apart.
-            let status = unsafe {
-                pg_sys::GetBackgroundWorkerPid(&mut h as *mut WorkerHandle as *mut _, &mut pid)
-            };
+            let status = status(handle);
             if status == pg_sys::BgwHandleStatus::BGWH_STOPPED
                 || status == pg_sys::BgwHandleStatus::BGWH_POSTMASTER_DIED
                 || (starting && status == pg_sys::BgwHandleStatus::BGWH_NOT_YET_STARTED)
@@ -440,7 +473,9 @@ pub fn stop(db: pg_sys::Oid) {
                 break;
             }
             if !terminated && (starting || began.elapsed() >= STOP_WAIT) {
-                // SAFETY: as above; the postmaster sends the worker SIGTERM.
+                let mut h = handle;
+                // SAFETY: `h` has the layout of BackgroundWorkerHandle; the postmaster
+                // sends the worker SIGTERM.
                 unsafe { pg_sys::TerminateBackgroundWorker(&mut h as *mut WorkerHandle as *mut _) };
                 terminated = true;
             }

@@ -51,6 +51,45 @@ pub fn place(window: impl IntoIterator<Item = Entry>, now: u32) -> Option<usize>
     stale.or(oldest.map(|(_, k)| k))
 }
 
+/// What an entry holds, as a lookup sees it. Whether an entry is free, taken or removed
+/// is state of its own, apart from the key: 0.4.0 marked a removed entry with the
+/// database OID 4294967295, which a database can have, and that database's scopes
+/// then found other databases' removed counters as their own (see `find`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slot {
+    Free,
+    Removed,
+    /// The counter of scope (database, role).
+    Taken(u32, u32),
+}
+
+/// The offset within the window of the counter of (`db`, `role`): probing stops at the
+/// first free entry (nothing was ever placed past it) and goes on past removed ones,
+/// whatever key they had.
+pub fn find(window: impl IntoIterator<Item = Slot>, db: u32, role: u32) -> Option<usize> {
+    for (k, s) in window.into_iter().enumerate() {
+        match s {
+            Slot::Free => return None,
+            Slot::Taken(d, r) if d == db && r == role => return Some(k),
+            Slot::Taken(..) | Slot::Removed => {}
+        }
+    }
+    None
+}
+
+/// How placement judges another scope's counter in the window: one of the caller's own
+/// database by whether it is `current` for that database's relations, one of another
+/// database, whose relations the caller cannot see, by its own `valid` flag. Both by
+/// when it was `used`. (0.4.0 judged every counter by the caller's relations, so the
+/// counters of other databases always looked stale and were given up first, even if
+/// read a moment ago.)
+pub fn judged(same_db: bool, valid: bool, current: bool, used: u32) -> Entry {
+    Entry::Taken {
+        valid: if same_db { current } else { valid },
+        used,
+    }
+}
+
 /// The window of a table of `n` entries: WINDOW, or the whole table if smaller.
 pub fn window(n: usize) -> usize {
     WINDOW.min(n)
@@ -117,6 +156,47 @@ mod tests {
     #[test]
     fn an_empty_window_has_no_place() {
         assert_eq!(place([], NOW), None);
+    }
+
+    #[test]
+    fn find_stops_at_a_free_entry_and_passes_removed_ones() {
+        use Slot::*;
+        let w = [Taken(1, 5), Removed, Taken(2, 5), Free, Taken(2, 6)];
+        assert_eq!(find(w, 1, 5), Some(0));
+        assert_eq!(find(w, 2, 5), Some(2));
+        assert_eq!(find(w, 2, 6), None);
+        assert_eq!(find(w, 3, 5), None);
+    }
+
+    /// F5: a removed entry matches no scope, whatever database OID it had, the largest
+    /// one (0.4.0's mark for "removed") included; the scope's real counter behind it is
+    /// found instead.
+    #[test]
+    fn a_removed_entry_is_nobodys_counter() {
+        use Slot::*;
+        let max = u32::MAX;
+        assert_eq!(find([Removed, Taken(max, 7)], max, 7), Some(1));
+        assert_eq!(find([Removed, Removed, Free], max, 7), None);
+    }
+
+    /// F2: another database's counter read lately keeps its place, though it is not
+    /// current for the caller's relations; one of the caller's database that is not
+    /// current is stale.
+    #[test]
+    fn other_databases_counters_are_judged_by_their_use() {
+        let theirs = judged(false, true, false, NOW);
+        assert_eq!(place([theirs], NOW), None);
+        assert_eq!(place([judged(false, true, false, NOW - 5)], NOW), Some(0));
+        assert_eq!(
+            place(
+                [
+                    judged(true, true, false, NOW),
+                    judged(false, false, false, NOW)
+                ],
+                NOW
+            ),
+            Some(0)
+        );
     }
 
     #[test]

@@ -34,8 +34,11 @@ pub fn rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> (i64, bool) {
 }
 
 /// A role without a summary row and more ledger rows than this makes the writer
-/// rebuild the missing summary rows.
-const REBUILD_ABOVE: i64 = 100;
+/// rebuild the missing summary rows. 0.4.0 waited for 100: a role at its limit with
+/// fewer rows (never admitted, so never given its row back by the writer) then went
+/// without a counter until the writer restarted. A role with no rows at all (a new
+/// one) asks for nothing: the writer's first admission gives it its row.
+const REBUILD_ABOVE: i64 = 0;
 
 /// `role`'s summary row, if it has one.
 pub fn summary_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> Option<i64> {

@@ -162,7 +162,11 @@ fn writer_in_line(slot: &'static Slot, db: pg_sys::Oid) -> Result<(TableLock, us
         };
         if let Some(found) = found {
             if let Some(place) = place {
-                place.leave_served();
+                // Entries still free (a burst of databases in line after writers left
+                // together): the next in line may take one now rather than at its
+                // next look, LINE_POLL_MS away (0.4.0 let the line drain at 20 to 40
+                // databases a second while slots stood free).
+                place.leave_served(workers::has_free_entry());
             }
             return Ok(found);
         }
@@ -192,15 +196,19 @@ impl InLine {
     }
 
     /// Leaves the line with a writer for our database, without waking the next in
-    /// line: it finds its turn at its next look (LINE_POLL_MS). Woken now, it would ask
-    /// at once for another writer to yield (a slot just taken lets the next yield be
+    /// line unless `wake_next` (a writer entry is free, so the next can be served at
+    /// once): it finds its turn at its next look (LINE_POLL_MS). Woken now with no slot
+    /// free, it would ask at once for another writer to yield (a slot just taken lets the next yield be
     /// asked at once, see workers::try_start_writer), and slots would change hands as
     /// fast as writers may yield (MIN_TENURE): each database served for about 50 ms
     /// between waits of a whole round of hand-overs, many more starts waiting in line,
     /// and a process start per hand-over.
-    fn leave_served(self) {
+    fn leave_served(self, wake_next: bool) {
         self.1.slot_line.store(0, Ordering::Release);
         std::mem::forget(self);
+        if wake_next {
+            wake_line_head();
+        }
     }
 }
 
@@ -318,8 +326,27 @@ impl Patience {
         }
     }
 
-    /// Returns true if it found the writer gone (and started a new one).
+    /// Returns true if it found the writer gone (and started a new one, in line for a
+    /// writer slot if need be).
     pub fn check_writer(&mut self) -> bool {
+        if !self.writer_needed() {
+            return false;
+        }
+        // Requests of this database may be waiting for a writer: ours, or others'
+        // that this caller's scope waits on. Bring one up, in line with the other
+        // callers that wait for a writer slot.
+        if let Err(e) = writer_in_line(slot(shmem::my_procno()), shmem::my_db()) {
+            withdraw_mine();
+            raise(e);
+        }
+        true
+    }
+
+    /// The look of `check_writer` without its wait: true when the writer is gone and
+    /// one must be started, which the caller then does with `ensure_writer` once it
+    /// holds no lock that others wait for (a start under its scope lock). Raises when
+    /// writers keep failing to start.
+    pub fn writer_needed(&mut self) -> bool {
         if self.last_check.elapsed() < LIVENESS_EVERY {
             return false;
         }
@@ -340,16 +367,17 @@ impl Patience {
             withdraw_mine();
             raise(gave_up);
         }
-        // Requests of this database may be waiting for a writer: ours, or others'
-        // that this caller's scope waits on. Bring one up, in line with the other
-        // callers that wait for a writer slot.
         self.starts += 1;
-        if let Err(e) = writer_in_line(slot(shmem::my_procno()), shmem::my_db()) {
-            withdraw_mine();
-            raise(e);
-        }
         true
     }
+}
+
+/// Waits until this backend's slot holds no request of an earlier call (one abandoned
+/// while the writer had it: its answer is waited for and dropped). A start under its
+/// scope lock calls it before it takes the lock, so that this wait, which lasts as long
+/// as the writer's batch, holds up no other start of the scope.
+pub fn reclaim_mine() {
+    reclaim(my_slot());
 }
 
 /// Withdraws our own request if the writer has not claimed it.

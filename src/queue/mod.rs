@@ -37,8 +37,13 @@ pub struct Request {
     pub label: [u8; MAX_LABEL_BYTES],
     /// `quota.max_active_per_database` of the calling session; 0 = none.
     pub max_db: i64,
-    /// When the lease runs out, if the ticket has one (0.2.0's schema).
-    pub lease_until: Option<pg_sys::TimestampTz>,
+    /// How long the ticket's lease lasts, in microseconds, if it has one (0.2.0's
+    /// schema): the lease the caller asked for, as the caller's session computes
+    /// `now + lease` (months and days by its calendar and time zone), made a length.
+    /// The writer ends the lease this long after the instant it stamps as the ticket's
+    /// start, so that no wait before then (a slot in line, a new writer, an abandoned
+    /// answer) shortens it; 0.4.0 sent an instant, and a ticket could be born expired.
+    pub lease_us: Option<i64>,
     /// The idempotency key, in the server encoding, if any.
     pub has_key: bool,
     pub key_len: usize,

@@ -329,7 +329,9 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
                     role,
                     label: req.has_label.then(|| &req.label[..req.label_len]),
                     key: req.key(),
-                    lease_until: req.lease_until,
+                    // From the instant the ticket starts (its started_at), not from
+                    // when its caller asked: the caller may have waited since.
+                    lease_until: req.lease_us.map(|us| now.saturating_add(us)),
                     pid: req.pid,
                 });
                 *pending.entry(breq.role).or_default() += 1;

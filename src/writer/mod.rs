@@ -319,8 +319,7 @@ fn leave(idx: usize, db: pg_sys::Oid, force: bool) -> bool {
     release_twin_guard(db);
     // SAFETY: the table lock is held exclusively; no other reference to the entry.
     let w = unsafe { workers::writer_mut(idx) };
-    w.left_db = db;
-    w.left_handle = w.handle;
+    workers::record_exit(w, db);
     w.dboid = pg_sys::InvalidOid;
     w.procno = -1;
     w.exit_requested.store(false, Ordering::Release);
@@ -362,6 +361,9 @@ unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
         // The table lock is held exclusively; no other reference to the entry.
         let w = workers::writer_mut(MY_ENTRY);
         if w.dboid == db && w.procno == shmem::my_procno() as i32 {
+            // This process stays connected to the database for a moment after this
+            // callback: DROP DATABASE waits for it (workers::stop).
+            workers::record_exit(w, db);
             w.dboid = pg_sys::InvalidOid;
             w.procno = -1;
         }

@@ -7,6 +7,11 @@
 # whenever the writer was still there (3 of 5 tries). The drop hook now waits until the
 # writer is gone. Five rounds, each with a writer that is surely running (it stays an
 # hour when idle), must all succeed.
+#
+# 0.4.1 (F4): a writer that exits without giving its entry up by itself (terminated,
+# FATAL) is still in the ProcArray for a moment after it freed its entry; the hook now
+# records every exit and waits until the process is gone. Ten more rounds terminate the
+# writer right before the owner's drop, in the same session.
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
 with_cluster drop_force "quota.writer_idle_timeout = '1h'"
 sql -c "CREATE ROLE df_owner LOGIN CREATEDB" -c "CREATE ROLE df_tenant LOGIN" >/dev/null
@@ -29,4 +34,18 @@ for round in 1 2 3 4 5; do
 done
 # The writer left cleanly, by itself: no writer was terminated.
 expect_eq "no writer ended with FATAL" 0 "$(grep -c 'FATAL:  terminating background worker "pg_quota' "$CL/server.log" || true)"
+
+failed=0
+for round in $(seq 1 10); do
+  sql -c "CREATE DATABASE df_app OWNER df_owner" >/dev/null
+  sql -d df_app -c "CREATE EXTENSION pg_quota" >/dev/null
+  as df_tenant df_app "SELECT quota.start()" >/dev/null
+  pid=$(writer_pid df_app)
+  # Terminated by a superuser, then at once dropped by the owner: one session, one
+  # round trip apart.
+  out=$(sql -c "SELECT pg_terminate_backend(${pid:-0})" -c "SET ROLE df_owner" -c "DROP DATABASE df_app WITH (FORCE)" 2>&1) \
+    || { failed=$((failed + 1)); echo "# round $round: $out"; }
+  sql -c "DROP DATABASE IF EXISTS df_app WITH (FORCE)" >/dev/null 2>&1 || true
+done
+expect_eq "the owner's drop succeeds right after the writer was terminated, in 10 rounds of 10" 0 "$failed"
 finish_checks

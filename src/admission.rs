@@ -365,7 +365,8 @@ fn attempt(
         }
     }
     // A length: the writer ends the lease this long after the ticket really starts.
-    let lease_us = lease_until(now, args.lease)?.map(|until| until - now);
+    let lease_us =
+        lease_until(now, args.lease)?.map(|until| crate::core::lease::length(now, until));
     // SAFETY: a plain read of backend state.
     let pid = unsafe { pg_sys::MyProcPid };
     let fill = |r: &mut Request| {

@@ -463,9 +463,10 @@ pub fn forget(db: pg_sys::Oid, roles: Option<&[pg_sys::Oid]>) {
         }
         // The whole table, a chunk at a time, the lock released in between. A counter
         // of `db` built meanwhile behind the walk (by a session of the database still
-        // running before DROP DATABASE or DROP EXTENSION commits) is for relations that
-        // are about to be gone: stale, so it gives its place up first and is rebuilt if
-        // read again.
+        // running before DROP DATABASE or DROP EXTENSION commits) counts relations that
+        // are about to be gone: nobody reads it again, so it gives its place up once it
+        // has been idle for core::counters::MIN_IDLE_SECS, and a reinstalled extension
+        // (new relfilenodes) finds it stale.
         None => {
             for chunk in scopes().chunks(FORGET_CHUNK) {
                 let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);

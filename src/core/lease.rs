@@ -70,6 +70,34 @@ impl Lapsed {
     }
 }
 
+/// PostgreSQL's end of time (DT_NOEND, `'infinity'`), which a lease of `'infinity'`
+/// (PostgreSQL 17's infinite intervals) ends at.
+pub const INFINITY: i64 = i64::MAX;
+/// The first instant past the last valid timestamp (END_TIMESTAMP, 294277-01-01).
+pub const END_TIMESTAMP: i64 = 9_223_371_331_200_000_000;
+
+/// A lease as a length, from the `lease_until` its caller computed at `now`: what the
+/// request carries, so that the writer can end it that long after the ticket starts.
+/// An infinite lease stays infinite (INFINITY).
+pub fn length(now: i64, until: i64) -> i64 {
+    if until == INFINITY {
+        INFINITY
+    } else {
+        until.saturating_sub(now)
+    }
+}
+
+/// When a lease of `length` (see `length`) ends for a ticket that starts at `start`:
+/// never past the last valid timestamp, so that a clock later than the caller's (or a
+/// clock step) cannot make it an instant PostgreSQL rejects on output or restore.
+pub fn ends(start: i64, length: i64) -> i64 {
+    if length == INFINITY {
+        INFINITY
+    } else {
+        start.saturating_add(length).min(END_TIMESTAMP - 1)
+    }
+}
+
 /// The earlier of two optional instants.
 pub fn earliest(a: Option<i64>, b: Option<i64>) -> Option<i64> {
     match (a, b) {
@@ -102,6 +130,19 @@ pub fn wait_micros(months: i32, days: i32, micros: i64) -> Option<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// 0.4.1 (F1): the lease is a length from the ticket's start; an infinite one stays
+    /// infinite, and none ends past the last valid timestamp.
+    #[test]
+    fn a_lease_runs_its_length_from_the_start() {
+        assert_eq!(ends(500, length(100, 300)), 700);
+        assert_eq!(ends(500, length(100, INFINITY)), INFINITY);
+        assert_eq!(
+            ends(END_TIMESTAMP - 10, length(0, END_TIMESTAMP - 20)),
+            END_TIMESTAMP - 1
+        );
+        assert!(ends(i64::MAX - 5, 100) < END_TIMESTAMP);
+    }
     use proptest::prelude::*;
 
     #[test]

@@ -224,6 +224,11 @@ fn count_admitted(group: &[usize]) {
 fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
     let reader = Reader::open();
     let rels = reader.rels;
+    // The locks the writes need, before the clock is read: `now` is every admitted
+    // ticket's started_at and the start of its lease, so no lock wait (the writer waits
+    // up to its lock_timeout for maintenance) may come between it and the insert.
+    let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
+    let summary = OpenRel::open(rels.summary, "summary", 1);
     // SAFETY: plain clock read.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let snap = Latest::take();
@@ -331,7 +336,7 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
                     key: req.key(),
                     // From the instant the ticket starts (its started_at), not from
                     // when its caller asked: the caller may have waited since.
-                    lease_until: req.lease_us.map(|us| now.saturating_add(us)),
+                    lease_until: req.lease_us.map(|us| crate::core::lease::ends(now, us)),
                     pid: req.pid,
                 });
                 *pending.entry(breq.role).or_default() += 1;
@@ -387,7 +392,6 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
     // values of each role that purges: a few index probes, however many roles have
     // settings, and none for a role of the batch that admitted nothing.
     let for_all = configured_retention(pg_sys::InvalidOid).max(crate::gucs::retention_secs());
-    let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
     let mut delta: Vec<(pg_sys::Oid, i64)> = Vec::new();
     let mut changes = Vec::new();
     for (&role, &n) in &pending {
@@ -406,7 +410,6 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
     record(&ledger, rels.ncols, now, &admitted);
     drop(ledger);
 
-    let summary = OpenRel::open(rels.summary, "summary", 1);
     for (role, n) in delta {
         add_to_summary(&rels, &summary, role, n);
     }

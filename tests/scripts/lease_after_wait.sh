@@ -8,9 +8,14 @@
 #
 # The wait made here: the session's first start() is cancelled by statement_timeout
 # after the writer claimed it, while the writer waits for a SHARE lock a superuser holds
-# on quota.ledger; its next start('late', lease => '2 s') waits for that abandoned
-# answer (about 3.5 s, below the writer's own lock_timeout of 5 s) before its own
-# request goes to the writer.
+# on quota.ledger; its next start('late', lease => '1.5 s') waits for that abandoned
+# answer (about 3 s, below the writer's own lock_timeout of 5 s) before its own request
+# goes to the writer. The same session then counts its active tickets and asks for a
+# third at once, within the late ticket's lease.
+#
+# Then a wait inside the writer: with the SHARE lock held again, a start() of another
+# role is claimed at once and its batch waits for the lock before it can insert; the
+# ticket must still start (and its lease run) from the insert, not from the claim.
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
 PORT="${PORT:-$((5760 + PORT_OFFSET))}"
 with_cluster lease_after_wait "quota.writer_idle_timeout = '1h'"
@@ -29,20 +34,39 @@ say s "SET statement_timeout = '300ms';"
 say s "SELECT quota.start('abandoned');"
 wait_out s "statement timeout"
 say s "RESET statement_timeout;"
-say s "SELECT 'late:' || (quota.start('late', lease => '2 s') IS NOT NULL);"
-sleep 3.5
+say s "SELECT 'sent:' || clock_timestamp();"
+say s "SELECT 'late:' || (quota.start('late', lease => '1.5 s') IS NOT NULL);"
+say s "SELECT 'active:' || active FROM quota.usage WHERE role = 'lw'::regrole;"
+say s "SELECT 'third:' || coalesce(quota.try_start('third')::text, 'refused');"
+sleep 3
 say lock "COMMIT;"
-wait_out s "late:" 15
-expect_eq "the late start() is admitted once the writer is free" "late:true" "$(grep -o 'late:.*' "$CL/s.out")"
+wait_out s "third:" 15
 close_session s
 close_session lock
+expect_eq "the late start() is admitted once the writer is free" "late:true" "$(grep -o '^late:.*' "$CL/s.out")"
+# Within the late ticket's lease: both tickets count.
+expect_eq "both tickets are active" "active:2" "$(grep -o '^active:.*' "$CL/s.out")"
+expect_eq "so the role, at its limit of 2, is refused" "third:refused" "$(grep -o '^third:.*' "$CL/s.out")"
+sent=$(sed -n 's/^sent://p' "$CL/s.out")
+waited=$(sql -c "SELECT round(extract(epoch FROM started_at - '$sent'::timestamptz))::int FROM quota.ledger WHERE label = 'late'")
+check "the late ticket started after the wait (${waited:-?} s after start() was called)" test "${waited:-0}" -ge 2
+expect_eq "its lease ends after it starts: lease_until - started_at is the lease asked for" "1.5" \
+  "$(sql -c "SELECT round(extract(epoch FROM lease_until - started_at), 1) FROM quota.ledger WHERE label = 'late'")"
 
-# Within the late ticket's lease of 2 s: both tickets count.
-expect_eq "both tickets are active" 2 "$(sql -c "SELECT active FROM quota.usage WHERE role = 'lw'::regrole")"
-expect_eq "so the role, at its limit of 2, is refused (53400)" 53400 "$(state lw postgres "SELECT quota.start('third')")"
-waited=$(sql -c "SELECT round(extract(epoch FROM l.started_at - a.started_at))::int FROM quota.ledger l, quota.ledger a
-                 WHERE l.label = 'late' AND a.label = 'abandoned'")
-check "the late ticket started after the wait (${waited:-?} s after the abandoned one)" test "${waited:-0}" -ge 3
-expect_eq "its lease ends after it starts: lease_until - started_at is the lease asked for" "2" \
-  "$(sql -c "SELECT round(extract(epoch FROM lease_until - started_at))::int FROM quota.ledger WHERE label = 'late'")"
+sql -c "CREATE ROLE lw2 LOGIN" -c "ALTER ROLE lw2 SET quota.max_active_per_role = 1" \
+    -c "ALTER ROLE lw2 SET quota.max_retained_per_role = 0" >/dev/null
+open_session lock postgres
+open_session s2 lw2
+say lock "BEGIN; LOCK quota.ledger IN SHARE MODE; SELECT 'locked';"
+wait_out lock locked
+say s2 "SELECT 'inside:' || (quota.start('inside', lease => '1.5 s') IS NOT NULL);"
+say s2 "SELECT 'active:' || active FROM quota.usage WHERE role = 'lw2'::regrole;"
+say s2 "SELECT 'second:' || coalesce(quota.try_start('second')::text, 'refused');"
+sleep 3
+say lock "COMMIT;"
+wait_out s2 "second:" 15
+close_session s2
+close_session lock
+expect_eq "a ticket whose batch waited 3 s for a lock in the writer is active when start() returns" \
+  "inside:true active:1 second:refused" "$(grep -o '^[a-z]*:.*' "$CL/s2.out" | paste -sd' ')"
 finish_checks

@@ -112,6 +112,7 @@ fn with_top_owner<R>(f: impl FnOnce() -> R) -> R {
 
 fn refusal(
     role: pg_sys::Oid,
+    limits: Limits,
     kind: RefusalKind,
     usage: Usage,
     next: Option<pg_sys::TimestampTz>,
@@ -122,7 +123,7 @@ fn refusal(
         refusal: Refusal {
             kind,
             usage,
-            limits: gucs::limits(),
+            limits,
         },
         next_ageout: next.map(format_ts),
     }
@@ -198,7 +199,9 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
             pg_sys::GetCurrentTimestamp(),
         )
     };
-    let limits = gucs::limits();
+    // The policy of the role charged (after SET ROLE, not the login's; see policy.rs).
+    let policy = crate::policy::of(role);
+    let limits = policy.limits;
     let rels = rels();
     if !rels.v2() {
         // The library is newer than the database's schema: 0.1.x's calls work as
@@ -214,7 +217,7 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
         }
     }
     // Check the lease now, so that a bad one fails before any wait.
-    lease_until(now, args.lease)?;
+    lease_until(now, args.lease, policy.default_lease_secs)?;
     let deadline = match args.wait {
         None => now,
         Some(w) => {
@@ -236,7 +239,7 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
             queue::drop_abandoned_answer();
         }
         let seq = place.as_ref().map_or(u64::MAX, |p| p.0.seq);
-        let r = match attempt(args, role, exempt, limits, seq)? {
+        let r = match attempt(args, role, exempt, &policy, seq)? {
             Ok((id, found_here)) => {
                 // The writer counts what it answers (see writer/batch.rs, count_admitted); a
                 // repeat found by this session never reached it.
@@ -253,8 +256,8 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
             if place.is_some() {
                 stats::add(role, Counter::WaitTimeouts, 1);
             }
-            count_refusal(role, &r);
-            return Err(refusal(role, r.kind, r.usage, r.next));
+            count_refusal(role, limits, &r);
+            return Err(refusal(role, limits, r.kind, r.usage, r.next));
         }
         let Some((p, _)) = &place else {
             // Take a place in line, then look again at once: a finish() that
@@ -314,7 +317,7 @@ impl Drop for WaitTimer {
 
 /// Counts a refusal, and writes its LOG line if quota.log_refusals asks for one and
 /// the rate limit lets it through.
-fn count_refusal(role: pg_sys::Oid, r: &Refused) {
+fn count_refusal(role: pg_sys::Oid, limits: Limits, r: &Refused) {
     let log = gucs::log_refusals();
     if let Some(suppressed) = stats::refused(role, Counter::refused(r.kind), log) {
         let line = crate::core::stats::refusal_log_line(
@@ -322,7 +325,7 @@ fn count_refusal(role: pg_sys::Oid, r: &Refused) {
             &database_name(shmem::my_db()),
             r.kind,
             r.usage,
-            gucs::limits(),
+            limits,
             suppressed,
         );
         pgrx::pg_sys::panic::ErrorReport::new(
@@ -343,12 +346,13 @@ fn attempt(
     args: &StartArgs,
     role: pg_sys::Oid,
     exempt: bool,
-    limits: Limits,
+    policy: &crate::policy::Policy,
     seq: u64,
 ) -> Result<Result<(pgrx::Uuid, bool), Refused>, QuotaError> {
+    let limits = policy.limits;
     // SAFETY: plain clock read.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let retention = gucs::retention_secs();
+    let retention = policy.retention_secs;
     let cutoff = cutoff(now, retention);
     // An idempotent repeat is answered here, whatever the limits say: it charges
     // nothing. The writer checks again, for requests racing with the same key. Where
@@ -365,8 +369,8 @@ fn attempt(
         }
     }
     // A length: the writer ends the lease this long after the ticket really starts.
-    let lease_us =
-        lease_until(now, args.lease)?.map(|until| crate::core::lease::length(now, until));
+    let lease_us = lease_until(now, args.lease, policy.default_lease_secs)?
+        .map(|until| crate::core::lease::length(now, until));
     // SAFETY: a plain read of backend state.
     let pid = unsafe { pg_sys::MyProcPid };
     let fill = |r: &mut Request| {

@@ -360,3 +360,30 @@ pub fn nap(ms: i64, wait: Wait) -> bool {
     pgrx::check_for_interrupts!();
     rc & pg_sys::WL_TIMEOUT as i32 != 0
 }
+
+/// The GUC record of setting `name`, or null if there is none. PostgreSQL 16 made
+/// find_option() public and keeps the records in a hash table; 15 has only the sorted
+/// array of get_guc_variables(). A record is never freed once defined.
+pub fn guc_record(name: &std::ffi::CStr) -> *mut pg_sys::config_generic {
+    // SAFETY: reads of the GUC tables of this process; the names are NUL-terminated.
+    unsafe {
+        #[cfg(feature = "pg15")]
+        {
+            let vars = pg_sys::get_guc_variables();
+            let n = pg_sys::GetNumConfigOptions().max(0) as usize;
+            (0..n)
+                .map(|i| *vars.add(i))
+                .find(|&r| {
+                    !r.is_null()
+                        && std::ffi::CStr::from_ptr((*r).name)
+                            .to_bytes()
+                            .eq_ignore_ascii_case(name.to_bytes())
+                })
+                .unwrap_or(std::ptr::null_mut())
+        }
+        #[cfg(not(feature = "pg15"))]
+        {
+            pg_sys::find_option(name.as_ptr(), false, true, pg_sys::DEBUG1 as i32)
+        }
+    }
+}

@@ -4,10 +4,17 @@
 //! give per-role and per-database values; so is writer_start_wait. writer_idle_timeout
 //! is server-wide (PGC_SIGHUP); stats_max and scope_counters size shared memory
 //! (PGC_POSTMASTER).
+//!
+//! The settings of a role's policy (`Setting`) are not read from the session as it is:
+//! policy.rs resolves them for the role a charge is for (core::policy). For that it
+//! needs two things PostgreSQL keeps to itself, which this file keeps: each setting's
+//! server value (postgresql.conf, ALTER SYSTEM, the command line, or the default),
+//! which a login role's or database's value hides from the session, captured by a
+//! check hook whenever the server's layer is (re)applied; and whether the session's
+//! value was set in the session itself (`set_in_session`).
 
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
-
-use crate::core::Limits;
+use pgrx::pg_sys;
 
 static MAX_ACTIVE_PER_ROLE: GucSetting<i32> = GucSetting::<i32>::new(100);
 static MAX_RETAINED_PER_ROLE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
@@ -19,11 +26,171 @@ static STATS_MAX: GucSetting<i32> = GucSetting::<i32>::new(5000);
 static LOG_REFUSALS: GucSetting<bool> = GucSetting::<bool>::new(false);
 static WRITER_START_WAIT: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 static SCOPE_COUNTERS: GucSetting<i32> = GucSetting::<i32>::new(65_536);
+static MAX_ACTIVE_PER_TENANT: GucSetting<i32> = GucSetting::<i32>::new(0);
+static MAX_RETAINED_PER_TENANT: GucSetting<i32> = GucSetting::<i32>::new(0);
+static ALLOW_TRANSACTIONAL: GucSetting<bool> = GucSetting::<bool>::new(false);
+
+/// The settings that make up a role's policy, resolved for the charged role (see
+/// policy.rs). Their order is that of `POLICY`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setting {
+    MaxActivePerRole,
+    MaxRetainedPerRole,
+    MaxActivePerDatabase,
+    MaxActivePerTenant,
+    MaxRetainedPerTenant,
+    Retention,
+    DefaultLease,
+    AllowTransactional,
+}
+
+/// Each policy setting's name and, for integers, its GUC unit flags (for parse_int).
+pub const POLICY: [(Setting, &std::ffi::CStr, i32); 8] = [
+    (Setting::MaxActivePerRole, c"quota.max_active_per_role", 0),
+    (
+        Setting::MaxRetainedPerRole,
+        c"quota.max_retained_per_role",
+        0,
+    ),
+    (
+        Setting::MaxActivePerDatabase,
+        c"quota.max_active_per_database",
+        0,
+    ),
+    (
+        Setting::MaxActivePerTenant,
+        c"quota.max_active_per_tenant",
+        0,
+    ),
+    (
+        Setting::MaxRetainedPerTenant,
+        c"quota.max_retained_per_tenant",
+        0,
+    ),
+    (
+        Setting::Retention,
+        c"quota.retention",
+        pg_sys::GUC_UNIT_S as i32,
+    ),
+    (
+        Setting::DefaultLease,
+        c"quota.default_lease",
+        pg_sys::GUC_UNIT_S as i32,
+    ),
+    (Setting::AllowTransactional, c"quota.allow_transactional", 0),
+];
+
+// Single-threaded backend state: each policy setting's server value (booleans as 0 or
+// 1). The postmaster captures them at preload; backends inherit them and capture them
+// again when they reload the configuration file.
+static mut SERVER: [i32; 8] = [100, 10_000, 0, 0, 0, 7 * 24 * 3600, 24 * 3600, 0];
+
+/// Whether a value from `source` belongs to the server's layer.
+fn is_server_layer(source: pg_sys::GucSource::Type) -> bool {
+    matches!(
+        source,
+        pg_sys::GucSource::PGC_S_DEFAULT
+            | pg_sys::GucSource::PGC_S_DYNAMIC_DEFAULT
+            | pg_sys::GucSource::PGC_S_ENV_VAR
+            | pg_sys::GucSource::PGC_S_FILE
+            | pg_sys::GucSource::PGC_S_ARGV
+    )
+}
+
+fn capture(s: Setting, value: i32, source: pg_sys::GucSource::Type) {
+    if is_server_layer(source) {
+        // SAFETY: single-threaded backend (or postmaster) state.
+        unsafe { (*std::ptr::addr_of_mut!(SERVER))[s as usize] = value };
+    }
+}
+
+/// A check hook that accepts every value and captures the server's (see `capture`).
+/// PostgreSQL calls check hooks for each value it applies or stacks, the server's
+/// included when a login role's value hides it, and for a value removed from
+/// postgresql.conf (the default, from PGC_S_DEFAULT).
+macro_rules! capturing_int_hook {
+    ($name:ident, $setting:expr) => {
+        #[pgrx::pg_guard]
+        unsafe extern "C-unwind" fn $name(
+            newval: *mut i32,
+            _extra: *mut *mut std::ffi::c_void,
+            source: pg_sys::GucSource::Type,
+        ) -> bool {
+            // SAFETY: PostgreSQL passes a valid pointer to the candidate value.
+            capture($setting, unsafe { *newval }, source);
+            true
+        }
+    };
+}
+capturing_int_hook!(hook_max_active_per_role, Setting::MaxActivePerRole);
+capturing_int_hook!(hook_max_retained_per_role, Setting::MaxRetainedPerRole);
+capturing_int_hook!(hook_max_active_per_database, Setting::MaxActivePerDatabase);
+capturing_int_hook!(hook_max_active_per_tenant, Setting::MaxActivePerTenant);
+capturing_int_hook!(hook_max_retained_per_tenant, Setting::MaxRetainedPerTenant);
+capturing_int_hook!(hook_retention, Setting::Retention);
+capturing_int_hook!(hook_default_lease, Setting::DefaultLease);
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn hook_allow_transactional(
+    newval: *mut bool,
+    _extra: *mut *mut std::ffi::c_void,
+    source: pg_sys::GucSource::Type,
+) -> bool {
+    // SAFETY: PostgreSQL passes a valid pointer to the candidate value.
+    capture(
+        Setting::AllowTransactional,
+        i32::from(unsafe { *newval }),
+        source,
+    );
+    true
+}
+
+/// The server's value of `s` (a boolean as 0 or 1).
+pub fn server_value(s: Setting) -> i32 {
+    // SAFETY: single-threaded backend state.
+    unsafe { (*std::ptr::addr_of!(SERVER))[s as usize] }
+}
+
+/// The session's current value of `s` (a boolean as 0 or 1).
+pub fn session_value(s: Setting) -> i32 {
+    match s {
+        Setting::MaxActivePerRole => MAX_ACTIVE_PER_ROLE.get(),
+        Setting::MaxRetainedPerRole => MAX_RETAINED_PER_ROLE.get(),
+        Setting::MaxActivePerDatabase => MAX_ACTIVE_PER_DATABASE.get(),
+        Setting::MaxActivePerTenant => MAX_ACTIVE_PER_TENANT.get(),
+        Setting::MaxRetainedPerTenant => MAX_RETAINED_PER_TENANT.get(),
+        Setting::Retention => RETENTION.get(),
+        Setting::DefaultLease => DEFAULT_LEASE.get(),
+        Setting::AllowTransactional => i32::from(ALLOW_TRANSACTIONAL.get()),
+    }
+}
+
+// Single-threaded backend state: each policy setting's GUC record, found once (it
+// lives as long as the process).
+static mut RECORDS: [*mut pg_sys::config_generic; 8] = [std::ptr::null_mut(); 8];
+
+/// Whether the session's value of `s` was set in the session (SET, SET LOCAL, a
+/// function's SET clause, the connection's options): PGC_S_CLIENT or above, where
+/// PostgreSQL's own order puts it above every per-role and per-database value.
+pub fn set_in_session(s: Setting) -> bool {
+    // SAFETY: single-threaded backend state; a GUC record, once defined, is never
+    // freed, and its source is a plain field.
+    unsafe {
+        let records = &mut *std::ptr::addr_of_mut!(RECORDS);
+        if records[s as usize].is_null() {
+            records[s as usize] = crate::compat::guc_record(POLICY[s as usize].1);
+        }
+        let r = records[s as usize];
+        !r.is_null() && (*r).source >= pg_sys::GucSource::PGC_S_CLIENT
+    }
+}
 
 pub fn init() {
     // 0 turns the limit off; a million concurrent tickets for one role is far beyond
     // what one PostgreSQL server can run, so larger values are typos.
-    GucRegistry::define_int_guc(
+    // SAFETY: the hook is a check hook of the right type, valid for the process.
+    unsafe {
+        GucRegistry::define_int_guc_with_hooks(
         c"quota.max_active_per_role",
         c"Maximum number of active tickets per role and database (0 = no limit).",
         c"quota.start() refuses with SQLSTATE 53400 once the calling role holds this many unfinished tickets.",
@@ -32,10 +199,16 @@ pub fn init() {
         1_000_000,
         GucContext::Suset,
         GucFlags::default(),
+        Some(hook_max_active_per_role),
+        None,
+        None,
     );
+    }
     // 0 turns the limit off; 10^8 rows per role is about the most a ledger index can
     // serve without admission slowing down.
-    GucRegistry::define_int_guc(
+    // SAFETY: the hook is a check hook of the right type, valid for the process.
+    unsafe {
+        GucRegistry::define_int_guc_with_hooks(
         c"quota.max_retained_per_role",
         c"Maximum number of retained tickets per role and database (0 = no limit).",
         c"Retained tickets are the active ones plus those that ended less than quota.retention ago: a sliding-window rate limit.",
@@ -44,21 +217,33 @@ pub fn init() {
         100_000_000,
         GucContext::Suset,
         GucFlags::default(),
+        Some(hook_max_retained_per_role),
+        None,
+        None,
     );
+    }
     // Seconds, with units, so '7d' and '1h' work. 0 keeps no history: an ended ticket
     // stops counting at once. The top is i32::MAX seconds (about 68 years).
-    GucRegistry::define_int_guc(
-        c"quota.retention",
-        c"How long an ended ticket keeps counting towards quota.max_retained_per_role.",
-        c"Tickets that ended longer ago than this are purged from the ledger.",
-        &RETENTION,
-        0,
-        i32::MAX,
-        GucContext::Suset,
-        GucFlags::UNIT_S,
-    );
+    // SAFETY: the hook is a check hook of the right type, valid for the process.
+    unsafe {
+        GucRegistry::define_int_guc_with_hooks(
+            c"quota.retention",
+            c"How long an ended ticket keeps counting towards quota.max_retained_per_role.",
+            c"Tickets that ended longer ago than this are purged from the ledger.",
+            &RETENTION,
+            0,
+            i32::MAX,
+            GucContext::Suset,
+            GucFlags::UNIT_S,
+            Some(hook_retention),
+            None,
+            None,
+        );
+    }
     // 0.2.0. The same range as the per-role limit: 0 turns the cap off.
-    GucRegistry::define_int_guc(
+    // SAFETY: the hook is a check hook of the right type, valid for the process.
+    unsafe {
+        GucRegistry::define_int_guc_with_hooks(
         c"quota.max_active_per_database",
         c"Maximum number of active tickets of all roles together in one database (0 = no limit).",
         c"quota.start() refuses with SQLSTATE 53400 once the database holds this many unfinished tickets; superusers are never refused, but their tickets count.",
@@ -67,9 +252,15 @@ pub fn init() {
         1_000_000,
         GucContext::Suset,
         GucFlags::default(),
+        Some(hook_max_active_per_database),
+        None,
+        None,
     );
+    }
     // 0.2.0. Seconds, with units. 0: tickets started without a lease never expire.
-    GucRegistry::define_int_guc(
+    // SAFETY: the hook is a check hook of the right type, valid for the process.
+    unsafe {
+        GucRegistry::define_int_guc_with_hooks(
         c"quota.default_lease",
         c"How long a ticket started without a lease stays active unless it is finished or renewed (0 = for ever).",
         c"When the lease runs out the ticket stops counting as active and ends with outcome expired.",
@@ -78,7 +269,11 @@ pub fn init() {
         i32::MAX,
         GucContext::Suset,
         GucFlags::UNIT_S,
+        Some(hook_default_lease),
+        None,
+        None,
     );
+    }
     // Server-wide (SIGHUP): how long an idle ledger writer keeps its background
     // worker slot. Short enough that parallel query and other workers get the slot
     // back soon; long enough that a steady trickle of starts keeps one writer.
@@ -138,22 +333,55 @@ pub fn init() {
         GucContext::Suset,
         GucFlags::default(),
     );
+    // 0.5.0. The role limits' counterparts for each tenant of a role (see
+    // `start(…, tenant => …)`); 0 turns them off, as for roles, and the same ranges.
+    // SAFETY: the hooks are check hooks of the right type, valid for the process.
+    unsafe {
+        GucRegistry::define_int_guc_with_hooks(
+            c"quota.max_active_per_tenant",
+            c"Maximum number of active tickets per tenant of a role (0 = no limit).",
+            c"quota.start(…, tenant => …) refuses with SQLSTATE 53400 once the tenant holds this many unfinished tickets; its role's limits apply too.",
+            &MAX_ACTIVE_PER_TENANT,
+            0,
+            1_000_000,
+            GucContext::Suset,
+            GucFlags::default(),
+            Some(hook_max_active_per_tenant),
+            None,
+            None,
+        );
+        GucRegistry::define_int_guc_with_hooks(
+            c"quota.max_retained_per_tenant",
+            c"Maximum number of retained tickets per tenant of a role (0 = no limit).",
+            c"Retained tickets are the active ones plus those that ended less than quota.retention ago; its role's limits apply too.",
+            &MAX_RETAINED_PER_TENANT,
+            0,
+            100_000_000,
+            GucContext::Suset,
+            GucFlags::default(),
+            Some(hook_max_retained_per_tenant),
+            None,
+            None,
+        );
+        // 0.5.0. SUSET: a transactional charge vanishes when its transaction rolls
+        // back, so a role that can launch outside work before it commits (dblink,
+        // postgres_fdw, an untrusted language) could run past its limit with it; a
+        // superuser allows it where the work is a row of the transaction.
+        GucRegistry::define_bool_guc_with_hooks(
+            c"quota.allow_transactional",
+            c"Allows quota.start(…, transactional => true), whose charge commits or rolls back with the calling transaction.",
+            c"Off by default: a role that can launch work outside its transaction (dblink, postgres_fdw, an untrusted language) could use a charge that vanishes on rollback to run past its limit.",
+            &ALLOW_TRANSACTIONAL,
+            GucContext::Suset,
+            GucFlags::default(),
+            Some(hook_allow_transactional),
+            None,
+            None,
+        );
+    }
     // SAFETY: called from _PG_init in the postmaster, after the settings above are
     // defined; it only marks the prefix so that misspelled quota.* names are refused.
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"quota".as_ptr()) };
-}
-
-/// The limits of the calling session, handed to the ledger writer with each request.
-pub fn limits() -> Limits {
-    Limits {
-        max_active: i64::from(MAX_ACTIVE_PER_ROLE.get()),
-        max_retained: i64::from(MAX_RETAINED_PER_ROLE.get()),
-        max_db: i64::from(MAX_ACTIVE_PER_DATABASE.get()),
-    }
-}
-
-pub fn default_lease_secs() -> i64 {
-    i64::from(DEFAULT_LEASE.get())
 }
 
 pub fn retention_secs() -> i64 {

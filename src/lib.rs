@@ -15,6 +15,7 @@ mod catalog;
 mod compat;
 mod error;
 mod gucs;
+mod policy;
 mod syncrep;
 mod timestamps;
 mod xact;

@@ -4,7 +4,6 @@
 use pgrx::pg_sys;
 
 use crate::core::QuotaError;
-use crate::gucs;
 
 /// The instant before which ended tickets no longer count.
 pub fn cutoff(now: pg_sys::TimestampTz, retention_secs: i64) -> pg_sys::TimestampTz {
@@ -56,15 +55,16 @@ pub fn lease_end(
 }
 
 /// When the lease of a ticket started at `now` runs out: `now + lease`, or, without
-/// one, `now + quota.default_lease` (None when that is 0: the ticket never expires).
-/// A lease must be longer than zero.
+/// one, `now + default_secs` (quota.default_lease as it applies to the charged role;
+/// None when that is 0: the ticket never expires). A lease must be longer than zero.
 pub fn lease_until(
     now: pg_sys::TimestampTz,
     lease: Option<pg_sys::Datum>,
+    default_secs: i64,
 ) -> Result<Option<pg_sys::TimestampTz>, QuotaError> {
     match lease {
         Some(l) => lease_end(now, l).map(Some),
-        None => Ok(match gucs::default_lease_secs() {
+        None => Ok(match default_secs {
             0 => None,
             secs => Some(now.saturating_add(secs.saturating_mul(1_000_000))),
         }),

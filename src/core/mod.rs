@@ -7,6 +7,7 @@ pub mod counters;
 pub mod decision;
 pub mod errors;
 pub mod lease;
+pub mod policy;
 pub mod replication;
 pub mod stats;
 pub mod ticket;

@@ -421,105 +421,17 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
 /// The longest quota.retention configured in pg_db_role_setting for `role` (InvalidOid:
 /// for every role) that applies in this database: ALTER ROLE … SET, ALTER ROLE … IN
 /// DATABASE … SET, and for every role ALTER DATABASE … SET and ALTER ROLE ALL … SET; 0 if
-/// none. Two probes of the catalog's (setdatabase, setrole) index: 0.3.x scanned the
-/// whole catalog for each batch, and with 100,000 roles that have a setting the writer
-/// served 27 times fewer starts. Values that do not parse are skipped: PostgreSQL
-/// checked them when they were set.
+/// none. Two probes of the catalog's (setdatabase, setrole) index (policy::row): 0.3.x
+/// scanned the whole catalog for each batch, and with 100,000 roles that have a setting
+/// the writer served 27 times fewer starts.
 fn configured_retention(role: pg_sys::Oid) -> i64 {
-    /// pg_db_role_setting and its unique index on (setdatabase, setrole), whose OIDs
-    /// have been fixed since PostgreSQL 9.0.
-    const DB_ROLE_SETTING: pg_sys::Oid = pg_sys::Oid::from_u32(2964);
-    const DB_ROLE_SETTING_INDEX: pg_sys::Oid = pg_sys::Oid::from_u32(2965);
-    let mut longest = 0;
-    // SAFETY: index scans of a catalog under the catalog snapshot, as PostgreSQL's own
-    // readers of this catalog do (ApplySetting); every datum is read while the tuple
-    // is current.
-    unsafe {
-        let rel = pg_sys::table_open(DB_ROLE_SETTING, pg_sys::AccessShareLock as i32);
-        let desc = (*rel).rd_att;
-        for db in [shmem::my_db(), pg_sys::InvalidOid] {
-            let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
-            for (k, (attno, value)) in [(1, db), (2, role)].into_iter().enumerate() {
-                pg_sys::ScanKeyInit(
-                    &mut keys[k],
-                    attno,
-                    pg_sys::BTEqualStrategyNumber as u16,
-                    pg_sys::Oid::from(pg_sys::F_OIDEQ),
-                    value.into(),
-                );
-            }
-            let scan = pg_sys::systable_beginscan(
-                rel,
-                DB_ROLE_SETTING_INDEX,
-                true,
-                std::ptr::null_mut(),
-                2,
-                keys.as_mut_ptr(),
-            );
-            loop {
-                let tup = pg_sys::systable_getnext(scan);
-                if tup.is_null() {
-                    break;
-                }
-                let mut isnull = false;
-                let config = pg_sys::heap_getattr(tup, 3, desc, &mut isnull);
-                if !isnull {
-                    longest = longest.max(retention_in(config));
-                }
-            }
-            pg_sys::systable_endscan(scan);
-        }
-        pg_sys::table_close(rel, pg_sys::AccessShareLock as i32);
-    }
-    longest
-}
-
-/// The longest quota.retention in a setconfig array (text[] of name=value), or 0.
-///
-/// # Safety
-/// `config` is a non-null text[] datum of a tuple that is current.
-unsafe fn retention_in(config: pg_sys::Datum) -> i64 {
-    let mut longest = 0;
-    // SAFETY: the caller's promise; deconstruct_array fills the pointers we pass.
-    unsafe {
-        let arr = pg_sys::pg_detoast_datum(config.cast_mut_ptr()) as *mut pg_sys::ArrayType;
-        let mut elems: *mut pg_sys::Datum = std::ptr::null_mut();
-        let mut nulls: *mut bool = std::ptr::null_mut();
-        let mut n = 0;
-        pg_sys::deconstruct_array(
-            arr,
-            pg_sys::TEXTOID,
-            -1,
-            false,
-            b'i' as _,
-            &mut elems,
-            &mut nulls,
-            &mut n,
-        );
-        for k in 0..n as usize {
-            if *nulls.add(k) {
-                continue;
-            }
-            let item =
-                std::ffi::CStr::from_ptr(pg_sys::text_to_cstring((*elems.add(k)).cast_mut_ptr()));
-            let Some(value) = item.to_bytes().strip_prefix(b"quota.retention=") else {
-                continue;
-            };
-            let Ok(value) = std::ffi::CString::new(value) else {
-                continue;
-            };
-            let mut secs = 0;
-            if pg_sys::parse_int(
-                value.as_ptr(),
-                &mut secs,
-                pg_sys::GUC_UNIT_S as i32,
-                std::ptr::null_mut(),
-            ) {
-                longest = longest.max(i64::from(secs));
-            }
-        }
-    }
-    longest
+    let i = crate::gucs::Setting::Retention as usize;
+    [shmem::my_db(), pg_sys::InvalidOid]
+        .into_iter()
+        .filter_map(|db| crate::policy::row(db, role)[i])
+        .map(i64::from)
+        .max()
+        .unwrap_or(0)
 }
 
 fn new_ticket_id(now: pg_sys::TimestampTz) -> [u8; 16] {

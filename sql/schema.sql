@@ -17,6 +17,10 @@
 -- idempotency_key (a repeated start() with it returns this ticket), and pid (the
 -- starting backend). An expired ticket is written down by the ledger writer with
 -- ended_at = lease_until and outcome 'expired'.
+-- From 0.5.0: tenant (the value under its role the ticket is charged to; NULL = the
+-- role itself) and txid (for a transactional start, the full transaction id of the
+-- transaction that charged it: the row commits or rolls back with that transaction;
+-- NULL for a charge the ledger writer committed).
 CREATE TABLE quota.ledger (
     id          uuid        PRIMARY KEY,
     role        regrole     NOT NULL,
@@ -27,6 +31,8 @@ CREATE TABLE quota.ledger (
     lease_until     timestamptz,
     idempotency_key text,
     pid             integer,
+    tenant          text,
+    txid            xid8,
     CONSTRAINT ledger_outcome_check
         CHECK (outcome IN ('succeeded', 'failed', 'cancelled', 'expired')),
     CONSTRAINT ledger_ended_has_outcome
@@ -42,13 +48,26 @@ CREATE INDEX ledger_role_ended_idx ON quota.ledger (role, ended_at, lease_until)
 CREATE INDEX ledger_open_idx ON quota.ledger (ended_at, lease_until);
 -- Idempotent starts: a role's tickets by key.
 CREATE INDEX ledger_role_key_idx ON quota.ledger (role, idempotency_key);
+-- 0.5.0: what admission counts for one tenant of a role, as ledger_role_ended_idx
+-- for the role; only tenants' tickets have entries.
+CREATE INDEX ledger_tenant_idx ON quota.ledger (role, tenant, ended_at, lease_until)
+    WHERE tenant IS NOT NULL;
+-- 0.5.0: a role's transactional tickets by the transaction that charged them: those
+-- not yet folded into the role's summary row are counted from here (see quota.summary).
+CREATE INDEX ledger_txid_idx ON quota.ledger (role, txid) WHERE txid IS NOT NULL;
 
 -- One row per role: how many ledger rows it has. Kept by the writer in the same
 -- transaction as each insert and purge, so admission never scans a role's history.
 -- A role without a row has its rows counted from the ledger instead.
+-- From 0.5.0: a transactional start commits its ticket in the caller's transaction,
+-- which must not update this row (every enqueue of a role would queue on it until its
+-- commit). tickets counts the role's transactional tickets whose txid is below folded
+-- (NULL: none), which the writer folds in from time to time; the others are counted
+-- from ledger_txid_idx.
 CREATE TABLE quota.summary (
     role    regrole PRIMARY KEY,
-    tickets bigint  NOT NULL CHECK (tickets >= 0)
+    tickets bigint  NOT NULL CHECK (tickets >= 0),
+    folded  xid8
 );
 
 REVOKE ALL ON quota.ledger, quota.summary FROM PUBLIC;
@@ -180,9 +199,42 @@ SELECT l.id,
        CASE WHEN l.ended_at IS NULL AND l.lease_until OPERATOR(pg_catalog.<=) pg_catalog.now()
             THEN 'expired'::pg_catalog.text ELSE l.outcome END AS outcome,
        l.idempotency_key,
-       l.pid
+       l.pid,
+       l.tenant,
+       l.txid IS NOT NULL AS transactional
   FROM quota.ledger l
  WHERE pg_catalog.pg_has_role(CURRENT_USER, l.role::pg_catalog.oid, 'MEMBER')
     OR (SELECT pg_catalog.pg_has_role(CURRENT_USER, 'pg_read_all_stats', 'USAGE'));
 
 GRANT SELECT ON quota.tickets TO PUBLIC;
+
+-- 0.5.0: usage per tenant, for the tenants that have retained tickets, with the
+-- visibility rules of quota.usage. It reads the ledger: for one tenant's numbers, ask
+-- for that tenant (WHERE role = 'app'::regrole AND tenant = 'acme').
+CREATE VIEW quota.tenant_usage WITH (security_barrier) AS
+WITH params AS (
+    SELECT quota.current_retention() AS retention,
+           pg_catalog.now() AS now
+), tickets AS (
+    SELECT l.role,
+           l.tenant,
+           CASE WHEN l.ended_at IS NULL AND l.lease_until OPERATOR(pg_catalog.<=) p.now
+                THEN l.lease_until ELSE l.ended_at END AS ended_at,
+           p.retention,
+           p.now
+      FROM quota.ledger l, params p
+     WHERE l.tenant IS NOT NULL
+       AND (pg_catalog.pg_has_role(CURRENT_USER, l.role::pg_catalog.oid, 'MEMBER')
+            OR (SELECT pg_catalog.pg_has_role(CURRENT_USER, 'pg_read_all_stats', 'USAGE')))
+)
+SELECT t.role                                                        AS role,
+       t.tenant                                                      AS tenant,
+       pg_catalog.count(*) FILTER (WHERE t.ended_at IS NULL)         AS active,
+       pg_catalog.count(*)                                           AS retained,
+       (pg_catalog.min(t.ended_at) OPERATOR(pg_catalog.+) t.retention) AS next_ageout
+  FROM tickets t
+ WHERE t.ended_at IS NULL
+    OR t.ended_at OPERATOR(pg_catalog.>=) (t.now OPERATOR(pg_catalog.-) t.retention)
+ GROUP BY t.role, t.tenant, t.retention;
+
+GRANT SELECT ON quota.tenant_usage TO PUBLIC;

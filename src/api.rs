@@ -17,7 +17,11 @@
 //! - 0.2.0's schema declares `start(label, lease, idempotency_key, wait)` and the
 //!   same `try_start` on `start_v2_wrapper` and `try_start_v2_wrapper`, and adds
 //!   `renew`. Every 0.1.x call (`start()`, `start('x')`) resolves to them unchanged,
-//!   since the old one-argument functions are dropped by the update.
+//!   since the old one-argument functions are dropped by the update. Those symbols
+//!   stay too, with no SQL of their own from 0.5.0 on.
+//! - 0.5.0's schema declares `start(…, tenant, transactional)` and the same
+//!   `try_start` on `start_v5_wrapper` and `try_start_v5_wrapper`; every older call
+//!   resolves to them unchanged.
 #![allow(clippy::result_large_err)]
 
 use pgrx::pg_sys::panic::ErrorReport;
@@ -58,6 +62,8 @@ fn args<'a>(
     lease: Option<Interval>,
     idempotency_key: Option<&'a [u8]>,
     wait: Option<Interval>,
+    tenant: Option<&'a [u8]>,
+    transactional: Option<bool>,
 ) -> Result<StartArgs<'a>, QuotaError> {
     Ok(StartArgs {
         label,
@@ -68,11 +74,39 @@ fn args<'a>(
                 .into_datum()
                 .expect("an interval datum"),
         ),
+        tenant,
+        transactional: transactional.ok_or(QuotaError::NullArgument("transactional"))?,
     })
 }
 
-/// Admits one unit of work for `current_user`, or raises 53400 at the limit (after
-/// waiting up to `wait` for capacity).
+/// 0.2.0's start(label, lease, idempotency_key, wait), for databases not yet updated.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+fn start_v2(
+    label: Option<&[u8]>,
+    lease: Option<Interval>,
+    idempotency_key: Option<&[u8]>,
+    wait: Option<Interval>,
+) -> Result<pgrx::Uuid, ErrorReport> {
+    let a = args(label, lease, idempotency_key, wait, None, Some(false))?;
+    Ok(admission::start(&a, c"quota.start()")?)
+}
+
+/// 0.2.0's try_start(label, lease, idempotency_key, wait), for databases not yet
+/// updated.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+fn try_start_v2(
+    label: Option<&[u8]>,
+    lease: Option<Interval>,
+    idempotency_key: Option<&[u8]>,
+    wait: Option<Interval>,
+) -> Result<Option<pgrx::Uuid>, ErrorReport> {
+    let a = args(label, lease, idempotency_key, wait, None, Some(false))?;
+    refused_as_null(admission::start(&a, c"quota.try_start()"))
+}
+
+/// Admits one unit of work for `current_user` (and its `tenant`, if given), or raises
+/// 53400 at a limit (after waiting up to `wait` for capacity). With `transactional`,
+/// the charge commits or rolls back with the calling transaction.
 #[pg_extern(
     volatile,
     parallel_unsafe,
@@ -81,20 +115,24 @@ CREATE FUNCTION "start"(
 	"label" TEXT DEFAULT NULL,
 	"lease" interval DEFAULT NULL,
 	"idempotency_key" TEXT DEFAULT NULL,
-	"wait" interval DEFAULT '0'
+	"wait" interval DEFAULT '0',
+	"tenant" TEXT DEFAULT NULL,
+	"transactional" bool DEFAULT false
 ) RETURNS uuid
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c
-AS 'MODULE_PATHNAME', 'start_v2_wrapper';
+AS 'MODULE_PATHNAME', 'start_v5_wrapper';
 "#
 )]
-fn start_v2(
+fn start_v5(
     label: Option<&[u8]>,
     lease: Option<Interval>,
     idempotency_key: Option<&[u8]>,
     wait: Option<Interval>,
+    tenant: Option<&[u8]>,
+    transactional: Option<bool>,
 ) -> Result<pgrx::Uuid, ErrorReport> {
-    let a = args(label, lease, idempotency_key, wait)?;
+    let a = args(label, lease, idempotency_key, wait, tenant, transactional)?;
     Ok(admission::start(&a, c"quota.start()")?)
 }
 
@@ -107,20 +145,24 @@ CREATE FUNCTION "try_start"(
 	"label" TEXT DEFAULT NULL,
 	"lease" interval DEFAULT NULL,
 	"idempotency_key" TEXT DEFAULT NULL,
-	"wait" interval DEFAULT '0'
+	"wait" interval DEFAULT '0',
+	"tenant" TEXT DEFAULT NULL,
+	"transactional" bool DEFAULT false
 ) RETURNS uuid
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c
-AS 'MODULE_PATHNAME', 'try_start_v2_wrapper';
+AS 'MODULE_PATHNAME', 'try_start_v5_wrapper';
 "#
 )]
-fn try_start_v2(
+fn try_start_v5(
     label: Option<&[u8]>,
     lease: Option<Interval>,
     idempotency_key: Option<&[u8]>,
     wait: Option<Interval>,
+    tenant: Option<&[u8]>,
+    transactional: Option<bool>,
 ) -> Result<Option<pgrx::Uuid>, ErrorReport> {
-    let a = args(label, lease, idempotency_key, wait)?;
+    let a = args(label, lease, idempotency_key, wait, tenant, transactional)?;
     refused_as_null(admission::start(&a, c"quota.try_start()"))
 }
 

@@ -14,7 +14,8 @@ use crate::core::{parse_outcome, QuotaError};
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::{self, Rels};
 use crate::ledger::scan::{scan_open, Key, Latest};
-use crate::ledger::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE};
+use crate::ledger::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE, COL_TENANT};
+use crate::scopes::ScopeKey;
 use crate::{scopes, shmem};
 
 /// The checks finish() and renew() make first.
@@ -79,7 +80,7 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
         match ledger.update(found.tid, found.new_tuple, &[COL_ENDED_AT, COL_OUTCOME]) {
             pg_sys::TM_Result::TM_Ok => {
                 // The scope's active counter drops when this transaction commits.
-                note_finish(found.holder, outcome);
+                note_finish(found.holder, found.tenant, outcome);
                 return Ok(true);
             }
             // A concurrent finish committed first (or, long after, a purge), or this
@@ -161,6 +162,8 @@ pub fn renew(
 struct Found {
     tid: pg_sys::ItemPointerData,
     holder: pg_sys::Oid,
+    /// Its tenant's key (scopes::tenant_key), 0 for none.
+    tenant: u128,
     ended: Option<pg_sys::TimestampTz>,
     /// Whether it ended by its lease (outcome `expired`, written by the sweep).
     outcome_expired: bool,
@@ -201,10 +204,17 @@ fn find(
                 let outcome_expired = !nulls[COL_OUTCOME - 1]
                     && String::from_datum(values[COL_OUTCOME - 1], false).as_deref()
                         == Some("expired");
+                let tenant = if ncols >= COL_TENANT {
+                    crate::ledger::scan::text_attr(slot, COL_TENANT)
+                        .map_or(0, |t| crate::scopes::tenant_key(&t))
+                } else {
+                    0
+                };
                 change(&mut values, &mut nulls);
                 found = Some(Found {
                     tid: (*slot).tts_tid,
                     holder,
+                    tenant,
                     ended,
                     outcome_expired,
                     lease_until,
@@ -222,9 +232,10 @@ fn find(
 // ---------------------------------------------------------------------------------
 
 // Single-threaded backend state: the tickets finished by the current transaction, as
-// (role, subtransaction nesting level), and the roles that did not fit when published.
-static mut FINISHED: Vec<(pg_sys::Oid, i32)> = Vec::new();
-static mut OVERFLOW: Vec<pg_sys::Oid> = Vec::new();
+// (role, tenant key, subtransaction nesting level), and the scopes that did not fit
+// when published.
+static mut FINISHED: Vec<((pg_sys::Oid, u128), i32)> = Vec::new();
+static mut OVERFLOW: Vec<ScopeKey> = Vec::new();
 /// The statistics the current transaction owes quota.stats when it commits: finishes
 /// by outcome and renewals, as ((role, counter), subtransaction nesting level).
 static mut STATS_OWED: Vec<((pg_sys::Oid, Counter), i32)> = Vec::new();
@@ -245,11 +256,11 @@ fn nest_level() -> i32 {
 /// Records that this transaction ended a ticket of `role` with `outcome`; its scope's
 /// counter drops, and quota.stats counts the finish, when (and only if) the
 /// transaction commits.
-pub fn note_finish(role: pg_sys::Oid, outcome: crate::core::Outcome) {
+pub fn note_finish(role: pg_sys::Oid, tenant: u128, outcome: crate::core::Outcome) {
     let level = nest_level();
     // SAFETY: single-threaded backend state.
     unsafe {
-        (*std::ptr::addr_of_mut!(FINISHED)).push((role, level));
+        (*std::ptr::addr_of_mut!(FINISHED)).push(((role, tenant), level));
         (*std::ptr::addr_of_mut!(STATS_OWED)).push(((role, Counter::finished(outcome)), level));
     }
 }
@@ -287,14 +298,19 @@ unsafe extern "C-unwind" fn xact_event(
         }
         match event {
             pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT if !finished.is_empty() => {
-                let mut per_role: Vec<(pg_sys::Oid, i64, i64)> = Vec::new();
-                for &(role, _) in finished.iter() {
-                    match per_role.iter_mut().find(|(r, _, _)| *r == role) {
-                        Some(c) => c.1 -= 1,
-                        None => per_role.push((role, -1, 0)),
+                // One change per scope: its role's, and its tenant's if it has one.
+                let mut per_scope: Vec<(ScopeKey, i64, i64)> = Vec::new();
+                let mut count = |key: ScopeKey| match per_scope.iter_mut().find(|c| c.0 == key) {
+                    Some(c) => c.1 -= 1,
+                    None => per_scope.push((key, -1, 0)),
+                };
+                for &((role, tenant), _) in finished.iter() {
+                    count(ScopeKey::role(role));
+                    if tenant != 0 {
+                        count(ScopeKey { role, tenant });
                     }
                 }
-                *overflow = scopes::publish(&per_role);
+                *overflow = scopes::publish(&per_scope);
             }
             pg_sys::XactEvent::XACT_EVENT_PRE_PREPARE if !finished.is_empty() => {
                 // COMMIT PREPARED runs elsewhere, later: its finish could not be
@@ -313,7 +329,7 @@ unsafe extern "C-unwind" fn xact_event(
                 // Freed slots: starts waiting in this scope or for the database cap
                 // look again (see waiters.rs).
                 let mut woken: Vec<pg_sys::Oid> = Vec::new();
-                for &(role, _) in finished.iter() {
+                for &((role, _), _) in finished.iter() {
                     if !woken.contains(&role) {
                         woken.push(role);
                         crate::waiters::wake(shmem::my_db(), role);

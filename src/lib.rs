@@ -29,6 +29,8 @@ mod scopes;
 mod stats;
 mod waiters;
 mod workers;
+// Layer 4, after the rooms it uses (scopes, waiters, stats).
+mod charges;
 // Layer 5: the paths.
 mod admission;
 mod finish;
@@ -60,6 +62,7 @@ pub extern "C-unwind" fn _PG_init() {
     shmem::reserve(&scopes::SEGMENT);
     shmem::reserve(&waiters::SEGMENT);
     shmem::reserve(&stats::SEGMENT);
+    shmem::reserve(&charges::SEGMENT);
     hooks::init();
 }
 

@@ -105,6 +105,7 @@ pub fn of(role: pg_sys::Oid) -> Policy {
             max_active: value(Setting::MaxActivePerRole),
             max_retained: value(Setting::MaxRetainedPerRole),
             max_db: value(Setting::MaxActivePerDatabase),
+            ..Limits::default()
         },
         tenant_max_active: value(Setting::MaxActivePerTenant),
         tenant_max_retained: value(Setting::MaxRetainedPerTenant),

@@ -2,11 +2,13 @@
 //! interval)`), and their order, in a segment of their own.
 //!
 //! A waiting start() takes a place in line: a number from one cluster-wide counter,
-//! kept in its backend's entry with its database, its role and the limit that refused
-//! it. While it waits, every other start() of its scope (or, for the database cap, of
-//! its database) that arrives later counts it as if its ticket were already active:
-//! a stream of newcomers cannot take each freed slot before it, so it is not starved.
-//! Among themselves, waiters go in the order of their places.
+//! kept in its backend's entry with its database, its role, its tenant (0.5.0) and the
+//! limit that refused it. While it waits, every other start() of its scope (or, for
+//! the database cap, of its database) that arrives later counts it as if its ticket
+//! were already active: a stream of newcomers cannot take each freed slot before it, so
+//! it is not starved. Among themselves, waiters go in the order of their places. A
+//! start refused by its tenant's limit waits ahead of the later starts of that tenant
+//! only: the other tenants of its role are not held up by a limit that is not theirs.
 //!
 //! A finish() that frees a slot wakes the waiters of its scope and database when its
 //! transaction commits, as does the writer's expiry sweep; a waiter also looks again
@@ -28,6 +30,7 @@ pub const POLL_MS: i64 = 200;
 
 const KIND_ROLE: u32 = 1;
 const KIND_DATABASE: u32 = 2;
+const KIND_TENANT: u32 = 3;
 
 #[repr(C)]
 pub struct Waiter {
@@ -35,7 +38,10 @@ pub struct Waiter {
     seq: AtomicU64,
     db: AtomicU32,
     role: AtomicU32,
-    /// KIND_ROLE (a role limit refused it) or KIND_DATABASE (the database cap).
+    /// Its tenant's key (0 for none), low and high halves.
+    tenant: [AtomicU64; 2],
+    /// KIND_ROLE (a role limit refused it), KIND_TENANT (its tenant's limit) or
+    /// KIND_DATABASE (the database cap).
     kind: AtomicU32,
     /// Set by `wake`; the waiter looks again before it sleeps.
     woken: AtomicBool,
@@ -117,8 +123,9 @@ pub struct Place {
 }
 
 impl Place {
-    /// Takes a place in line for `role` of this database, refused by `kind`.
-    pub fn take(role: pg_sys::Oid, kind: RefusalKind) -> Place {
+    /// Takes a place in line for `role` (and its tenant `tenant`, a key, 0 for none) of
+    /// this database, refused by `kind`.
+    pub fn take(role: pg_sys::Oid, tenant: u128, kind: RefusalKind) -> Place {
         // SAFETY: single-threaded backend state; the callback is registered once.
         unsafe {
             if !EXIT_CALLBACK_REGISTERED {
@@ -129,6 +136,8 @@ impl Place {
         let w = mine();
         w.db.store(u32::from(shmem::my_db()), Ordering::Relaxed);
         w.role.store(u32::from(role), Ordering::Relaxed);
+        w.tenant[0].store(tenant as u64, Ordering::Relaxed);
+        w.tenant[1].store((tenant >> 64) as u64, Ordering::Relaxed);
         w.kind.store(kind_of(kind), Ordering::Relaxed);
         let seq = header().wait_seq.fetch_add(1, Ordering::AcqRel) + 1;
         // Counted before the place is published (see `ahead`).
@@ -157,11 +166,27 @@ impl Drop for Place {
 }
 
 fn kind_of(kind: RefusalKind) -> u32 {
-    if kind == RefusalKind::Database {
-        KIND_DATABASE
-    } else {
-        KIND_ROLE
+    match kind {
+        RefusalKind::Database => KIND_DATABASE,
+        RefusalKind::TenantActive | RefusalKind::TenantRetained => KIND_TENANT,
+        RefusalKind::Active | RefusalKind::Retained => KIND_ROLE,
     }
+}
+
+fn tenant_of(w: &Waiter) -> u128 {
+    u128::from(w.tenant[0].load(Ordering::Relaxed))
+        | (u128::from(w.tenant[1].load(Ordering::Relaxed)) << 64)
+}
+
+/// The starts waiting ahead of a newcomer, as its admission counts them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ahead {
+    /// Of its role: they take its role's next free slots.
+    pub of_role: i64,
+    /// Of its tenant: they take its tenant's next free slots.
+    pub of_tenant: i64,
+    /// Of any role, waiting for the database cap.
+    pub of_db: i64,
 }
 
 /// Leaves the line, if this backend is in it. Idempotent.
@@ -181,19 +206,22 @@ pub fn leave() {
 }
 
 /// The starts waiting ahead of place `seq` (u64::MAX for a start that is not
-/// waiting) in this database: (those of `role` refused by a role limit, those of any
-/// role refused by the database cap). A waiter with a request in the writer's hands,
-/// or answered and not yet taken back, is not counted: callers count requests in
-/// flight already, and an admitted one is an active ticket by then.
-pub fn ahead(role: pg_sys::Oid, seq: u64) -> (i64, i64) {
+/// waiting) in this database, for a start of `role` and its tenant `tenant` (a key, 0
+/// for none): those of the role refused by a role limit, which take the role's next
+/// slots (and the tenant's, if theirs); those of the tenant refused by its limit, which
+/// take the tenant's next slots and, admitted, the role's too; and those of any role
+/// refused by the database cap. A waiter with a request in the writer's hands, or
+/// answered and not yet taken back, is not counted: callers count requests in flight
+/// already, and an admitted one is an active ticket by then.
+pub fn ahead(role: pg_sys::Oid, tenant: u128, seq: u64) -> Ahead {
     let db = u32::from(shmem::my_db());
     let role = u32::from(role);
-    let (mut of_role, mut of_db) = (0, 0);
+    let mut a = Ahead::default();
     // Nobody in line, the common case: no walk over every backend's entry. A waiter
     // counts itself here before it publishes its place, so a place published before
     // this load is counted.
     if header().waiting.load(Ordering::Acquire) == 0 {
-        return (of_role, of_db);
+        return a;
     }
     for (w, slot) in waiters().iter().zip(queue::slots()) {
         let s = w.seq.load(Ordering::Acquire);
@@ -203,13 +231,28 @@ pub fn ahead(role: pg_sys::Oid, seq: u64) -> (i64, i64) {
         if queue::load_state(slot) != queue::SLOT_FREE {
             continue;
         }
-        match w.kind.load(Ordering::Relaxed) {
-            KIND_DATABASE => of_db += 1,
-            _ if w.role.load(Ordering::Relaxed) == role => of_role += 1,
+        let kind = w.kind.load(Ordering::Relaxed);
+        if kind == KIND_DATABASE {
+            a.of_db += 1;
+            continue;
+        }
+        if w.role.load(Ordering::Relaxed) != role {
+            continue;
+        }
+        let same_tenant = tenant != 0 && tenant_of(w) == tenant;
+        match kind {
+            KIND_ROLE => {
+                a.of_role += 1;
+                a.of_tenant += i64::from(same_tenant);
+            }
+            _ if same_tenant => {
+                a.of_role += 1;
+                a.of_tenant += 1;
+            }
             _ => {}
         }
     }
-    (of_role, of_db)
+    a
 }
 
 /// Wakes the starts waiting in database `db` for `role`, and those waiting for the

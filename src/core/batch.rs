@@ -16,10 +16,16 @@ use super::decision::{decide, Decision, Limits, Usage};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchRequest {
     pub role: u32,
+    /// The request's tenant (0.5.0), by the key that stands for its text (see
+    /// core::tenant); None for the role itself.
+    pub tenant: Option<u128>,
     pub limits: Limits,
     pub retention_secs: i64,
     pub exempt: bool,
 }
+
+/// A tenant of a role, as the batch counts it.
+pub type TenantOf = (u32, u128);
 
 /// What the writer must count for one role to decide every request of the batch.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -38,6 +44,25 @@ pub struct Counted {
     pub active: i64,
     /// Retained tickets for each retention in `Needs::retentions`.
     pub retained: Vec<(i64, i64)>,
+}
+
+/// What each tenant of the batch needs counted (by its own limits), as `needs` for roles.
+pub fn tenant_needs(requests: &[BatchRequest]) -> HashMap<TenantOf, Needs> {
+    let mut out: HashMap<TenantOf, Needs> = HashMap::new();
+    for r in requests.iter().filter(|r| !r.exempt) {
+        let Some(t) = r.tenant else { continue };
+        let n = out.entry((r.role, t)).or_default();
+        if r.limits.tenant_active > 0 {
+            n.active_cap = Some(
+                n.active_cap
+                    .map_or(r.limits.tenant_active, |c| c.max(r.limits.tenant_active)),
+            );
+        }
+        if r.limits.tenant_retained > 0 && !n.retentions.contains(&r.retention_secs) {
+            n.retentions.push(r.retention_secs);
+        }
+    }
+    out
 }
 
 /// What each role of the batch needs counted. Exempt requests need nothing.
@@ -75,13 +100,31 @@ pub fn db_cap(requests: &[BatchRequest]) -> Option<i64> {
 /// later request limited by `quota.max_active_per_database` counts, whatever its role.
 /// Exempt (superuser) requests are always admitted, and their tickets count towards
 /// the database's total too.
+///
+/// A request with a tenant also counts that tenant's tickets (`tenants`), and its
+/// admission adds one to them as to its role's; an admission without a tenant adds to
+/// its role only.
 pub fn decide_batch(
     requests: &[BatchRequest],
     counted: &HashMap<u32, Counted>,
+    tenants: &HashMap<TenantOf, Counted>,
     db_active: i64,
 ) -> Vec<Decision> {
     let mut state = counted.clone();
+    let mut tenant_state = tenants.clone();
     let mut db_active = db_active;
+    let retained_for = |c: &Counted, ret: i64| {
+        c.retained
+            .iter()
+            .find(|(r, _)| *r == ret)
+            .map_or(0, |(_, n)| *n)
+    };
+    let bump = |c: &mut Counted| {
+        c.active += 1;
+        for (_, n) in c.retained.iter_mut() {
+            *n += 1;
+        }
+    };
     requests
         .iter()
         .map(|r| {
@@ -90,21 +133,23 @@ pub fn decide_batch(
                 return Decision::Admit;
             }
             let c = state.entry(r.role).or_default();
+            let t = r
+                .tenant
+                .map(|t| tenant_state.entry((r.role, t)).or_default());
             let usage = Usage {
                 active: c.active,
-                retained: c
-                    .retained
-                    .iter()
-                    .find(|(ret, _)| *ret == r.retention_secs)
-                    .map_or(0, |(_, n)| *n),
+                retained: retained_for(c, r.retention_secs),
                 db_active,
                 ahead: 0,
+                tenant_active: t.as_ref().map_or(0, |t| t.active),
+                tenant_retained: t.as_ref().map_or(0, |t| retained_for(t, r.retention_secs)),
             };
-            let d = decide(r.limits, usage, false);
+            let limits = r.limits.for_tenant(r.tenant.is_some());
+            let d = decide(limits, usage, false);
             if d == Decision::Admit {
-                c.active += 1;
-                for (_, n) in c.retained.iter_mut() {
-                    *n += 1;
+                bump(c);
+                if let Some(t) = t {
+                    bump(t);
                 }
                 db_active += 1;
             }
@@ -121,14 +166,54 @@ mod tests {
     fn req(role: u32, max_active: i64, max_retained: i64, retention_secs: i64) -> BatchRequest {
         BatchRequest {
             role,
+            tenant: None,
             limits: Limits {
                 max_active,
                 max_retained,
-                max_db: 0,
+                ..Limits::default()
             },
             retention_secs,
             exempt: false,
         }
+    }
+
+    fn treq(role: u32, tenant: u128, tenant_active: i64, role_active: i64) -> BatchRequest {
+        BatchRequest {
+            role,
+            tenant: Some(tenant),
+            limits: Limits {
+                max_active: role_active,
+                tenant_active,
+                ..Limits::default()
+            },
+            retention_secs: 60,
+            exempt: false,
+        }
+    }
+
+    /// 0.5.0: two tenants of one role in one batch each fill their own limit, and
+    /// together their role's; a start of the role itself counts against the role only.
+    #[test]
+    fn tenants_count_against_their_role_and_themselves() {
+        let reqs = [
+            treq(10, 1, 1, 3),
+            treq(10, 1, 1, 3),
+            treq(10, 2, 1, 3),
+            req(10, 3, 0, 60),
+            treq(10, 3, 1, 3),
+        ];
+        let ds = decide_batch(&reqs, &HashMap::new(), &HashMap::new(), 0);
+        assert_eq!(ds[0], Decision::Admit);
+        assert!(
+            matches!(ds[1], Decision::Refuse(r) if r.kind == crate::core::RefusalKind::TenantActive)
+        );
+        assert_eq!(ds[2], Decision::Admit);
+        assert_eq!(ds[3], Decision::Admit);
+        // The role is full (3): tenant 3 is refused by its role's limit.
+        assert!(matches!(ds[4], Decision::Refuse(r) if r.kind == crate::core::RefusalKind::Active));
+        let n = tenant_needs(&reqs);
+        assert_eq!(n[&(10, 1)].active_cap, Some(1));
+        assert!(!n.contains_key(&(10, 0)));
     }
 
     fn admitted(ds: &[Decision]) -> usize {
@@ -139,7 +224,10 @@ mod tests {
     fn one_role_with_two_retentions_shares_its_last_slot() {
         let reqs = [req(10, 1, 0, 3600), req(10, 1, 0, 7200)];
         let counted = HashMap::from([(10, Counted::default())]);
-        assert_eq!(admitted(&decide_batch(&reqs, &counted, 0)), 1);
+        assert_eq!(
+            admitted(&decide_batch(&reqs, &counted, &HashMap::new(), 0)),
+            1
+        );
     }
 
     #[test]
@@ -156,7 +244,7 @@ mod tests {
         )]);
         // The first admission fills the 1h window (1 + 1 = 2); the 60 s window then has
         // 1 and admits; the 1h window is full.
-        let ds = decide_batch(&reqs, &counted, 0);
+        let ds = decide_batch(&reqs, &counted, &HashMap::new(), 0);
         assert_eq!(ds[0], Decision::Admit);
         assert_eq!(ds[1], Decision::Admit);
         assert!(matches!(ds[2], Decision::Refuse(_)));
@@ -183,12 +271,12 @@ mod tests {
         su.exempt = true;
         assert_eq!(db_cap(&[a, b, su]), Some(3));
         assert_eq!(db_cap(&[req(10, 5, 0, 1), su]), None);
-        let ds = decide_batch(&[a, b], &HashMap::new(), 2);
+        let ds = decide_batch(&[a, b], &HashMap::new(), &HashMap::new(), 2);
         assert_eq!(ds[0], Decision::Admit);
         assert!(
             matches!(ds[1], Decision::Refuse(r) if r.kind == crate::core::RefusalKind::Database)
         );
-        let ds = decide_batch(&[su, a], &HashMap::new(), 2);
+        let ds = decide_batch(&[su, a], &HashMap::new(), &HashMap::new(), 2);
         assert_eq!(ds[0], Decision::Admit);
         assert!(matches!(ds[1], Decision::Refuse(r) if r.usage.db_active == 3));
     }
@@ -214,7 +302,7 @@ mod tests {
                     retained: n.retentions.iter().map(|&ret| (ret, a)).collect(),
                 })
             }).collect();
-            let ds = decide_batch(&reqs, &counted, 0);
+            let ds = decide_batch(&reqs, &counted, &HashMap::new(), 0);
             let mut held = start_active.clone();
             for (r, d) in reqs.iter().zip(&ds) {
                 let h = held[r.role as usize];
@@ -223,6 +311,54 @@ mod tests {
                 prop_assert_eq!(*d == Decision::Admit, model, "request {:?} with {} held", r, h);
                 if *d == Decision::Admit {
                     held[r.role as usize] += 1;
+                }
+            }
+        }
+
+        /// I1 for tenants (0.5.0), against the same kind of model: each admission
+        /// leaves its role within the role's limit and its tenant within the tenant's,
+        /// and a refusal happens only where one of them is full.
+        #[test]
+        fn batch_never_admits_past_a_tenants_or_its_roles_limits(
+            reqs in proptest::collection::vec((0u32..2, proptest::option::of(0u128..3), 0i64..3, 0i64..5), 0..24),
+            start_role in proptest::collection::vec(0i64..3, 2),
+            start_tenant in proptest::collection::vec(0i64..2, 6),
+        ) {
+            let reqs: Vec<BatchRequest> = reqs.into_iter().map(|(role, tenant, ta, ra)| {
+                BatchRequest {
+                    role,
+                    tenant,
+                    limits: Limits { max_active: ra, tenant_active: ta, ..Limits::default() },
+                    retention_secs: 60,
+                    exempt: false,
+                }
+            }).collect();
+            let t_index = |role: u32, t: u128| (role as usize) * 3 + t as usize;
+            // A role holds at least what its tenants hold.
+            let mut role_held: Vec<i64> = (0..2u32)
+                .map(|r| start_role[r as usize] + (0..3).map(|t| start_tenant[t_index(r, t)]).sum::<i64>())
+                .collect();
+            let mut tenant_held = start_tenant.clone();
+            let counted: HashMap<u32, Counted> = (0..2u32)
+                .map(|r| (r, Counted { active: role_held[r as usize], retained: vec![] }))
+                .collect();
+            let tenants: HashMap<TenantOf, Counted> = (0..2u32)
+                .flat_map(|r| (0..3u128).map(move |t| (r, t)))
+                .map(|(r, t)| ((r, t), Counted { active: start_tenant[t_index(r, t)], retained: vec![] }))
+                .collect();
+            let ds = decide_batch(&reqs, &counted, &tenants, 0);
+            for (r, d) in reqs.iter().zip(&ds) {
+                let rh = role_held[r.role as usize];
+                let th = r.tenant.map_or(0, |t| tenant_held[t_index(r.role, t)]);
+                let fits = |held: i64, limit: i64| limit == 0 || held < limit;
+                let model = fits(rh, r.limits.max_active)
+                    && (r.tenant.is_none() || fits(th, r.limits.tenant_active));
+                prop_assert_eq!(*d == Decision::Admit, model, "request {:?}, role {} tenant {}", r, rh, th);
+                if *d == Decision::Admit {
+                    role_held[r.role as usize] += 1;
+                    if let Some(t) = r.tenant {
+                        tenant_held[t_index(r.role, t)] += 1;
+                    }
                 }
             }
         }

@@ -1,7 +1,8 @@
 //! The limit decision. The ledger writer and the caller's fast path both call
 //! [`decide`], so they can never disagree about what "at the limit" means.
 
-/// The limits in force for one request: the calling session's `quota.*` settings.
+/// The limits in force for one request: the charged role's `quota.*` settings (see
+/// core::policy).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Limits {
     /// `quota.max_active_per_role`; 0 means no limit.
@@ -11,6 +12,35 @@ pub struct Limits {
     /// `quota.max_active_per_database`: active tickets of every role of the database
     /// together; 0 means no limit.
     pub max_db: i64,
+    /// `quota.max_active_per_tenant` and `quota.max_retained_per_tenant`, for a start
+    /// with a tenant (0.5.0); 0 means no limit, and a start without a tenant has none.
+    pub tenant_active: i64,
+    pub tenant_retained: i64,
+}
+
+impl Limits {
+    /// These limits for a start with (`true`) or without a tenant: a start without one
+    /// has no tenant limits.
+    pub fn for_tenant(self, has_tenant: bool) -> Limits {
+        if has_tenant {
+            self
+        } else {
+            Limits {
+                tenant_active: 0,
+                tenant_retained: 0,
+                ..self
+            }
+        }
+    }
+
+    /// Whether any limit is set.
+    pub fn any(&self) -> bool {
+        self.max_active > 0
+            || self.max_retained > 0
+            || self.max_db > 0
+            || self.tenant_active > 0
+            || self.tenant_retained > 0
+    }
 }
 
 /// What the ledger holds for one scope, read with the latest committed snapshot.
@@ -26,6 +56,10 @@ pub struct Usage {
     /// slots. Admission decides on the counts plus these; a refusal reports the counts
     /// of tickets alone, and these apart.
     pub ahead: i64,
+    /// The start's tenant's active and retained tickets (0.5.0; counted only for a
+    /// start with a tenant whose limit is set).
+    pub tenant_active: i64,
+    pub tenant_retained: i64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,6 +68,19 @@ pub enum RefusalKind {
     Retained,
     /// `quota.max_active_per_database`.
     Database,
+    /// `quota.max_active_per_tenant` and `quota.max_retained_per_tenant` (0.5.0).
+    TenantActive,
+    TenantRetained,
+}
+
+impl RefusalKind {
+    /// Whether the refusal is a tenant's limit.
+    pub fn is_tenant(self) -> bool {
+        matches!(
+            self,
+            RefusalKind::TenantActive | RefusalKind::TenantRetained
+        )
+    }
 }
 
 /// Why a start was refused, with the numbers the error report needs.
@@ -57,13 +104,19 @@ fn at_limit(count: i64, limit: i64) -> bool {
 /// Decides one start. `exempt` is true for superusers (I7): they are never refused, but
 /// their tickets are still recorded and counted against their own scope.
 ///
-/// The role's active limit is checked first because it is the one a caller can fix right
-/// away, by finishing a ticket; the database's cap last, because other roles hold it.
+/// A tenant's limits are checked first, then its role's: each is narrower than the
+/// next, and a caller can fix it right away by finishing one of its tickets; active
+/// before retained for the same reason; the database's cap last, because other roles
+/// hold it.
 pub fn decide(limits: Limits, usage: Usage, exempt: bool) -> Decision {
     if exempt {
         return Decision::Admit;
     }
-    let kind = if at_limit(usage.active, limits.max_active) {
+    let kind = if at_limit(usage.tenant_active, limits.tenant_active) {
+        RefusalKind::TenantActive
+    } else if at_limit(usage.tenant_retained, limits.tenant_retained) {
+        RefusalKind::TenantRetained
+    } else if at_limit(usage.active, limits.max_active) {
         RefusalKind::Active
     } else if at_limit(usage.retained, limits.max_retained) {
         RefusalKind::Retained
@@ -88,6 +141,8 @@ mod tests {
         max_active: 3,
         max_retained: 5,
         max_db: 0,
+        tenant_active: 0,
+        tenant_retained: 0,
     };
 
     fn usage(active: i64, retained: i64) -> Usage {
@@ -181,6 +236,45 @@ mod tests {
         assert_eq!(decide(limits, at_cap, true), Decision::Admit);
     }
 
+    /// 0.5.0: a tenant's limits are checked beside its role's, and a tenant can only
+    /// restrict what its role may do.
+    #[test]
+    fn a_tenant_limit_only_restricts() {
+        let limits = Limits {
+            tenant_active: 2,
+            tenant_retained: 4,
+            ..LIMITS
+        };
+        let u = |role_active, tenant_active| Usage {
+            active: role_active,
+            retained: role_active,
+            tenant_active,
+            tenant_retained: tenant_active,
+            ..Usage::default()
+        };
+        assert_eq!(decide(limits, u(1, 1), false), Decision::Admit);
+        match decide(limits, u(1, 2), false) {
+            Decision::Refuse(r) => assert_eq!(r.kind, RefusalKind::TenantActive),
+            d => panic!("expected refusal, got {d:?}"),
+        }
+        // The role at its limit refuses though the tenant has room.
+        match decide(limits, u(3, 0), false) {
+            Decision::Refuse(r) => assert_eq!(r.kind, RefusalKind::Active),
+            d => panic!("expected refusal, got {d:?}"),
+        }
+        // A tenant limit wider than the role's widens nothing.
+        let wide = Limits {
+            tenant_active: 100,
+            ..LIMITS
+        };
+        assert!(matches!(decide(wide, u(3, 0), false), Decision::Refuse(_)));
+        // Without a tenant, the tenant limits are off.
+        assert_eq!(
+            decide(limits.for_tenant(false), u(1, 9), false),
+            Decision::Admit
+        );
+    }
+
     /// The model: a role may hold `n` active and `r` retained tickets where each limit
     /// is 0 (none) or bounds the count after admission.
     fn model_admits(limits: Limits, u: Usage) -> bool {
@@ -196,7 +290,7 @@ mod tests {
             active in 0i64..10,
             extra in 0i64..10,
         ) {
-            let limits = Limits { max_active, max_retained, max_db: 0 };
+            let limits = Limits { max_active, max_retained, ..Limits::default() };
             let u = usage(active, active + extra);
             let admitted = decide(limits, u, false) == Decision::Admit;
             prop_assert_eq!(admitted, model_admits(limits, u));
@@ -217,7 +311,7 @@ mod tests {
             retention in 1i64..20,
             ops in proptest::collection::vec((0u8..4, 0usize..8, 1i64..6), 0..80),
         ) {
-            let limits = Limits { max_active, max_retained, max_db: 0 };
+            let limits = Limits { max_active, max_retained, ..Limits::default() };
             let mut now = 0i64;
             let mut ended_at: Vec<Option<i64>> = Vec::new();
             let active = |t: &[Option<i64>]| t.iter().filter(|e| e.is_none()).count() as i64;

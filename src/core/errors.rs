@@ -59,9 +59,12 @@ impl Sqlstate {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum QuotaError {
     /// I8: a start refused at a limit.
-    #[error("{}", refusal_message(.role, .database, .refusal))]
+    #[error("{}", refusal_message(.role, .tenant.as_deref(), .database, .refusal))]
     Refused {
         role: String,
+        /// The start's tenant, named in refusals at a tenant's limits (0.5.0), as the
+        /// caller passed it (in the server encoding, shown lossily).
+        tenant: Option<String>,
         /// The database, named in refusals at quota.max_active_per_database.
         database: String,
         refusal: Refusal,
@@ -73,6 +76,16 @@ pub enum QuotaError {
     LabelTooLong { chars: usize, max: usize },
     #[error("idempotency key is too long")]
     KeyTooLong { chars: usize, max: usize },
+    #[error("tenant is too long")]
+    TenantTooLong { chars: usize, max: usize },
+    /// `start(…, transactional => true)` where quota.allow_transactional is off for the
+    /// charged role (0.5.0).
+    #[error("transactional starts are not allowed for role \"{role}\"")]
+    TransactionalNotAllowed { role: String },
+    /// A transactional charge found no scope counter it could hold (every counter of
+    /// its window holds open charges already).
+    #[error("no scope counter is free for a transactional charge")]
+    NoCounter,
     /// A lease or wait that is not a positive (lease) or non-negative (wait) interval.
     #[error("invalid {what} \"{value}\"")]
     InvalidInterval { what: &'static str, value: String },
@@ -165,7 +178,7 @@ fn tickets(n: i64) -> &'static str {
     }
 }
 
-fn refusal_message(role: &str, database: &str, r: &Refusal) -> String {
+fn refusal_message(role: &str, tenant: Option<&str>, database: &str, r: &Refusal) -> String {
     let (n, what, limit, guc) = match r.kind {
         RefusalKind::Active => (
             r.usage.active,
@@ -185,9 +198,25 @@ fn refusal_message(role: &str, database: &str, r: &Refusal) -> String {
             r.limits.max_db,
             "quota.max_active_per_database",
         ),
+        RefusalKind::TenantActive => (
+            r.usage.tenant_active,
+            "active",
+            r.limits.tenant_active,
+            "quota.max_active_per_tenant",
+        ),
+        RefusalKind::TenantRetained => (
+            r.usage.tenant_retained,
+            "retained",
+            r.limits.tenant_retained,
+            "quota.max_retained_per_tenant",
+        ),
     };
     let who = match r.kind {
         RefusalKind::Database => format!("database \"{database}\""),
+        RefusalKind::TenantActive | RefusalKind::TenantRetained => format!(
+            "tenant \"{}\" of role \"{role}\"",
+            tenant.unwrap_or_default()
+        ),
         _ => format!("role \"{role}\""),
     };
     // A scope can hold more than a session's limit: sessions of one role may run with
@@ -234,9 +263,11 @@ impl QuotaError {
     pub fn sqlstate(&self) -> Sqlstate {
         match self {
             QuotaError::Refused { .. } => Sqlstate::ConfigurationLimitExceeded,
-            QuotaError::LabelTooLong { .. } | QuotaError::KeyTooLong { .. } => {
-                Sqlstate::StringDataRightTruncation
-            }
+            QuotaError::LabelTooLong { .. }
+            | QuotaError::KeyTooLong { .. }
+            | QuotaError::TenantTooLong { .. } => Sqlstate::StringDataRightTruncation,
+            QuotaError::TransactionalNotAllowed { .. } => Sqlstate::InsufficientPrivilege,
+            QuotaError::NoCounter => Sqlstate::InsufficientResources,
             QuotaError::InvalidInterval { .. } => Sqlstate::InvalidParameterValue,
             QuotaError::TicketEnded { .. } | QuotaError::NeedsUpdate { .. } => {
                 Sqlstate::ObjectNotInPrerequisiteState
@@ -279,6 +310,13 @@ impl QuotaError {
                         count_of(r.usage.db_active, r.limits.max_db),
                         r.usage.active,
                     )
+                } else if r.kind.is_tenant() {
+                    format!(
+                        "Active tickets of the tenant: {}. Retained tickets of the tenant: {}. Active tickets of its role: {}.",
+                        count_of(r.usage.tenant_active, r.limits.tenant_active),
+                        count_of(r.usage.tenant_retained, r.limits.tenant_retained),
+                        count_of(r.usage.active, r.limits.max_active),
+                    )
                 } else {
                     format!(
                         "Active tickets: {}. Retained tickets: {}.",
@@ -302,6 +340,17 @@ impl QuotaError {
             QuotaError::KeyTooLong { chars, max } => Some(format!(
                 "The key has {chars} characters; at most {max} are allowed."
             )),
+            QuotaError::TenantTooLong { chars, max } => Some(format!(
+                "The tenant has {chars} characters; at most {max} are allowed."
+            )),
+            QuotaError::TransactionalNotAllowed { .. } => Some(
+                "A transactional charge is given back when its transaction rolls back, so work launched outside the transaction (dblink, postgres_fdw, an untrusted language) could run past the limit."
+                    .to_string(),
+            ),
+            QuotaError::NoCounter => Some(
+                "Every scope counter its scope may use holds uncommitted transactional charges of other scopes."
+                    .to_string(),
+            ),
             QuotaError::InvalidInterval { what, .. } => Some(if *what == "lease" {
                 "A lease must be longer than zero.".to_string()
             } else {
@@ -361,10 +410,21 @@ impl QuotaError {
                     "Capacity returns at {at}, when the oldest retained ticket ages out; a superuser can raise quota.max_retained_per_role or shorten quota.retention."
                 ),
                 (RefusalKind::Retained, None) => "Every retained ticket is still active: tickets age out quota.retention after they finish. A superuser can raise quota.max_retained_per_role.".to_string(),
+                (RefusalKind::TenantActive, _) => "Finish one of the tenant's tickets with quota.finish(), or ask a superuser to raise quota.max_active_per_tenant for its role.".to_string(),
+                (RefusalKind::TenantRetained, Some(at)) => format!(
+                    "Capacity returns at {at}, when the tenant's oldest retained ticket ages out; a superuser can raise quota.max_retained_per_tenant for its role or shorten quota.retention."
+                ),
+                (RefusalKind::TenantRetained, None) => "Every retained ticket of the tenant is still active: tickets age out quota.retention after they finish. A superuser can raise quota.max_retained_per_tenant for its role.".to_string(),
             }),
             QuotaError::InvalidOutcome(_) => {
                 Some("Valid outcomes are succeeded, failed and cancelled.".to_string())
             }
+            QuotaError::TransactionalNotAllowed { .. } => Some(
+                "A superuser can allow them with quota.allow_transactional (for example ALTER ROLE … SET quota.allow_transactional = on), where the work is a row of the transaction, such as a queue's enqueue or claim. Without transactional, start() commits its charge on its own.".to_string(),
+            ),
+            QuotaError::NoCounter => Some(
+                "Commit or roll back transactions that hold many transactional charges, or raise quota.scope_counters (a restart).".to_string(),
+            ),
             QuotaError::ForeignTicket { .. } => Some(
                 "Only the role that started a ticket, a member of that role, or a superuser can finish or renew it."
                     .to_string(),
@@ -470,12 +530,13 @@ mod tests {
                 active: 3,
                 retained: 7,
                 db_active: 9,
-                ahead: 0,
+                ..Usage::default()
             },
             limits: Limits {
                 max_active: 3,
                 max_retained: 0,
                 max_db: 9,
+                ..Limits::default()
             },
         }
     }
@@ -484,6 +545,7 @@ mod tests {
     fn refusal_names_role_count_and_guc() {
         let e = QuotaError::Refused {
             role: "alice".into(),
+            tenant: None,
             database: "app".into(),
             refusal: refusal(RefusalKind::Active),
             next_ageout: None,
@@ -506,6 +568,7 @@ mod tests {
         r.usage.active = 1;
         let e = QuotaError::Refused {
             role: "carol".into(),
+            tenant: None,
             database: "app".into(),
             refusal: r,
             next_ageout: None,
@@ -517,6 +580,7 @@ mod tests {
     fn retained_refusal_hint_says_when_capacity_returns() {
         let e = QuotaError::Refused {
             role: "bob".into(),
+            tenant: None,
             database: "app".into(),
             refusal: refusal(RefusalKind::Retained),
             next_ageout: Some("2026-12-01 10:00:00+00".into()),
@@ -529,6 +593,7 @@ mod tests {
     fn database_cap_refusal_names_database_count_and_guc() {
         let e = QuotaError::Refused {
             role: "dave".into(),
+            tenant: None,
             database: "app".into(),
             refusal: refusal(RefusalKind::Database),
             next_ageout: None,
@@ -552,6 +617,7 @@ mod tests {
         r.usage.ahead = 1;
         let e = QuotaError::Refused {
             role: "erin".into(),
+            tenant: None,
             database: "app".into(),
             refusal: r,
             next_ageout: None,
@@ -569,6 +635,7 @@ mod tests {
         r.usage.ahead = 2;
         let e = QuotaError::Refused {
             role: "erin".into(),
+            tenant: None,
             database: "app".into(),
             refusal: r,
             next_ageout: None,
@@ -588,6 +655,7 @@ mod tests {
         r.usage.active = 5;
         let e = QuotaError::Refused {
             role: "frank".into(),
+            tenant: None,
             database: "app".into(),
             refusal: r,
             next_ageout: None,

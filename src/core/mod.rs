@@ -14,4 +14,6 @@ pub mod ticket;
 
 pub use decision::{decide, Decision, Limits, Refusal, RefusalKind, Usage};
 pub use errors::{QuotaError, Sqlstate};
-pub use ticket::{check_key, check_label, parse_outcome, uuid_v7, Outcome, MAX_LABEL_CHARS};
+pub use ticket::{
+    check_key, check_label, check_tenant, parse_outcome, uuid_v7, Outcome, MAX_LABEL_CHARS,
+};

@@ -29,10 +29,13 @@ pub enum Counter {
 pub const N_COUNTERS: usize = 13;
 
 impl Counter {
+    /// The counter of a refusal. Statistics are per role: a refusal at a tenant's
+    /// limit counts in its role's refused_active or refused_retained (there can be
+    /// 100,000 tenants of a role; nothing keeps a row per tenant).
     pub fn refused(kind: RefusalKind) -> Counter {
         match kind {
-            RefusalKind::Active => Counter::RefusedActive,
-            RefusalKind::Retained => Counter::RefusedRetained,
+            RefusalKind::Active | RefusalKind::TenantActive => Counter::RefusedActive,
+            RefusalKind::Retained | RefusalKind::TenantRetained => Counter::RefusedRetained,
             RefusalKind::Database => Counter::RefusedDatabase,
         }
     }
@@ -74,6 +77,7 @@ pub fn may_log(last_logged: i64, now: i64) -> bool {
 /// logged since its previous line.
 pub fn refusal_log_line(
     role: &str,
+    tenant: Option<&str>,
     database: &str,
     kind: RefusalKind,
     usage: Usage,
@@ -92,6 +96,20 @@ pub fn refusal_log_line(
         RefusalKind::Database => format!(
             "{} of {} active tickets in the database (quota.max_active_per_database = {})",
             usage.db_active, limits.max_db, limits.max_db
+        ),
+        RefusalKind::TenantActive => format!(
+            "tenant \"{}\" holds {} of {} active tickets (quota.max_active_per_tenant = {})",
+            tenant.unwrap_or_default(),
+            usage.tenant_active,
+            limits.tenant_active,
+            limits.tenant_active
+        ),
+        RefusalKind::TenantRetained => format!(
+            "tenant \"{}\" holds {} of {} retained tickets (quota.max_retained_per_tenant = {})",
+            tenant.unwrap_or_default(),
+            usage.tenant_retained,
+            limits.tenant_retained,
+            limits.tenant_retained
         ),
     };
     let mut line =
@@ -350,23 +368,38 @@ mod tests {
             max_active: 3,
             max_retained: 10,
             max_db: 4,
+            tenant_active: 2,
+            ..Limits::default()
         };
         let usage = Usage {
             active: 3,
             retained: 10,
             db_active: 4,
-            ahead: 0,
+            tenant_active: 2,
+            ..Usage::default()
         };
         assert_eq!(
-            refusal_log_line("alice", "app", RefusalKind::Active, usage, limits, 0),
+            refusal_log_line(
+                "alice",
+                Some("acme"),
+                "app",
+                RefusalKind::TenantActive,
+                usage,
+                limits,
+                0
+            ),
+            "pg_quota refused a start for role \"alice\" in database \"app\": tenant \"acme\" holds 2 of 2 active tickets (quota.max_active_per_tenant = 2)"
+        );
+        assert_eq!(
+            refusal_log_line("alice", None, "app", RefusalKind::Active, usage, limits, 0),
             "pg_quota refused a start for role \"alice\" in database \"app\": 3 of 3 active tickets (quota.max_active_per_role = 3)"
         );
         assert_eq!(
-            refusal_log_line("alice", "app", RefusalKind::Retained, usage, limits, 1),
+            refusal_log_line("alice", None, "app", RefusalKind::Retained, usage, limits, 1),
             "pg_quota refused a start for role \"alice\" in database \"app\": 10 of 10 retained tickets (quota.max_retained_per_role = 10) (1 similar refusal was not logged)"
         );
         assert_eq!(
-            refusal_log_line("b", "d", RefusalKind::Database, usage, limits, 12),
+            refusal_log_line("b", None, "d", RefusalKind::Database, usage, limits, 12),
             "pg_quota refused a start for role \"b\" in database \"d\": 4 of 4 active tickets in the database (quota.max_active_per_database = 4) (12 similar refusals were not logged)"
         );
     }

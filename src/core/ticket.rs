@@ -50,6 +50,18 @@ pub fn check_key(chars: usize, bytes: usize) -> Result<(), QuotaError> {
     })
 }
 
+/// A tenant's text (0.5.0) follows the label's rules: at most this many characters.
+pub const MAX_TENANT_CHARS: usize = 200;
+pub const MAX_TENANT_BYTES: usize = MAX_TENANT_CHARS * MAX_CHAR_BYTES;
+
+/// Checks a tenant of `chars` characters in `bytes` bytes, as `check_label`.
+pub fn check_tenant(chars: usize, bytes: usize) -> Result<(), QuotaError> {
+    check_text(MAX_TENANT_CHARS, chars, bytes).map_err(|chars| QuotaError::TenantTooLong {
+        chars,
+        max: MAX_TENANT_CHARS,
+    })
+}
+
 /// How a ticket ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {

@@ -5,8 +5,13 @@ use pgrx::pg_sys;
 
 use crate::core::lease::Lapsed;
 use crate::ledger::rels::Rels;
-use crate::ledger::scan::{attr, count, scan, scan_index, text_datum, ts_attr, Key, Latest};
-use crate::ledger::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_ROLE, COL_STARTED_AT};
+use crate::ledger::scan::{
+    attr, count, scan, scan_any, scan_index, text_attr, text_datum, ts_attr, Key, Latest,
+};
+use crate::ledger::{
+    COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_ROLE, COL_STARTED_AT, COL_TENANT,
+    SUMMARY_COL_FOLDED, SUMMARY_COL_TICKETS,
+};
 
 /// How many unfinished tickets `role` holds, counting at most `stop_at` of them.
 pub fn active(r: &Rels, snap: &Latest, role: pg_sys::Oid, stop_at: Option<i64>) -> i64 {
@@ -19,17 +24,40 @@ pub fn active(r: &Rels, snap: &Latest, role: pg_sys::Oid, stop_at: Option<i64>) 
     )
 }
 
-/// How many ledger rows `role` has: from its summary row, or, where SQL-level writes
-/// to the ledger made the summary forget it (see sql/schema.sql), by counting; and
-/// whether that count was long enough that the writer should give the role its summary
-/// row back (counting a long history on every call is what the summary avoids).
-pub fn rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> (i64, bool) {
-    summary_rows(r, snap, role).map_or_else(
-        || {
+/// How many ledger rows `role` has: from its summary row (plus its transactional
+/// tickets not folded into it yet, 0.5.0), or, where SQL-level writes to the ledger
+/// made the summary forget it (see sql/schema.sql), by counting, if `count_if_missing`
+/// (None otherwise); and whether that count was long enough that the writer should give
+/// the role its summary row back (counting a long history on every call is what the
+/// summary avoids).
+pub fn rows(
+    r: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    count_if_missing: bool,
+) -> Option<(i64, bool)> {
+    match summary_rows(r, snap, role) {
+        Some((tickets, folded)) => Some((tickets + unfolded(r, snap, role, folded), false)),
+        None if count_if_missing => {
             let n = ledger_rows(r, snap, role);
-            (n, n > REBUILD_ABOVE)
-        },
-        |n| (n, false),
+            Some((n, n > REBUILD_ABOVE))
+        }
+        None => None,
+    }
+}
+
+/// How many of `role`'s transactional tickets (0.5.0) have a txid of at least `from`:
+/// those its summary row does not count yet (see sql/schema.sql, quota.summary).
+pub fn unfolded(r: &Rels, snap: &Latest, role: pg_sys::Oid, from: u64) -> i64 {
+    if !r.v5() {
+        return 0;
+    }
+    count(
+        r.ledger,
+        r.ledger_txid_idx,
+        snap,
+        &[Key::OidEq(role), Key::Xid8AtLeast(from)],
+        None,
     )
 }
 
@@ -40,8 +68,9 @@ pub fn rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> (i64, bool) {
 /// one) asks for nothing: the writer's first admission gives it its row.
 const REBUILD_ABOVE: i64 = 0;
 
-/// `role`'s summary row, if it has one.
-pub fn summary_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> Option<i64> {
+/// `role`'s summary row, if it has one: its tickets, and (0.5.0) the txid below which
+/// its transactional tickets are counted in it (0 where none are).
+pub fn summary_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> Option<(i64, u64)> {
     let mut rows = None;
     scan(
         r.summary,
@@ -49,7 +78,12 @@ pub fn summary_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> Option<i64> {
         snap,
         &[Key::OidEq(role)],
         |slot| {
-            rows = attr(slot, 2).map(|d| d.value() as i64);
+            let folded = if r.v5() {
+                attr(slot, SUMMARY_COL_FOLDED as i32).map_or(0, |d| d.value() as u64)
+            } else {
+                0
+            };
+            rows = attr(slot, SUMMARY_COL_TICKETS as i32).map(|d| (d.value() as i64, folded));
             false
         },
     );
@@ -156,6 +190,111 @@ pub fn lapsed(r: &Rels, snap: &Latest, role: pg_sys::Oid, now: pg_sys::Timestamp
     Lapsed::new(expiries)
 }
 
+/// How many unfinished tickets tenant `tenant` (a text datum) of `role` holds (0.5.0),
+/// counting at most `stop_at` of them.
+pub fn tenant_active(
+    r: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    tenant: pg_sys::Datum,
+    stop_at: Option<i64>,
+) -> i64 {
+    if !r.v5() {
+        return 0;
+    }
+    count(
+        r.ledger,
+        r.ledger_tenant_idx,
+        snap,
+        &[Key::OidEq(role), Key::TextEq(tenant), Key::IsNull],
+        stop_at,
+    )
+}
+
+/// How many of tenant `tenant`'s tickets ended at or after `cutoff`.
+pub fn tenant_ended_since(
+    r: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    tenant: pg_sys::Datum,
+    cutoff: pg_sys::TimestampTz,
+) -> i64 {
+    if !r.v5() {
+        return 0;
+    }
+    count(
+        r.ledger,
+        r.ledger_tenant_idx,
+        snap,
+        &[
+            Key::OidEq(role),
+            Key::TextEq(tenant),
+            Key::TsAtLeast(cutoff),
+        ],
+        None,
+    )
+}
+
+/// When the oldest ended, still retained ticket of tenant `tenant` ended.
+pub fn tenant_oldest_ended(
+    r: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    tenant: pg_sys::Datum,
+    cutoff: pg_sys::TimestampTz,
+) -> Option<pg_sys::TimestampTz> {
+    let mut oldest = None;
+    if r.v5() {
+        scan_index(
+            r.ledger,
+            r.ledger_tenant_idx,
+            snap,
+            &[
+                Key::OidEq(role),
+                Key::TextEq(tenant),
+                Key::TsAtLeast(cutoff),
+            ],
+            |slot| {
+                oldest = ts_attr(slot, COL_ENDED_AT);
+                false
+            },
+        );
+    }
+    oldest
+}
+
+/// Tenant `tenant`'s unfinished tickets whose lease ran out by `now`, as `lapsed` for
+/// a role.
+pub fn tenant_lapsed(
+    r: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    tenant: pg_sys::Datum,
+    now: pg_sys::TimestampTz,
+) -> Lapsed {
+    let mut expiries = Vec::new();
+    if r.v5() {
+        scan_index(
+            r.ledger,
+            r.ledger_tenant_idx,
+            snap,
+            &[
+                Key::OidEq(role),
+                Key::TextEq(tenant),
+                Key::IsNull,
+                Key::TsLess(now.saturating_add(1)),
+            ],
+            |slot| {
+                if !being_changed(slot) {
+                    expiries.extend(ts_attr(slot, COL_LEASE_UNTIL));
+                }
+                true
+            },
+        );
+    }
+    Lapsed::new(expiries)
+}
+
 /// The database's active tickets, all roles together, counting at most `stop_at`
 /// (0.2.0's schema only): the unfinished rows whose lease has not run out.
 pub fn db_active(r: &Rels, snap: &Latest, now: pg_sys::TimestampTz, stop_at: i64) -> i64 {
@@ -203,6 +342,8 @@ pub struct Keyed {
     pub started_at: pg_sys::TimestampTz,
     pub ended_at: Option<pg_sys::TimestampTz>,
     pub lease_until: Option<pg_sys::TimestampTz>,
+    /// Its tenant's text (0.5.0), None for the role itself.
+    pub tenant: Option<Vec<u8>>,
 }
 
 /// The tickets of `role` with idempotency key `key` (a text datum) (0.2.0's schema
@@ -224,6 +365,11 @@ pub fn with_key(r: &Rels, snap: &Latest, role: pg_sys::Oid, key: pg_sys::Datum) 
                     started_at,
                     ended_at: ts_attr(slot, COL_ENDED_AT),
                     lease_until: ts_attr(slot, COL_LEASE_UNTIL),
+                    tenant: if r.v5() {
+                        text_attr(slot, COL_TENANT)
+                    } else {
+                        None
+                    },
                 });
             }
             true
@@ -267,12 +413,15 @@ pub fn roles_where(
     out
 }
 
-/// The ticket of `role` with idempotency key `key` (bytes in the server encoding)
-/// that is still retained for a caller whose retention starts at `cutoff`, if any.
+/// The ticket of `role` (of its tenant `tenant`, 0.5.0) with idempotency key `key`
+/// (bytes in the server encoding) that is still retained for a caller whose retention
+/// starts at `cutoff`, if any. A key is a scope's: the same key under another tenant
+/// (or under the role itself) is another ticket's.
 pub fn retained_with_key(
     rels: &Rels,
     snap: &Latest,
     role: pg_sys::Oid,
+    tenant: Option<&[u8]>,
     key: &[u8],
     now: pg_sys::TimestampTz,
     cutoff: pg_sys::TimestampTz,
@@ -282,7 +431,44 @@ pub fn retained_with_key(
     // with the key may be retained here: the newest is the one a retry should get.
     with_key(rels, snap, role, datum)
         .into_iter()
+        .filter(|k| k.tenant.as_deref() == tenant)
         .filter(|k| crate::core::lease::is_retained(k.ended_at, k.lease_until, now, cutoff))
         .max_by_key(|k| k.started_at)
         .map(|k| k.id)
+}
+
+/// A transaction still in progress, other than this one, that inserted a ticket of
+/// `role` (of its tenant `tenant`) with idempotency key `key`: a transactional start
+/// (0.5.0) that has not committed or rolled back yet. A repeat of its key waits for it,
+/// as an insert into a unique index would.
+pub fn key_in_progress(
+    rels: &Rels,
+    role: pg_sys::Oid,
+    tenant: Option<&[u8]>,
+    key: &[u8],
+) -> Option<pg_sys::TransactionId> {
+    if !rels.v5() {
+        return None;
+    }
+    let datum = text_datum(key);
+    let mut found = None;
+    scan_any(
+        rels.ledger,
+        rels.ledger_key_idx,
+        &[Key::OidEq(role), Key::TextEq(datum)],
+        |slot, xmin| {
+            // SAFETY: transaction status lookups; xmin is a normal id or invalid.
+            let running = xmin != pg_sys::InvalidTransactionId
+                && unsafe {
+                    !pg_sys::TransactionIdIsCurrentTransactionId(xmin)
+                        && pg_sys::TransactionIdIsInProgress(xmin)
+                };
+            if running && text_attr(slot, COL_TENANT).as_deref() == tenant {
+                found = Some(xmin);
+                return false;
+            }
+            true
+        },
+    );
+    found
 }

@@ -15,7 +15,9 @@ use crate::compat::{self, IndexUpdate};
 /// keeping the locks to the end of the transaction as the executor does.
 pub struct OpenRel {
     pub heap: pg_sys::Relation,
-    indexes: Vec<(pg_sys::Relation, *mut pg_sys::IndexInfo)>,
+    /// Each index that takes inserts, its IndexInfo, and its predicate as
+    /// rels::null_tests gives it (empty for a full index).
+    indexes: Vec<(pg_sys::Relation, *mut pg_sys::IndexInfo, Vec<(usize, bool)>)>,
     ncols: usize,
 }
 
@@ -51,7 +53,8 @@ impl OpenRel {
                 crate::ledger::rels::lock_bounded(oid, pg_sys::RowExclusiveLock);
                 let idx = pg_sys::index_open(oid, pg_sys::NoLock as i32);
                 let info = pg_sys::BuildIndexInfo(idx);
-                if let Err(e) = check_index(idx, info, key_col) {
+                let predicate = check_index(idx, info, key_col);
+                if let Err(e) = predicate {
                     pg_sys::index_close(idx, pg_sys::NoLock as i32);
                     let table = format!("quota.{name}");
                     let index = std::ffi::CStr::from_ptr(pg_sys::get_rel_name(oid))
@@ -67,7 +70,7 @@ impl OpenRel {
                     pg_sys::index_close(idx, pg_sys::NoLock as i32);
                     continue;
                 }
-                indexes.push((idx, info));
+                indexes.push((idx, info, predicate.unwrap_or_default()));
             }
             let ncols = (*(*heap).rd_att).natts as usize;
             OpenRel {
@@ -83,8 +86,8 @@ impl OpenRel {
         self.indexes
             .iter()
             // SAFETY: open relations; rd_id is their OID.
-            .find(|(idx, _)| unsafe { (**idx).rd_id } == oid)
-            .map(|&(idx, _)| idx)
+            .find(|(idx, _, _)| unsafe { (**idx).rd_id } == oid)
+            .map(|&(idx, _, _)| idx)
             .unwrap_or_else(|| pgrx::error!("pg_quota: index {} is not open", u32::from(oid)))
     }
 
@@ -150,7 +153,11 @@ impl OpenRel {
 
     /// Inserts a new row and its index entries.
     pub fn insert(&self, values: &mut [pg_sys::Datum], nulls: &mut [bool]) {
-        let tuple = self.form(values, nulls);
+        self.insert_tuple(self.form(values, nulls));
+    }
+
+    /// Inserts `tuple` (formed by `form`) and its index entries, and frees it.
+    pub fn insert_tuple(&self, tuple: pg_sys::HeapTuple) {
         // SAFETY: the relation is open with RowExclusiveLock; heap_insert WAL-logs the
         // row and sets its t_self, which the index entries point to.
         unsafe {
@@ -230,8 +237,17 @@ impl OpenRel {
                 values.as_mut_ptr(),
                 nulls.as_mut_ptr(),
             );
-            for &(idx, info) in &self.indexes {
+            for (idx, info, predicate) in &self.indexes {
+                let (idx, info) = (*idx, *info);
                 if only_summarizing && !compat::index_is_summarizing(info) {
+                    continue;
+                }
+                // A partial index takes the rows its predicate accepts, as
+                // ExecInsertIndexTuples checks ii_Predicate.
+                if !predicate
+                    .iter()
+                    .all(|&(col, is_null)| nulls[col - 1] == is_null)
+                {
                     continue;
                 }
                 let natts = (*info).ii_NumIndexAttrs as usize;
@@ -265,10 +281,12 @@ impl OpenRel {
     }
 }
 
-/// Why pg_quota cannot keep index `idx` up to date, if it cannot. We form index
-/// entries from plain columns only, and a unique index on anything but the table's key
-/// would let one tenant's row fail another tenant's charge (or, deferred, not be
-/// checked at all); exclusion constraints are not checked by plain index inserts.
+/// Why pg_quota cannot keep index `idx` up to date, if it cannot; else the index's
+/// predicate (rels::null_tests). We form index entries from plain columns only, and
+/// evaluate only predicates of IS NULL and IS NOT NULL tests on columns (0.5.0's own
+/// partial indexes); a unique index on anything but the table's key would let one
+/// tenant's row fail another tenant's charge (or, deferred, not be checked at all);
+/// exclusion constraints are not checked by plain index inserts.
 ///
 /// # Safety
 /// `idx` is an open index and `info` its IndexInfo.
@@ -276,26 +294,26 @@ unsafe fn check_index(
     idx: pg_sys::Relation,
     info: *mut pg_sys::IndexInfo,
     key_col: usize,
-) -> Result<(), &'static str> {
+) -> Result<Vec<(usize, bool)>, &'static str> {
     // SAFETY: per the contract above.
     unsafe {
         let ix = &*(*idx).rd_index;
         if !pg_sys::RelationGetIndexExpressions(idx).is_null() {
             return Err("the expression index");
         }
-        if !pg_sys::RelationGetIndexPredicate(idx).is_null() {
+        let Some(predicate) = crate::ledger::rels::null_tests(idx) else {
             return Err("the partial index");
-        }
+        };
         if ix.indisexclusion || !(*info).ii_ExclusionOps.is_null() {
             return Err("the exclusion constraint");
         }
         if ix.indisunique {
             let on_key = ix.indnkeyatts == 1 && *ix.indkey.values.as_ptr() as usize == key_col;
-            if !on_key || !ix.indimmediate {
+            if !on_key || !ix.indimmediate || !predicate.is_empty() {
                 return Err("the unique index");
             }
         }
-        Ok(())
+        Ok(predicate)
     }
 }
 
@@ -305,7 +323,7 @@ impl Drop for OpenRel {
         // transaction. As ExecCloseIndices, the access method frees what its inserts
         // cached first.
         unsafe {
-            for &(idx, info) in &self.indexes {
+            for &(idx, info, _) in &self.indexes {
                 compat::index_insert_cleanup(idx, info);
                 pg_sys::index_close(idx, pg_sys::NoLock as i32);
             }

@@ -14,7 +14,10 @@ use pgrx::pg_sys;
 use crate::compat;
 use crate::core::QuotaError;
 use crate::error::raise;
-use crate::ledger::{COL_ENDED_AT, COL_ID, COL_KEY, COL_LEASE_UNTIL, COL_ROLE, NCOLS_V1, NCOLS_V2};
+use crate::ledger::{
+    COL_ENDED_AT, COL_ID, COL_KEY, COL_LEASE_UNTIL, COL_ROLE, COL_TENANT, COL_TXID, NCOLS_V1,
+    NCOLS_V2, NCOLS_V5, SUMMARY_COL_FOLDED,
+};
 
 /// How long a caller waits for a lock on one of pg_quota's relations before it gives
 /// up with 55P03 (or the session's lock_timeout, if shorter).
@@ -39,12 +42,21 @@ pub struct Rels {
     /// 0.2.0: a valid btree index on (role, idempotency_key, …). InvalidOid with an
     /// older schema.
     pub ledger_key_idx: pg_sys::Oid,
+    /// 0.5.0: a valid btree index on (role, tenant, ended_at, lease_until, …) WHERE
+    /// tenant IS NOT NULL. InvalidOid with an older schema.
+    pub ledger_tenant_idx: pg_sys::Oid,
+    /// 0.5.0: a valid btree index on (role, txid, …) WHERE txid IS NOT NULL: a role's
+    /// transactional tickets by the transaction that charged them. InvalidOid with an
+    /// older schema.
+    pub ledger_txid_idx: pg_sys::Oid,
     /// The ledger's column count: NCOLS_V1 (0.1.x's schema, still in place until
-    /// ALTER EXTENSION pg_quota UPDATE) or NCOLS_V2.
+    /// ALTER EXTENSION pg_quota UPDATE), NCOLS_V2 (0.2.0 to 0.4.x) or NCOLS_V5.
     pub ncols: usize,
     pub summary: pg_sys::Oid,
     /// A valid btree index whose first column is the summary's role.
     pub summary_idx: pg_sys::Oid,
+    /// The summary's column count: 2 before 0.5.0, 3 with its column `folded`.
+    pub summary_ncols: usize,
     /// Whether the scope counters may be used: only when the triggers that mark them
     /// stale after SQL-level writes to the ledger exist and fire always (0.1.0's schema
     /// has none; a DBA may disable them, and session_replication_role = replica skips
@@ -53,9 +65,25 @@ pub struct Rels {
 }
 
 impl Rels {
-    /// Whether the database has 0.2.0's schema (leases, idempotency keys, pids).
+    /// Whether the database has 0.2.0's schema (leases, idempotency keys, pids), or
+    /// a later one.
     pub fn v2(&self) -> bool {
-        self.ncols == NCOLS_V2
+        self.ncols >= NCOLS_V2
+    }
+
+    /// Whether the database has 0.5.0's schema (tenants, transactional starts).
+    pub fn v5(&self) -> bool {
+        self.ncols == NCOLS_V5 && self.summary_ncols > SUMMARY_COL_FOLDED - 1
+    }
+
+    /// Raises the clear error of a 0.5.0 feature used on an older schema.
+    pub fn require_v5(&self, feature: &'static str) {
+        if !self.v5() {
+            raise(QuotaError::NeedsUpdate {
+                feature,
+                needs: "0.5.0",
+            });
+        }
     }
 
     /// Raises the clear error of a 0.2.0 feature used on an older schema.
@@ -85,6 +113,8 @@ unsafe extern "C-unwind" fn relcache_changed(_arg: pg_sys::Datum, relid: pg_sys:
                 r.ledger_idx,
                 r.ledger_open_idx,
                 r.ledger_key_idx,
+                r.ledger_tenant_idx,
+                r.ledger_txid_idx,
                 r.summary,
                 r.summary_idx,
             ];
@@ -247,8 +277,51 @@ fn check_shape(
     }
 }
 
-/// The first valid, plain btree index of `heap` whose leading key columns are `keys`.
-fn find_index(heap: pg_sys::Relation, keys: &[usize]) -> Option<pg_sys::Oid> {
+/// An index predicate as pg_quota can evaluate it: the columns (1-based) it requires to
+/// be NULL (true) or NOT NULL (false), all of them. None for any other predicate, and
+/// an empty list for an index without one.
+///
+/// # Safety
+/// `idx` is an open index.
+pub unsafe fn null_tests(idx: pg_sys::Relation) -> Option<Vec<(usize, bool)>> {
+    // SAFETY: the relcache's predicate, an implicitly ANDed list of expression nodes,
+    // read only; node tags are checked before each cast.
+    unsafe {
+        let pred = pg_sys::RelationGetIndexPredicate(idx);
+        let mut out = Vec::new();
+        if pred.is_null() {
+            return Some(out);
+        }
+        for k in 0..(*pred).length as usize {
+            let node = (*(*pred).elements.add(k)).ptr_value as *mut pg_sys::Node;
+            if node.is_null() || (*node).type_ != pg_sys::NodeTag::T_NullTest {
+                return None;
+            }
+            let test = node as *mut pg_sys::NullTest;
+            let arg = (*test).arg as *mut pg_sys::Node;
+            if arg.is_null() || (*arg).type_ != pg_sys::NodeTag::T_Var || (*test).argisrow {
+                return None;
+            }
+            let attno = (*(arg as *mut pg_sys::Var)).varattno;
+            if attno <= 0 {
+                return None;
+            }
+            out.push((
+                attno as usize,
+                (*test).nulltesttype == pg_sys::NullTestType::IS_NULL,
+            ));
+        }
+        Some(out)
+    }
+}
+
+/// The first valid, plain btree index of `heap` whose leading key columns are `keys`
+/// and whose predicate is exactly `predicate` (see `null_tests`; empty: none).
+fn find_index(
+    heap: pg_sys::Relation,
+    keys: &[usize],
+    predicate: &[(usize, bool)],
+) -> Option<pg_sys::Oid> {
     // SAFETY: `heap` is open and locked; each index is locked before it is opened and
     // unlocked after, as the planner does when it inspects indexes.
     unsafe {
@@ -285,7 +358,7 @@ fn find_index(heap: pg_sys::Relation, keys: &[usize]) -> Option<pg_sys::Oid> {
                     .enumerate()
                     .all(|(k, &col)| key(k) == col && plain_order(k))
                 && pg_sys::RelationGetIndexExpressions(idx).is_null()
-                && pg_sys::RelationGetIndexPredicate(idx).is_null();
+                && null_tests(idx).as_deref() == Some(predicate);
             pg_sys::index_close(idx, pg_sys::NoLock as i32);
             pg_sys::UnlockRelationOid(oid, pg_sys::AccessShareLock as i32);
             if usable {
@@ -326,28 +399,44 @@ fn discover() -> Rels {
                 ("lease_until", &[pg_sys::TIMESTAMPTZOID]),
                 ("idempotency_key", &[pg_sys::TEXTOID]),
                 ("pid", &[pg_sys::INT4OID]),
+                ("tenant", &[pg_sys::TEXTOID]),
+                ("txid", &[pg_sys::XID8OID]),
             ],
-            &[NCOLS_V1, NCOLS_V2],
+            &[NCOLS_V1, NCOLS_V2, NCOLS_V5],
         );
-        let v2 = ncols == NCOLS_V2;
-        let ledger_pkey = find_index(l, &[COL_ID]);
+        let v2 = ncols >= NCOLS_V2;
+        let v5 = ncols == NCOLS_V5;
+        let ledger_pkey = find_index(l, &[COL_ID], &[]);
         let ledger_idx = if v2 {
-            find_index(l, &[COL_ROLE, COL_ENDED_AT, COL_LEASE_UNTIL])
+            find_index(l, &[COL_ROLE, COL_ENDED_AT, COL_LEASE_UNTIL], &[])
         } else {
-            find_index(l, &[COL_ROLE, COL_ENDED_AT])
+            find_index(l, &[COL_ROLE, COL_ENDED_AT], &[])
         };
-        let ledger_open_idx = v2.then(|| find_index(l, &[COL_ENDED_AT, COL_LEASE_UNTIL]));
-        let ledger_key_idx = v2.then(|| find_index(l, &[COL_ROLE, COL_KEY]));
+        let ledger_open_idx = v2.then(|| find_index(l, &[COL_ENDED_AT, COL_LEASE_UNTIL], &[]));
+        let ledger_key_idx = v2.then(|| find_index(l, &[COL_ROLE, COL_KEY], &[]));
+        let ledger_tenant_idx = v5.then(|| {
+            find_index(
+                l,
+                &[COL_ROLE, COL_TENANT, COL_ENDED_AT, COL_LEASE_UNTIL],
+                &[(COL_TENANT, false)],
+            )
+        });
+        let ledger_txid_idx =
+            v5.then(|| find_index(l, &[COL_ROLE, COL_TXID], &[(COL_TXID, false)]));
         let counters_ok = triggers_always(l, &[c"ledger_written", c"ledger_truncated"]);
         pg_sys::table_close(l, pg_sys::NoLock as i32);
         let s = pg_sys::table_open(summary, pg_sys::NoLock as i32);
-        check_shape(
+        let summary_ncols = check_shape(
             s,
             "summary",
-            &[("role", role_types), ("tickets", &[pg_sys::INT8OID])],
-            &[2],
+            &[
+                ("role", role_types),
+                ("tickets", &[pg_sys::INT8OID]),
+                ("folded", &[pg_sys::XID8OID]),
+            ],
+            &[2, 3],
         );
-        let summary_idx = find_index(s, &[1]);
+        let summary_idx = find_index(s, &[1], &[]);
         pg_sys::table_close(s, pg_sys::NoLock as i32);
         let missing = |table: &str, cols: &str| -> ! {
             raise(QuotaError::BadShape {
@@ -376,9 +465,21 @@ fn discover() -> Rels {
             ledger_key_idx: ledger_key_idx.map_or(pg_sys::InvalidOid, |i| {
                 i.unwrap_or_else(|| missing("ledger", "role, idempotency_key"))
             }),
+            ledger_tenant_idx: ledger_tenant_idx.map_or(pg_sys::InvalidOid, |i| {
+                i.unwrap_or_else(|| {
+                    missing(
+                        "ledger",
+                        "role, tenant, ended_at, lease_until) WHERE (tenant IS NOT NULL",
+                    )
+                })
+            }),
+            ledger_txid_idx: ledger_txid_idx.map_or(pg_sys::InvalidOid, |i| {
+                i.unwrap_or_else(|| missing("ledger", "role, txid) WHERE (txid IS NOT NULL"))
+            }),
             ncols,
             summary,
             summary_idx: summary_idx.unwrap_or_else(|| missing("summary", "role")),
+            summary_ncols,
             counters_ok,
         }
     }

@@ -44,6 +44,8 @@ pub enum Key {
     TsAtLeast(pg_sys::TimestampTz),
     /// Equal text, compared with the index column's collation.
     TextEq(pg_sys::Datum),
+    /// An xid8 (a full transaction id) at least this (0.5.0's ledger_txid_idx).
+    Xid8AtLeast(u64),
 }
 
 /// Scan keys on the leading columns of `index_rel`, each with that column's collation
@@ -83,6 +85,12 @@ fn scankeys_c(keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
                         pg_sys::BTGreaterEqualStrategyNumber,
                         pg_sys::F_TIMESTAMPTZ_GE,
                         t.into(),
+                    ),
+                    // xid8 is passed by value, as int8 is.
+                    Key::Xid8AtLeast(x) => (
+                        pg_sys::BTGreaterEqualStrategyNumber,
+                        pg_sys::F_XID8GE,
+                        pg_sys::Datum::from(x),
                     ),
                     Key::IsNull => {
                         pg_sys::ScanKeyEntryInitialize(
@@ -213,6 +221,57 @@ pub fn scan_open(
     }
 }
 
+/// Every version of every row of `heap` that `keys` select on `index`, whatever its
+/// visibility (SnapshotAny, which takes no predicate lock), handed to `visit` with the
+/// transaction that inserted it, until `visit` returns false. For finding rows that
+/// transactions still in progress inserted.
+pub fn scan_any(
+    heap: pg_sys::Oid,
+    index: pg_sys::Oid,
+    keys: &[Key],
+    mut visit: impl FnMut(*mut pg_sys::TupleTableSlot, pg_sys::TransactionId) -> bool,
+) {
+    let mut locks = Locks::new();
+    locks.take(index, pg_sys::AccessShareLock);
+    // SAFETY: the caller holds a lock on the heap, and `locks` one on the index; the
+    // slot and scan are released before we return. A heap relation's slot is a
+    // BufferHeapTupleTableSlot, whose tuple lives in the buffer it pins; its header is
+    // read under a share lock on that buffer.
+    unsafe {
+        let heap_rel = pg_sys::table_open(heap, pg_sys::NoLock as i32);
+        let index_rel = pg_sys::index_open(index, pg_sys::NoLock as i32);
+        let mut sk = scankeys(index_rel, keys);
+        let slot = pg_sys::table_slot_create(heap_rel, std::ptr::null_mut());
+        let desc = compat::index_beginscan(
+            heap_rel,
+            index_rel,
+            std::ptr::addr_of_mut!(pg_sys::SnapshotAnyData),
+            sk.len() as i32,
+        );
+        pg_sys::index_rescan(
+            desc,
+            sk.as_mut_ptr(),
+            sk.len() as i32,
+            std::ptr::null_mut(),
+            0,
+        );
+        while pg_sys::index_getnext_slot(desc, pg_sys::ScanDirection::ForwardScanDirection, slot) {
+            let bslot = slot as *mut pg_sys::BufferHeapTupleTableSlot;
+            let buffer = (*bslot).buffer;
+            pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
+            let xmin = (*(*(*bslot).base.tuple).t_data).t_choice.t_heap.t_xmin;
+            pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_UNLOCK as i32);
+            if !visit(slot, xmin) {
+                break;
+            }
+        }
+        pg_sys::index_endscan(desc);
+        pg_sys::ExecDropSingleTupleTableSlot(slot);
+        pg_sys::index_close(index_rel, pg_sys::NoLock as i32);
+        pg_sys::table_close(heap_rel, pg_sys::NoLock as i32);
+    }
+}
+
 pub fn count(
     heap: pg_sys::Oid,
     index: pg_sys::Oid,
@@ -244,6 +303,21 @@ pub fn text_datum(bytes: &[u8]) -> pg_sys::Datum {
     // SAFETY: copies the bytes; a label or key is far below the 1 GB text limit.
     pg_sys::Datum::from(unsafe {
         pg_sys::cstring_to_text_with_len(bytes.as_ptr().cast(), bytes.len() as i32)
+    })
+}
+
+/// The bytes of a text column of the tuple in `slot` (in the server encoding), or None
+/// if NULL.
+pub fn text_attr(slot: *mut pg_sys::TupleTableSlot, col: usize) -> Option<Vec<u8>> {
+    attr(slot, col as i32).map(|d| {
+        // SAFETY: a text datum of a tuple the slot pins; detoasted into a copy that we
+        // read at once.
+        unsafe {
+            let t = pg_sys::pg_detoast_datum_packed(d.cast_mut_ptr());
+            let len = pgrx::varlena::varsize_any_exhdr(t);
+            let data = pgrx::varlena::vardata_any(t) as *const u8;
+            std::slice::from_raw_parts(data, len).to_vec()
+        }
     })
 }
 

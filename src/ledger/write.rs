@@ -5,13 +5,16 @@
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
-use crate::ledger::count::ledger_rows;
+use crate::core::uuid_v7;
+
+use crate::ledger::count::{ledger_rows, summary_rows, unfolded};
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::Rels;
-use crate::ledger::scan::{scan_open, text_datum, Key, Latest};
+use crate::ledger::scan::{attr, scan_open, text_datum, Key, Latest};
 use crate::ledger::{
     COL_ENDED_AT, COL_ID, COL_KEY, COL_LABEL, COL_LEASE_UNTIL, COL_OUTCOME, COL_PID, COL_ROLE,
-    COL_STARTED_AT, NCOLS_V2,
+    COL_STARTED_AT, COL_TENANT, COL_TXID, NCOLS_V2, NCOLS_V5, SUMMARY_COL_FOLDED,
+    SUMMARY_COL_TICKETS,
 };
 
 /// Deletes the rows of `rel` that `keys` select on its index `index` and `wanted`
@@ -24,22 +27,37 @@ pub fn delete_where(
     keys: &[Key],
     wanted: impl Fn(*mut pg_sys::TupleTableSlot) -> bool,
 ) -> i64 {
+    delete_counting(rel, index, keys, |slot| wanted(slot).then_some(false)).0
+}
+
+/// `delete_where`, where `class` says of each row whether to delete it (Some) and
+/// whether to count it apart (Some(true)). Returns how many it deleted, and how many of
+/// those it counted apart.
+pub fn delete_counting(
+    rel: &OpenRel,
+    index: pg_sys::Oid,
+    keys: &[Key],
+    class: impl Fn(*mut pg_sys::TupleTableSlot) -> Option<bool>,
+) -> (i64, i64) {
     // SAFETY: makes our earlier writes in this transaction visible to the snapshot.
     unsafe { pg_sys::CommandCounterIncrement() };
     let snap = Latest::take();
     let mut tids = Vec::new();
     scan_open(rel.heap, rel.index(index), &snap, keys, |slot| {
-        if wanted(slot) {
+        if let Some(apart) = class(slot) {
             // SAFETY: the slot holds a visible tuple of `rel`.
-            tids.push(unsafe { (*slot).tts_tid });
+            tids.push((unsafe { (*slot).tts_tid }, apart));
         }
         true
     });
     drop(snap);
-    let mut n = 0;
-    for tid in tids {
+    let (mut n, mut apart_n) = (0, 0);
+    for (tid, apart) in tids {
         match rel.delete(tid) {
-            pg_sys::TM_Result::TM_Ok => n += 1,
+            pg_sys::TM_Result::TM_Ok => {
+                n += 1;
+                apart_n += i64::from(apart);
+            }
             // Changed or deleted meanwhile (a superuser's SQL, say): leave it; a
             // later purge sees its new version.
             pg_sys::TM_Result::TM_Updated
@@ -48,10 +66,43 @@ pub fn delete_where(
             other => pgrx::error!("pg_quota: unexpected result {other} deleting a row"),
         }
     }
-    n
+    (n, apart_n)
 }
 
-/// A ticket the batch admits.
+/// How many rows a purge deleted: all of them, and those its role's summary row
+/// counted (every writer-committed ticket, and the transactional ones below its
+/// `folded`).
+pub struct Purged {
+    pub all: i64,
+    pub summarized: i64,
+}
+
+/// Deletes `role`'s tickets that ended before `cutoff`.
+pub fn purge_before(
+    rels: &Rels,
+    ledger: &OpenRel,
+    role: pg_sys::Oid,
+    cutoff: pg_sys::TimestampTz,
+) -> Purged {
+    let folded = summary_rows(rels, &Latest::take(), role).map_or(0, |(_, f)| f);
+    let v5 = rels.v5();
+    let (all, summarized) = delete_counting(
+        ledger,
+        rels.ledger_idx,
+        &[Key::OidEq(role), Key::TsLess(cutoff)],
+        |slot| {
+            let txid = if v5 {
+                attr(slot, COL_TXID as i32).map(|d| d.value() as u64)
+            } else {
+                None
+            };
+            Some(txid.is_none_or(|t| t < folded))
+        },
+    );
+    Purged { all, summarized }
+}
+
+/// A ticket admitted: by the writer's batch, or by a transactional start (0.5.0).
 pub struct Admitted<'a> {
     pub id: pgrx::Uuid,
     pub role: pg_sys::Oid,
@@ -59,12 +110,17 @@ pub struct Admitted<'a> {
     pub key: Option<&'a [u8]>,
     pub lease_until: Option<pg_sys::TimestampTz>,
     pub pid: i32,
+    /// Its tenant (0.5.0's schema), in the server encoding.
+    pub tenant: Option<&'a [u8]>,
+    /// For a transactional start, the full id of the transaction that charges it.
+    pub txid: Option<u64>,
 }
 
-/// Inserts the admitted tickets. Labels and keys are stored as the caller's bytes in
-/// the database encoding, which is also the writer's: no conversion, so every encoding
-/// works. With 0.1.x's schema (`ncols` = NCOLS_V1) leases, keys and pids have no
-/// columns and are not recorded.
+/// Inserts the admitted tickets, all started at `now`. Labels, keys and tenants are
+/// stored as the caller's bytes in the database encoding, which is also the writer's:
+/// no conversion, so every encoding works. With 0.1.x's schema (`ncols` = NCOLS_V1)
+/// leases, keys and pids have no columns and are not recorded; tenants and
+/// transactions have columns from 0.5.0's (admission refuses them before).
 pub fn record(ledger: &OpenRel, ncols: usize, now: pg_sys::TimestampTz, admitted: &[Admitted]) {
     let text = |bytes: Option<&[u8]>| bytes.map(text_datum);
     for a in admitted {
@@ -80,13 +136,54 @@ pub fn record(ledger: &OpenRel, ncols: usize, now: pg_sys::TimestampTz, admitted
         set(COL_ROLE, Some(a.role.into()));
         set(COL_LABEL, text(a.label));
         set(COL_STARTED_AT, Some(now.into()));
-        if ncols == NCOLS_V2 {
+        if ncols >= NCOLS_V2 {
             set(COL_LEASE_UNTIL, a.lease_until.map(pg_sys::Datum::from));
             set(COL_KEY, text(a.key));
             set(COL_PID, Some(a.pid.into()));
         }
+        if ncols == NCOLS_V5 {
+            set(COL_TENANT, text(a.tenant));
+            // xid8 is passed by value, as int8 is.
+            set(COL_TXID, a.txid.map(pg_sys::Datum::from));
+        }
         ledger.insert(&mut values, &mut nulls);
     }
+}
+
+/// The full transaction id below which every transaction had ended when `snap` was
+/// taken (its xmin, with its epoch): a transactional ticket whose txid is below it is
+/// committed or rolled back for good.
+pub fn horizon(snap: &Latest) -> u64 {
+    // SAFETY: a plain read of the snapshot and of the next transaction id.
+    unsafe {
+        let xmin = u64::from((*snap.0).xmin.into_inner());
+        let next = pg_sys::ReadNextFullTransactionId().value;
+        // xmin is at most 2^31 behind the next id: put it in that id's epoch, or the
+        // one before if it wrapped.
+        let candidate = (next & !0xFFFF_FFFF) | xmin;
+        if candidate > next {
+            candidate.saturating_sub(1 << 32)
+        } else {
+            candidate
+        }
+    }
+}
+
+/// The values of a summary row of `summary` (2 or 3 columns, see Rels::summary_ncols).
+fn summary_values(
+    summary: &OpenRel,
+    ncols: usize,
+    role: pg_sys::Oid,
+    tickets: i64,
+    folded: Option<u64>,
+) -> pg_sys::HeapTuple {
+    let mut values = vec![role.into(), tickets.into(), pg_sys::Datum::from(0)];
+    let mut nulls = vec![false, false, true];
+    if let Some(f) = folded {
+        values[SUMMARY_COL_FOLDED - 1] = f.into();
+        nulls[SUMMARY_COL_FOLDED - 1] = false;
+    }
+    summary.form(&mut values[..ncols], &mut nulls[..ncols])
 }
 
 /// Adds `n` to `role`'s summary row. A missing row means "unknown": the role never had
@@ -94,36 +191,48 @@ pub fn record(ledger: &OpenRel, ncols: usize, now: pg_sys::TimestampTz, admitted
 /// in sql/schema.sql); we then count the role's rows, ours included, and store that.
 /// The writer is the only process that writes summary rows, so a concurrent change
 /// means someone edited the table by hand; we then count again from the latest version.
+///
+/// From 0.5.0 a row counts the role's transactional tickets below its `folded` txid
+/// only (see sql/schema.sql): a row made anew counts those below the horizon of its
+/// snapshot (every transaction below it has ended), and the others stay unfolded.
 pub fn add_to_summary(rels: &Rels, summary: &OpenRel, role: pg_sys::Oid, n: i64) {
     loop {
         // SAFETY: makes our writes in this transaction visible to the snapshot below.
         unsafe { pg_sys::CommandCounterIncrement() };
         let snap = Latest::take();
         let mut current = None;
+        let ncols = rels.summary_ncols;
         scan_open(
             summary.heap,
             summary.index(rels.summary_idx),
             &snap,
             &[Key::OidEq(role)],
             |slot| {
-                // SAFETY: the slot holds a summary tuple (role, tickets), pinned meanwhile.
-                let tickets = unsafe { pg_sys::slot_getattr(slot, 2, &mut false).value() as i64 };
-                // SAFETY: as above.
-                current = Some((unsafe { (*slot).tts_tid }, tickets));
+                let tickets =
+                    attr(slot, SUMMARY_COL_TICKETS as i32).map_or(0, |d| d.value() as i64);
+                let folded = (ncols >= SUMMARY_COL_FOLDED)
+                    .then(|| attr(slot, SUMMARY_COL_FOLDED as i32).map(|d| d.value() as u64))
+                    .flatten();
+                // SAFETY: the slot holds a summary tuple, pinned meanwhile.
+                current = Some((unsafe { (*slot).tts_tid }, tickets, folded));
                 false
             },
         );
-        let Some((tid, tickets)) = current else {
-            let rows = ledger_rows(rels, &snap, role);
-            summary.insert(&mut [role.into(), rows.into()], &mut [false, false]);
+        // All of the role's rows but its transactional tickets from `folded` on.
+        let recount =
+            |folded: u64| ledger_rows(rels, &snap, role) - unfolded(rels, &snap, role, folded);
+        let Some((tid, tickets, folded)) = current else {
+            let folded = horizon(&snap);
+            let tuple = summary_values(summary, ncols, role, recount(folded), Some(folded));
+            summary.insert_tuple(tuple);
             return;
         };
         let tickets = if tickets + n >= 0 {
             tickets + n
         } else {
-            ledger_rows(rels, &snap, role)
+            recount(folded.unwrap_or(0))
         };
-        let tuple = summary.form(&mut [role.into(), tickets.into()], &mut [false, false]);
+        let tuple = summary_values(summary, ncols, role, tickets, folded);
         match summary.update(tid, tuple, &[2]) {
             pg_sys::TM_Result::TM_Ok => return,
             pg_sys::TM_Result::TM_Updated | pg_sys::TM_Result::TM_Deleted => continue,
@@ -177,4 +286,24 @@ pub fn expired_version(
         pg_sys::ReleaseBuffer(buffer);
         out
     }
+}
+
+/// A new ticket id: a version 7 UUID of `now` (so ids sort by start time), rising in
+/// this process. The writer's and a transactional start's ids come from here.
+pub fn new_ticket_id(now: pg_sys::TimestampTz) -> [u8; 16] {
+    thread_local! {
+        /// The last id this writer issued; ids of one batch share `now`.
+        static LAST_ID: std::cell::Cell<Option<[u8; 16]>> = const { std::cell::Cell::new(None) };
+    }
+    let mut random = [0u8; 8];
+    // SAFETY: fills the buffer we pass; returns false only if the OS source fails.
+    if !unsafe { pg_sys::pg_strong_random(random.as_mut_ptr().cast(), random.len()) } {
+        pgrx::error!("pg_quota: could not generate random bytes for a ticket id");
+    }
+    // TimestampTz counts microseconds from 2000-01-01; UUIDv7 wants Unix time.
+    const PG_EPOCH_UNIX_US: i64 = 946_684_800_000_000;
+    let unix_us = (now + PG_EPOCH_UNIX_US).max(0) as u64;
+    let id = uuid_v7(unix_us, random, LAST_ID.get());
+    LAST_ID.set(Some(id));
+    id
 }

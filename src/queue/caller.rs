@@ -79,8 +79,9 @@ fn my_slot() -> &'static Slot {
     slot(me)
 }
 
-/// Fills this backend's slot with a request of this database and role.
-fn prepare(fill: impl FnOnce(&mut Request)) -> &'static Slot {
+/// Fills this backend's slot with a request of this database, the current role and
+/// `tenant` (a key of scopes::tenant_key, 0 for none).
+fn prepare(tenant: u128, fill: impl FnOnce(&mut Request)) -> &'static Slot {
     let slot = my_slot();
     reclaim(slot);
 
@@ -92,13 +93,15 @@ fn prepare(fill: impl FnOnce(&mut Request)) -> &'static Slot {
     // SAFETY: a plain read of backend state.
     let role = unsafe { pg_sys::GetUserId() };
     slot.role.store(u32::from(role), Ordering::Relaxed);
+    slot.tenant[0].store(tenant as u64, Ordering::Relaxed);
+    slot.tenant[1].store((tenant >> 64) as u64, Ordering::Relaxed);
     slot
 }
 
 /// Hands one start request to this database's writer, starting one (in line for a
 /// writer slot) if need be. The caller then calls `wait`.
-pub fn enqueue(fill: impl FnOnce(&mut Request)) {
-    let slot = prepare(fill);
+pub fn enqueue(tenant: u128, fill: impl FnOnce(&mut Request)) {
+    let slot = prepare(tenant, fill);
     // Callers publish under the table lock, so a writer deciding to leave
     // (exclusively) sees every request queued for it. The request is not published
     // before, so a cancel while waiting in line leaves nothing behind.
@@ -109,8 +112,8 @@ pub fn enqueue(fill: impl FnOnce(&mut Request)) {
 /// Hands one start request to this database's writer if one runs; false (nothing
 /// handed over) if none does. For callers holding a lock that a wait in line must not
 /// be made under.
-pub fn enqueue_to_running(fill: impl FnOnce(&mut Request)) -> bool {
-    let slot = prepare(fill);
+pub fn enqueue_to_running(tenant: u128, fill: impl FnOnce(&mut Request)) -> bool {
+    let slot = prepare(tenant, fill);
     let _shared = TableLock::acquire_shared();
     match workers::writer_of(shmem::my_db()) {
         Some(i) => {
@@ -250,16 +253,20 @@ fn publish(slot: &Slot, idx: usize) {
     }
 }
 
-/// How many requests of `role` in this database are in the writer's hands: handed
-/// over and not yet answered. Callers hold the scope lock, so none of their scope can
-/// be added meanwhile; a read that races with a slot being reused only miscounts a
-/// request that is not of this scope, and the writer's own check is exact in any case.
-pub fn inflight(role: pg_sys::Oid) -> i64 {
+/// How many requests of `role` in this database are in the writer's hands (handed
+/// over and not yet answered), all of them and those of its tenant `tenant` (a key; 0:
+/// none asked). Callers hold the role's scope lock, so none of their scope can be added
+/// meanwhile; a read that races with a slot being reused only miscounts a request that
+/// is not of this scope, and the writer's own check is exact in any case.
+pub fn inflight(role: pg_sys::Oid, tenant: u128) -> (i64, i64) {
     let db = shmem::my_db();
     slots()
         .iter()
         .filter(|s| in_writers_hands(s) && s.dboid() == db && s.role() == role)
-        .count() as i64
+        .fold((0, 0), |(all, of_tenant), s| {
+            let mine = tenant != 0 && s.tenant() == tenant;
+            (all + 1, of_tenant + i64::from(mine))
+        })
 }
 
 /// Whether slot `s` holds a request handed over to a writer and not yet answered.
@@ -284,10 +291,10 @@ pub fn inflight_db() -> i64 {
 /// must not be refused meanwhile, or the application would think nothing was charged.
 /// A slot reused while we read it can only make this say yes wrongly, which sends the
 /// repeat to the writer, whose check is exact.
-pub fn in_flight_with_key(role: pg_sys::Oid, key: &[u8]) -> bool {
+pub fn in_flight_with_key(role: pg_sys::Oid, tenant: u128, key: &[u8]) -> bool {
     let db = shmem::my_db();
     slots().iter().any(|s| {
-        if !(in_writers_hands(s) && s.dboid() == db && s.role() == role) {
+        if !(in_writers_hands(s) && s.dboid() == db && s.role() == role && s.tenant() == tenant) {
             return false;
         }
         // SAFETY: the owner writes the request only while the slot is FREE, so while it
@@ -469,6 +476,8 @@ fn take_reply(slot: &'static Slot, admitted: impl FnOnce()) -> Answer {
                 let kind = match r.refusal_kind {
                     1 => RefusalKind::Active,
                     2 => RefusalKind::Retained,
+                    4 => RefusalKind::TenantActive,
+                    5 => RefusalKind::TenantRetained,
                     _ => RefusalKind::Database,
                 };
                 Ok(Answer::Refused(
@@ -477,6 +486,8 @@ fn take_reply(slot: &'static Slot, admitted: impl FnOnce()) -> Answer {
                         active: r.active,
                         retained: r.retained,
                         db_active: r.db_active,
+                        tenant_active: r.tenant_active,
+                        tenant_retained: r.tenant_retained,
                         ahead: 0,
                     },
                     r.next_ageout,

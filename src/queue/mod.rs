@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use pgrx::pg_sys;
 
-use crate::core::ticket::{MAX_KEY_BYTES, MAX_LABEL_BYTES};
+use crate::core::ticket::{MAX_KEY_BYTES, MAX_LABEL_BYTES, MAX_TENANT_BYTES};
 use crate::shmem::{self, Base, Layout, Segment};
 
 pub const SLOT_FREE: u32 = 0;
@@ -50,11 +50,21 @@ pub struct Request {
     pub key: [u8; MAX_KEY_BYTES],
     /// The starting backend's process id, recorded in the ledger (0.2.0's schema).
     pub pid: i32,
+    /// The tenant (0.5.0), in the server encoding, if any, and its limits.
+    pub has_tenant: bool,
+    pub tenant_len: usize,
+    pub tenant: [u8; MAX_TENANT_BYTES],
+    pub tenant_active: i64,
+    pub tenant_retained: i64,
 }
 
 impl Request {
     pub fn key(&self) -> Option<&[u8]> {
         self.has_key.then(|| &self.key[..self.key_len])
+    }
+
+    pub fn tenant(&self) -> Option<&[u8]> {
+        self.has_tenant.then(|| &self.tenant[..self.tenant_len])
     }
 }
 
@@ -72,11 +82,14 @@ pub const ERROR_TEXT_BYTES: usize = 512;
 pub struct Reply {
     pub kind: u32,
     pub ticket: [u8; 16],
-    /// For refusals: 1 = active limit, 2 = retained limit, 3 = database cap.
+    /// For refusals: 1 = active limit, 2 = retained limit, 3 = database cap, 4 and 5
+    /// = the tenant's active and retained limits (0.5.0).
     pub refusal_kind: u32,
     pub active: i64,
     pub retained: i64,
     pub db_active: i64,
+    pub tenant_active: i64,
+    pub tenant_retained: i64,
     /// For admissions: the ticket already existed under the request's idempotency key,
     /// and nothing was charged.
     pub reused: bool,
@@ -96,6 +109,9 @@ pub struct Slot {
     /// who must check `state` again after reading them (the slot may be reused).
     pub dboid: AtomicU32,
     pub role: AtomicU32,
+    /// The request's tenant key (scopes::tenant_key; 0 for none), low and high halves,
+    /// written and read as `role` is.
+    pub tenant: [AtomicU64; 2],
     pub request: UnsafeCell<Request>,
     pub reply: UnsafeCell<Reply>,
     /// The owner's place in the line for writer slots (0: not in it); see
@@ -110,6 +126,11 @@ impl Slot {
 
     pub fn role(&self) -> pg_sys::Oid {
         pg_sys::Oid::from(self.role.load(Ordering::Acquire))
+    }
+
+    pub fn tenant(&self) -> u128 {
+        u128::from(self.tenant[0].load(Ordering::Acquire))
+            | (u128::from(self.tenant[1].load(Ordering::Acquire)) << 64)
     }
 }
 

@@ -9,20 +9,24 @@ use pgrx::pg_sys;
 use super::*;
 use crate::workers::{self, TableLock};
 
-/// Claims up to `max` PENDING requests of database `db`, of at most `max_roles` roles.
-/// The claim is checked after the compare-and-swap: a slot withdrawn and reused by a
-/// backend of another database between our read of its database and the swap is
-/// handed back.
-pub fn claim(db: pg_sys::Oid, max: usize, max_roles: usize) -> Vec<usize> {
+/// Claims up to `max` PENDING requests of database `db`, of at most `max_scopes`
+/// scopes (a role, and each tenant of it, is one). The claim is checked after the
+/// compare-and-swap: a slot withdrawn and reused by a backend of another database
+/// between our read of its database and the swap is handed back.
+pub fn claim(db: pg_sys::Oid, max: usize, max_scopes: usize) -> Vec<usize> {
     let mut batch = Vec::new();
-    // A batch publishes one counter change per role (see scopes.rs): at most as many
-    // roles as fit; the others wait for the next batch.
-    let mut roles: Vec<pg_sys::Oid> = Vec::new();
+    // A batch publishes one counter change per scope (see scopes/): at most as many
+    // scopes as fit; the others wait for the next batch.
+    let mut scopes: Vec<(pg_sys::Oid, u128)> = Vec::new();
+    let new_scopes = |scopes: &Vec<(pg_sys::Oid, u128)>, role: pg_sys::Oid, tenant: u128| {
+        usize::from(!scopes.contains(&(role, 0)))
+            + usize::from(tenant != 0 && !scopes.contains(&(role, tenant)))
+    };
     for (i, s) in slots().iter().enumerate() {
         if load_state(s) != SLOT_PENDING || s.dboid() != db {
             continue;
         }
-        if !roles.contains(&s.role()) && roles.len() == max_roles {
+        if scopes.len() + new_scopes(&scopes, s.role(), s.tenant()) > max_scopes {
             continue;
         }
         if s.state
@@ -47,8 +51,12 @@ pub fn claim(db: pg_sys::Oid, max: usize, max_roles: usize) -> Vec<usize> {
             }
             continue;
         }
-        if !roles.contains(&s.role()) {
-            roles.push(s.role());
+        let (role, tenant) = (s.role(), s.tenant());
+        if !scopes.contains(&(role, 0)) {
+            scopes.push((role, 0));
+        }
+        if tenant != 0 && !scopes.contains(&(role, tenant)) {
+            scopes.push((role, tenant));
         }
         batch.push(i);
         if batch.len() == max {

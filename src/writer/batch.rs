@@ -9,14 +9,16 @@ use pgrx::pg_sys;
 use pgrx::prelude::*;
 
 use crate::core::batch::{self, BatchRequest, Counted};
-use crate::core::{uuid_v7, Decision, Limits, RefusalKind};
+use crate::core::{Decision, Limits, RefusalKind};
 use crate::ledger::count::{db_active, expired, lapsed, retained_with_key};
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::Reader;
-use crate::ledger::scan::{Key, Latest};
-use crate::ledger::write::{add_to_summary, delete_where, record, Admitted};
+use crate::ledger::scan::{text_datum, Latest};
+use crate::ledger::write::{add_to_summary, new_ticket_id, purge_before, record, Admitted};
 use crate::ledger::COL_ID;
 use crate::queue::{self, serve, Request, REPLY_ADMITTED, REPLY_REFUSED};
+use crate::scopes::counts::{self, Tenant};
+use crate::scopes::ScopeKey;
 use crate::shmem;
 use crate::timestamps::cutoff;
 
@@ -219,9 +221,11 @@ fn count_admitted(group: &[usize]) {
 }
 
 /// Decides every request of the batch and records the admitted ones. Runs inside the
-/// batch transaction; the writer is the only process that inserts, so counts taken
-/// here plus this batch's own admissions are exact (I1).
-fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
+/// batch transaction; the writer is the only process that inserts writer-committed
+/// tickets, so counts taken here, plus the transactional charges still open (which
+/// their scopes' counters hold), plus this batch's own admissions, are exact (I1).
+/// Returns the changes of the scope counters to publish.
+fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
     let reader = Reader::open();
     let rels = reader.rels;
     // The locks the writes need, before the clock is read: `now` is every admitted
@@ -238,22 +242,32 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
         .map(|&i| unsafe { serve::request(i) })
         .collect();
     let roles: Vec<pg_sys::Oid> = batch.iter().map(|&i| queue::slot(i).role()).collect();
+    let tenants: Vec<u128> = batch.iter().map(|&i| queue::slot(i).tenant()).collect();
     let breqs: Vec<BatchRequest> = requests
         .iter()
-        .zip(&roles)
-        .map(|(r, role)| BatchRequest {
+        .zip(roles.iter().zip(&tenants))
+        .map(|(r, (role, &tenant))| BatchRequest {
             role: u32::from(*role),
+            tenant: (tenant != 0).then_some(tenant),
             limits: Limits {
                 max_active: r.max_active,
                 max_retained: r.max_retained,
                 max_db: if rels.v2() { r.max_db } else { 0 },
+                tenant_active: r.tenant_active,
+                tenant_retained: r.tenant_retained,
             },
             retention_secs: r.retention_secs,
             exempt: r.exempt,
         })
         .collect();
+    // Each tenant's text, for the ledger.
+    let tenant_text = |role: u32, t: u128| -> Option<&[u8]> {
+        (0..batch.len())
+            .find(|&k| breqs[k].role == role && tenants[k] == t)
+            .and_then(|k| requests[k].tenant())
+    };
 
-    // Idempotent starts: a request whose key names a ticket its role still retains
+    // Idempotent starts: a request whose key names a ticket its scope still retains
     // gets that ticket and is charged nothing; so does a request repeating a key
     // admitted earlier in this batch. Only the writer inserts, and it handles one
     // batch at a time, so eight sessions sending one key at once get one ticket.
@@ -262,21 +276,23 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
         for (k, req) in requests.iter().enumerate() {
             let Some(key) = req.key() else { continue };
             let cutoff = cutoff(now, req.retention_secs);
-            reused[k] = retained_with_key(&rels, &snap, roles[k], key, now, cutoff);
+            reused[k] = retained_with_key(&rels, &snap, roles[k], req.tenant(), key, now, cutoff);
         }
     }
     let fresh: Vec<usize> = (0..batch.len()).filter(|&k| reused[k].is_none()).collect();
     let fresh_reqs: Vec<BatchRequest> = fresh.iter().map(|&k| breqs[k]).collect();
 
-    // Count each role once, from its scope counter (see scopes.rs), and only what its
+    // Count each role once, from its scope counter (see scopes/), and only what its
     // requests are limited by. The counter is exact for us: we are the only process
-    // that adds admissions to it, right after each commit. Leases that ran out are
-    // subtracted, under a snapshot taken after the counter was read.
+    // that adds writer-committed admissions to it, right after each commit, and the
+    // transactional charges not committed yet are its open ones. Leases that ran out
+    // are subtracted, under a snapshot taken after the counter was read.
     let counted: HashMap<u32, Counted> = batch::needs(&fresh_reqs)
         .into_iter()
         .map(|(role, needs)| {
             let oid = pg_sys::Oid::from(role);
-            let (active, rows) = crate::scopes::scope(&reader, oid);
+            let (active, rows) = counts::role_counts(&reader, oid);
+            let open = crate::scopes::open(ScopeKey::role(oid));
             let after = Latest::take();
             let lapsed = lapsed(&rels, &after, oid, now);
             let retained = needs
@@ -286,38 +302,67 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
                     let cutoff = cutoff(now, ret);
                     (
                         ret,
-                        rows - expired(&rels, &after, oid, cutoff) - lapsed.aged_out(cutoff),
+                        rows + open - expired(&rels, &after, oid, cutoff) - lapsed.aged_out(cutoff),
                     )
                 })
                 .collect();
             (
                 role,
                 Counted {
-                    active: active - lapsed.expired(),
+                    active: active + open - lapsed.expired(),
                     retained,
                 },
             )
         })
         .collect();
-    // The database cap: every role's active tickets together, counted once.
-    let db_active = batch::db_cap(&fresh_reqs).map_or(0, |cap| db_active(&rels, &snap, now, cap));
-    let fresh_decisions = batch::decide_batch(&fresh_reqs, &counted, db_active);
+    // The same for each tenant of the batch, from the ledger where it has no counter.
+    let tenant_counted: HashMap<batch::TenantOf, Counted> = batch::tenant_needs(&fresh_reqs)
+        .into_iter()
+        .map(|((role, t), needs)| {
+            let oid = pg_sys::Oid::from(role);
+            let tenant = Tenant {
+                key: t,
+                text: text_datum(tenant_text(role, t).unwrap_or_default()),
+            };
+            let mut active = 0;
+            let retained = needs
+                .retentions
+                .iter()
+                .map(|&ret| {
+                    let (a, r) =
+                        counts::of_tenant(&reader, oid, tenant, now, cutoff(now, ret), true);
+                    active = a;
+                    (ret, r)
+                })
+                .collect();
+            if needs.retentions.is_empty() {
+                active = counts::of_tenant(&reader, oid, tenant, now, now, false).0;
+            }
+            ((role, t), Counted { active, retained })
+        })
+        .collect();
+    // The database cap: every role's active tickets together, counted once, and the
+    // transactional charges still open.
+    let db_active = batch::db_cap(&fresh_reqs).map_or(0, |cap| {
+        db_active(&rels, &snap, now, cap) + crate::charges::open_in_db()
+    });
+    let fresh_decisions = batch::decide_batch(&fresh_reqs, &counted, &tenant_counted, db_active);
     let mut decisions: Vec<Option<Decision>> = vec![None; batch.len()];
     for (&k, d) in fresh.iter().zip(fresh_decisions) {
         decisions[k] = Some(d);
     }
 
     let mut admitted: Vec<Admitted> = Vec::new();
-    let mut pending: HashMap<u32, i64> = HashMap::new();
+    let mut pending: HashMap<ScopeKey, i64> = HashMap::new();
     for (k, ((&i, req), breq)) in batch.iter().zip(&requests).zip(&breqs).enumerate() {
         // SAFETY: as above; the reply belongs to the writer while the slot is CLAIMED.
         let reply = unsafe { serve::reply(i) };
         let role = pg_sys::Oid::from(breq.role);
-        // A key admitted earlier in this batch, by this role.
+        // A key admitted earlier in this batch, in this scope.
         let repeated = req.key().and_then(|key| {
             admitted
                 .iter()
-                .find(|a| a.role == role && a.key == Some(key))
+                .find(|a| a.role == role && a.tenant == req.tenant() && a.key == Some(key))
                 .map(|a| *a.id.as_bytes())
         });
         if let Some(id) = reused[k].or(repeated) {
@@ -338,8 +383,13 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
                     // when its caller asked: the caller may have waited since.
                     lease_until: req.lease_us.map(|us| crate::core::lease::ends(now, us)),
                     pid: req.pid,
+                    tenant: req.tenant(),
+                    txid: None,
                 });
-                *pending.entry(breq.role).or_default() += 1;
+                *pending.entry(ScopeKey::role(role)).or_default() += 1;
+                if let Some(t) = breq.tenant {
+                    *pending.entry(ScopeKey { role, tenant: t }).or_default() += 1;
+                }
                 reply.kind = REPLY_ADMITTED;
                 reply.ticket = id;
                 reply.reused = false;
@@ -349,24 +399,36 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
                 // with different settings, or roles racing for the database cap get
                 // here: callers count their own scope's in-flight requests.
                 let cutoff = cutoff(now, req.retention_secs);
-                let (full, next) = crate::scopes::refusal_numbers(
+                let tenant = breq.tenant.map(|t| Tenant {
+                    key: t,
+                    text: text_datum(req.tenant().unwrap_or_default()),
+                });
+                let (full, next) = counts::refusal_numbers(
                     &reader,
-                    &snap,
                     role,
+                    tenant,
                     now,
                     cutoff,
                     req.retention_secs,
                     r.kind,
                 );
-                let p = pending.get(&breq.role).copied().unwrap_or(0);
+                let p = pending.get(&ScopeKey::role(role)).copied().unwrap_or(0);
+                let pt = breq
+                    .tenant
+                    .and_then(|t| pending.get(&ScopeKey { role, tenant: t }).copied())
+                    .unwrap_or(0);
                 reply.kind = REPLY_REFUSED;
                 reply.refusal_kind = match r.kind {
                     RefusalKind::Active => 1,
                     RefusalKind::Retained => 2,
                     RefusalKind::Database => 3,
+                    RefusalKind::TenantActive => 4,
+                    RefusalKind::TenantRetained => 5,
                 };
                 reply.active = full.active + p;
                 reply.retained = full.retained + p;
+                reply.tenant_active = full.tenant_active + pt;
+                reply.tenant_retained = full.tenant_retained + pt;
                 reply.db_active = r.usage.db_active;
                 reply.next_ageout = next;
             }
@@ -394,18 +456,19 @@ fn handle_batch(batch: &[usize]) -> Vec<(pg_sys::Oid, i64, i64)> {
     let for_all = configured_retention(pg_sys::InvalidOid).max(crate::gucs::retention_secs());
     let mut delta: Vec<(pg_sys::Oid, i64)> = Vec::new();
     let mut changes = Vec::new();
-    for (&role, &n) in &pending {
-        let oid = pg_sys::Oid::from(role);
-        let keep = longest[&role].max(for_all).max(configured_retention(oid));
-        let cutoff = cutoff(now, keep);
-        let purged = delete_where(
-            &ledger,
-            rels.ledger_idx,
-            &[Key::OidEq(oid), Key::TsLess(cutoff)],
-            |_| true,
-        );
-        delta.push((oid, n - purged));
-        changes.push((oid, n, n - purged));
+    for (&key, &n) in &pending {
+        if key.is_tenant() {
+            // A tenant's counter keeps its active tickets only.
+            changes.push((key, n, 0));
+            continue;
+        }
+        let oid = key.role;
+        let keep = longest[&u32::from(oid)]
+            .max(for_all)
+            .max(configured_retention(oid));
+        let purged = purge_before(&rels, &ledger, oid, cutoff(now, keep));
+        delta.push((oid, n - purged.summarized));
+        changes.push((key, n, n - purged.all));
     }
     record(&ledger, rels.ncols, now, &admitted);
     drop(ledger);
@@ -432,22 +495,4 @@ fn configured_retention(role: pg_sys::Oid) -> i64 {
         .map(i64::from)
         .max()
         .unwrap_or(0)
-}
-
-fn new_ticket_id(now: pg_sys::TimestampTz) -> [u8; 16] {
-    thread_local! {
-        /// The last id this writer issued; ids of one batch share `now`.
-        static LAST_ID: std::cell::Cell<Option<[u8; 16]>> = const { std::cell::Cell::new(None) };
-    }
-    let mut random = [0u8; 8];
-    // SAFETY: fills the buffer we pass; returns false only if the OS source fails.
-    if !unsafe { pg_sys::pg_strong_random(random.as_mut_ptr().cast(), random.len()) } {
-        pgrx::error!("pg_quota: could not generate random bytes for a ticket id");
-    }
-    // TimestampTz counts microseconds from 2000-01-01; UUIDv7 wants Unix time.
-    const PG_EPOCH_UNIX_US: i64 = 946_684_800_000_000;
-    let unix_us = (now + PG_EPOCH_UNIX_US).max(0) as u64;
-    let id = uuid_v7(unix_us, random, LAST_ID.get());
-    LAST_ID.set(Some(id));
-    id
 }

@@ -6,9 +6,10 @@ use pgrx::pg_sys;
 
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::{self, Reader};
-use crate::ledger::scan::{attr, scan_index, Key, Latest};
+use crate::ledger::scan::{attr, scan_index, text_attr, Key, Latest};
 use crate::ledger::write::expired_version;
-use crate::ledger::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE};
+use crate::ledger::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE, COL_TENANT};
+use crate::scopes::{tenant_key, ScopeKey};
 use crate::shmem;
 
 use super::txn::try_in_transaction;
@@ -17,8 +18,8 @@ use super::txn::try_in_transaction;
 const MAX_DUE: usize = 1024;
 
 thread_local! {
-    /// Roles whose tickets the last expiry sweep ended, and how many each.
-    static SWEPT: std::cell::RefCell<Vec<(pg_sys::Oid, i64, i64)>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Scopes whose tickets the last expiry sweep ended, and how many each.
+    static SWEPT: std::cell::RefCell<Vec<(ScopeKey, i64, i64)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `sweep_expired` in a transaction of its own; then the scope counters drop by what it
@@ -33,13 +34,17 @@ pub fn sweep_expired_and_wake() {
         return;
     }
     crate::scopes::invalidate(&OVERFLOWED.with_borrow_mut(std::mem::take));
-    for (role, ended, _) in swept {
+    for (key, ended, _) in swept {
+        // Statistics and waiters are per role: a tenant's count is its role's too.
+        if key.is_tenant() {
+            continue;
+        }
         crate::stats::add(
-            role,
+            key.role,
             crate::core::stats::Counter::Expired,
             ended.unsigned_abs(),
         );
-        crate::waiters::wake(shmem::my_db(), role);
+        crate::waiters::wake(shmem::my_db(), key.role);
     }
 }
 
@@ -59,7 +64,8 @@ fn sweep_expired() {
     // SAFETY: plain clock read.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let snap = Latest::take();
-    let mut due: Vec<(pg_sys::ItemPointerData, pg_sys::Oid, pg_sys::TimestampTz)> = Vec::new();
+    let mut due: Vec<(pg_sys::ItemPointerData, ScopeKey, pg_sys::TimestampTz)> = Vec::new();
+    let v5 = rels.v5();
     scan_index(
         rels.ledger,
         rels.ledger_open_idx,
@@ -69,8 +75,13 @@ fn sweep_expired() {
             let role = attr(slot, COL_ROLE as i32).map(|d| pg_sys::Oid::from(d.value() as u32));
             let until = attr(slot, COL_LEASE_UNTIL as i32).map(|d| d.value() as i64);
             if let (Some(role), Some(until)) = (role, until) {
+                let tenant = if v5 {
+                    text_attr(slot, COL_TENANT).map_or(0, |t| tenant_key(&t))
+                } else {
+                    0
+                };
                 // SAFETY: the slot holds a visible ledger tuple.
-                due.push((unsafe { (*slot).tts_tid }, role, until));
+                due.push((unsafe { (*slot).tts_tid }, ScopeKey { role, tenant }, until));
             }
             due.len() < MAX_DUE
         },
@@ -80,8 +91,12 @@ fn sweep_expired() {
         return;
     }
     let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
-    let mut ended: Vec<(pg_sys::Oid, i64, i64)> = Vec::new();
-    for (tid, role, until) in due {
+    let mut ended: Vec<(ScopeKey, i64, i64)> = Vec::new();
+    let mut count = |key: ScopeKey| match ended.iter_mut().find(|(k, _, _)| *k == key) {
+        Some(e) => e.1 -= 1,
+        None => ended.push((key, -1, 0)),
+    };
+    for (tid, key, until) in due {
         // A finish() or renew() of the ticket in an open transaction: leave it to a
         // later sweep rather than wait for that transaction.
         if !ledger.lock_nowait(tid) {
@@ -91,9 +106,9 @@ fn sweep_expired() {
             continue;
         };
         if ledger.update(tid, tuple, &[COL_ENDED_AT, COL_OUTCOME]) == pg_sys::TM_Result::TM_Ok {
-            match ended.iter_mut().find(|(r, _, _)| *r == role) {
-                Some(e) => e.1 -= 1,
-                None => ended.push((role, -1, 0)),
+            count(ScopeKey::role(key.role));
+            if key.is_tenant() {
+                count(key);
             }
         }
     }
@@ -107,5 +122,5 @@ fn sweep_expired() {
 }
 
 thread_local! {
-    static OVERFLOWED: std::cell::RefCell<Vec<pg_sys::Oid>> = const { std::cell::RefCell::new(Vec::new()) };
+    static OVERFLOWED: std::cell::RefCell<Vec<ScopeKey>> = const { std::cell::RefCell::new(Vec::new()) };
 }

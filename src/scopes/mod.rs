@@ -1,5 +1,6 @@
-//! Layer 4, shared state: scope counters in shared memory: each (database, role)'s active tickets and ledger
-//! rows, so that admission does not walk row versions.
+//! Layer 4, shared state: scope counters in shared memory: each scope's active tickets
+//! and ledger rows, so that admission does not walk row versions. A scope is a role of
+//! a database, or (0.5.0) a tenant of such a role (`ScopeKey`).
 //!
 //! Counting with index scans under the latest snapshot is exact but walks every dead
 //! row version that an old snapshot keeps alive (a `pg_dump`, an idle REPEATABLE READ
@@ -11,7 +12,8 @@
 //!
 //! - the writer's batch adds its admissions (and subtracts its purges) to `active` and
 //!   `rows` right after it commits, before it answers anyone;
-//! - a transaction that finished tickets subtracts them from `active` when it commits.
+//! - a transaction that finished tickets subtracts them from `active` when it commits;
+//! - a transaction that took transactional charges (0.5.0) adds them when it commits.
 //!
 //! A rebuild counts under a snapshot S, while such changes may commit around it. Each
 //! change is therefore published before its transaction commits (`publish`), with the
@@ -22,7 +24,14 @@
 //! nothing is counted twice or lost. Between a commit and its application a counter is
 //! one behind: it over-counts active tickets for a moment (a finish not yet applied),
 //! which is allowed; admissions not yet applied are still in the callers' in-flight
-//! count, since the writer answers only after applying them.
+//! count, since the writer answers only after applying them, or still among the
+//! committing transaction's open charges, which it gives up only after applying them.
+//!
+//! Open charges (0.5.0): a transactional start's charge is a row of its caller's
+//! transaction, invisible to everyone else until it commits. It is counted meanwhile
+//! in its scopes' counters' `open` (charges.rs keeps them), which a counter that has
+//! any never gives up (it is "pinned"), whatever else happens to it: a rebuild keeps
+//! `open`, and only the charging backend changes it.
 //!
 //! A counter is valid only for the relations it was built from: each carries the
 //! relfilenodes of the ledger and the summary. TRUNCATE of either (the triggers
@@ -35,64 +44,89 @@
 //! the same however full the table is; when the window is full, its least recently
 //! used counter gives its entry up (core::counters) and is rebuilt when read again.
 //!
-//! The counters live in a segment of their own, with their
-//! LWLock and the key of the scope lock's tag (`scope_tag`). Beside the counters, this
-//! file answers what a scope holds as admission and the writer need it: from the
-//! counter, or from the ledger where there is none (`scope`, `usage`,
-//! `refusal_numbers`).
+//! The counters live in a segment of their own, with their LWLock, and the key that
+//! the scope lock's tag and tenants' keys are made from (`scope_tag`, `tenant_key`).
+//! What a scope holds, as admission and the writer need it, is in counts.rs.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU8, Ordering};
+pub mod counts;
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 use pgrx::pg_sys;
 
 use crate::core::counters::{self, Entry, Slot};
-use crate::core::lease::earliest;
-use crate::core::{RefusalKind, Usage};
-use crate::ledger::count::{active, expired, lapsed, oldest_ended, rows, summary_rows};
-use crate::ledger::rels::{Reader, Tags};
+use crate::ledger::rels::Tags;
 use crate::ledger::scan::Latest;
 use crate::shmem::{self, Base, Layout, Segment};
-use crate::workers;
 
-/// Pending changes one backend can publish for one transaction: one per role. A
-/// transaction that touches more roles invalidates the others' counters instead.
+/// Pending changes one backend can publish for one transaction: one per scope. A
+/// transaction that touches more scopes invalidates the others' counters instead.
 pub const PENDING_PER_SLOT: usize = 64;
 
-/// An entry's state (`Scope::state`). Never used: probing stops here.
+/// A scope of this database: a role, or a tenant of it (`tenant` is the key that
+/// stands for the tenant's text, see `tenant_key`; 0 for the role itself).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ScopeKey {
+    pub role: pg_sys::Oid,
+    pub tenant: u128,
+}
+
+impl ScopeKey {
+    pub fn role(role: pg_sys::Oid) -> ScopeKey {
+        ScopeKey { role, tenant: 0 }
+    }
+
+    pub fn is_tenant(&self) -> bool {
+        self.tenant != 0
+    }
+
+    /// The key in shared memory, with this database.
+    fn shared(&self) -> (u32, u32, u128) {
+        (u32::from(shmem::my_db()), u32::from(self.role), self.tenant)
+    }
+}
+
+/// An entry's state (`Counter::state`). Never used: probing stops here.
 const ENTRY_FREE: u8 = 0;
-/// A scope's counter: `db` and `role` say whose.
+/// A scope's counter: `db`, `role` and `tenant` say whose.
 const ENTRY_TAKEN: u8 = 1;
 /// A removed scope's entry (dropped role or database): probing goes on past it, and a
-/// new counter may take it. Its `db` and `role` mean nothing; 0.4.0 wrote the database
-/// OID 4294967295 there instead, which a database can have (0.4.1, F5).
+/// new counter may take it. Its key means nothing; 0.4.0 wrote the database OID
+/// 4294967295 there instead, which a database can have (0.4.1, F5).
 const ENTRY_REMOVED: u8 = 2;
 
 #[repr(C)]
-pub struct Scope {
+pub struct Counter {
     db: AtomicU32,
     role: AtomicU32,
     valid: AtomicBool,
     /// ENTRY_FREE, ENTRY_TAKEN or ENTRY_REMOVED. Written under the lock held
-    /// exclusively; every reader holds it shared at least. Beside `valid`, in what was
-    /// padding: an entry is still 40 bytes.
+    /// exclusively; every reader holds it shared at least.
     state: AtomicU8,
     ledger_node: AtomicU32,
     summary_node: AtomicU32,
     /// When the counter was last read, in seconds (see `now_secs`): the least recently
     /// used one gives its entry up when a scope's window is full.
     used: AtomicU32,
+    /// The tenant key, low and high halves (0 for a role's counter).
+    tenant: [AtomicU64; 2],
     active: AtomicI64,
+    /// Ledger rows of a role (summary row plus unfolded transactional tickets); not
+    /// kept for a tenant (counts.rs counts a tenant's retained tickets from the ledger).
     rows: AtomicI64,
+    /// Uncommitted transactional charges of the scope (0.5.0): the counter is pinned
+    /// while they are above 0.
+    open: AtomicI64,
 }
+
+const _: () = assert!(
+    std::mem::size_of::<Counter>() == 64,
+    "USER_GUIDE.md gives 64 bytes"
+);
 
 const PENDING_FREE: u32 = 0;
 const PENDING_SET: u32 = 1;
 const PENDING_ABSORBED: u32 = 2;
-
-const _: () = assert!(
-    std::mem::size_of::<Scope>() == 40,
-    "USER_GUIDE.md gives 40 bytes"
-);
 
 #[repr(C)]
 pub struct Pending {
@@ -100,6 +134,7 @@ pub struct Pending {
     db: AtomicU32,
     role: AtomicU32,
     xid: AtomicU32,
+    tenant: [AtomicU64; 2],
     d_active: AtomicI64,
     d_rows: AtomicI64,
 }
@@ -128,32 +163,43 @@ impl Drop for Held {
     }
 }
 
-fn home(db: u32, role: u32) -> usize {
+fn home((db, role, tenant): (u32, u32, u128)) -> usize {
     let h = (u64::from(db).wrapping_mul(0x9E37_79B9_7F4A_7C15))
-        ^ u64::from(role).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+        ^ u64::from(role).wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
+        ^ (tenant as u64).wrapping_mul(0x1656_67B1_9E37_79F9)
+        ^ ((tenant >> 64) as u64).wrapping_mul(0x27D4_EB2F_1656_67C5);
     (h >> 17) as usize % n_scopes()
 }
 
 /// The entries a scope may live in: `counters::WINDOW` from its home on.
-fn window(db: u32, role: u32) -> impl Iterator<Item = &'static Scope> {
-    let table = scopes();
-    let start = home(db, role);
+fn window(key: (u32, u32, u128)) -> impl Iterator<Item = &'static Counter> {
+    let table = counters_table();
+    let start = home(key);
     (0..counters::window(table.len())).map(move |k| &table[(start + k) % table.len()])
 }
 
+fn tenant_of(e: &Counter) -> u128 {
+    u128::from(e.tenant[0].load(Ordering::Relaxed))
+        | (u128::from(e.tenant[1].load(Ordering::Relaxed)) << 64)
+}
+
 /// What entry `e` holds, for core::counters.
-fn slot(e: &Scope) -> Slot {
+fn slot(e: &Counter) -> Slot {
     match e.state.load(Ordering::Relaxed) {
         ENTRY_FREE => Slot::Free,
-        ENTRY_TAKEN => Slot::Taken(e.db.load(Ordering::Relaxed), e.role.load(Ordering::Relaxed)),
+        ENTRY_TAKEN => Slot::Taken(
+            e.db.load(Ordering::Relaxed),
+            e.role.load(Ordering::Relaxed),
+            tenant_of(e),
+        ),
         _ => Slot::Removed,
     }
 }
 
-/// The entry of (db, role). The caller holds the lock.
-fn find(db: u32, role: u32) -> Option<&'static Scope> {
-    let k = counters::find(window(db, role).map(slot), db, role)?;
-    window(db, role).nth(k)
+/// The entry of `key`. The caller holds the lock.
+fn find(key: (u32, u32, u128)) -> Option<&'static Counter> {
+    let k = counters::find(window(key).map(slot), key.0, key.1, key.2)?;
+    window(key).nth(k)
 }
 
 /// The seconds a counter's `used` is measured in. The clock, not the transaction's
@@ -168,51 +214,58 @@ fn now_secs() -> u32 {
 /// Marks `e` as read now. `used` only moves forward (a reader whose transaction began
 /// long ago must not make a hot counter look idle), and it is written only when the
 /// second moved, so that readers of a hot scope do not all write its cache line.
-fn touch(e: &Scope) {
+fn touch(e: &Counter) {
     let now = now_secs();
     if e.used.load(Ordering::Relaxed) < now {
         e.used.fetch_max(now, Ordering::Relaxed);
     }
 }
 
-/// The entry a new counter for (db, role) would take, and the scope it would take it
-/// from (if any), for a scope that found no entry of its own. When its window is full,
-/// the least recently read counter there gives its entry up (see core::counters): it
-/// is rebuilt from the ledger if needed again, and a change published for it meanwhile
-/// is applied to that rebuild or absorbed by it, as after `forget`. None when every
-/// counter in the window was read lately. The caller holds the lock, shared (to see
-/// whether there is a place) or exclusively.
-fn vacancy(db: u32, role: u32, tags: Tags) -> Option<(&'static Scope, Option<(u32, u32)>)> {
-    let k = counters::place(
-        window(db, role).map(|e| match slot(e) {
-            Slot::Free => Entry::Free,
-            Slot::Removed => Entry::Removed,
-            // A counter of this database built for relations that are gone (TRUNCATE,
-            // VACUUM FULL) is stale too; one of another database is judged by its own
-            // flag, since its relations are not ours to see.
-            Slot::Taken(d, _) => counters::judged(
-                d == db,
-                e.valid.load(Ordering::Acquire),
-                current(e, tags).is_some(),
-                e.used.load(Ordering::Relaxed),
-            ),
-        }),
-        now_secs(),
-    )?;
-    let e = window(db, role).nth(k)?;
+/// Each entry of `key`'s window as placement judges it (core::counters).
+fn judged(key: (u32, u32, u128), tags: Tags) -> impl Iterator<Item = Entry> {
+    window(key).map(move |e| match slot(e) {
+        Slot::Free => Entry::Free,
+        Slot::Removed => Entry::Removed,
+        // A counter of this database built for relations that are gone (TRUNCATE,
+        // VACUUM FULL) is stale too; one of another database is judged by its own
+        // flag, since its relations are not ours to see.
+        Slot::Taken(d, _, _) => counters::judged(
+            d == key.0,
+            e.valid.load(Ordering::Acquire),
+            current(e, tags).is_some(),
+            e.used.load(Ordering::Relaxed),
+            e.open.load(Ordering::Acquire) > 0,
+        ),
+    })
+}
+
+/// The entry at offset `k` of `key`'s window, and the scope it would be taken from.
+fn at(key: (u32, u32, u128), k: usize) -> Option<(&'static Counter, Option<(u32, u32)>)> {
+    let e = window(key).nth(k)?;
     let from = match slot(e) {
-        Slot::Taken(d, r) => Some((d, r)),
+        Slot::Taken(d, r, _) => Some((d, r)),
         Slot::Free | Slot::Removed => None,
     };
     Some((e, from))
 }
 
+/// The entry a new counter for `key` would take, and the scope it would take it from
+/// (if any), for a scope that found no entry of its own. When its window is full, the
+/// least recently read counter there gives its entry up (see core::counters): it is
+/// rebuilt from the ledger if needed again, and a change published for it meanwhile
+/// is applied to that rebuild or absorbed by it, as after `forget`. None when every
+/// counter in the window was read lately (or is pinned). The caller holds the lock,
+/// shared (to see whether there is a place) or exclusively.
+fn vacancy(key: (u32, u32, u128), tags: Tags) -> Option<(&'static Counter, Option<(u32, u32)>)> {
+    at(key, counters::place(judged(key, tags), now_secs())?)
+}
+
 /// The counter's numbers if it is current, marking it as read.
-fn read(e: &Scope, tags: Tags) -> Option<(i64, i64)> {
+fn read(e: &Counter, tags: Tags) -> Option<(i64, i64)> {
     current(e, tags).inspect(|_| touch(e))
 }
 
-fn current(e: &Scope, tags: Tags) -> Option<(i64, i64)> {
+fn current(e: &Counter, tags: Tags) -> Option<(i64, i64)> {
     (e.valid.load(Ordering::Acquire)
         && e.ledger_node.load(Ordering::Relaxed) == tags.ledger
         && e.summary_node.load(Ordering::Relaxed) == tags.summary)
@@ -224,7 +277,7 @@ fn current(e: &Scope, tags: Tags) -> Option<(i64, i64)> {
         })
 }
 
-/// (active, rows) of (db, role): from its counter, rebuilt first with `count` (the
+/// (active, rows) of scope `key`: from its counter, rebuilt first with `count` (the
 /// ledger's numbers under the snapshot it is given) if missing or stale. None if
 /// `count` has no numbers (no summary row yet), or if the scope has no counter and
 /// every counter of its window was read lately; the caller then counts from the
@@ -235,16 +288,15 @@ fn current(e: &Scope, tags: Tags) -> Option<(i64, i64)> {
 /// caller without taking the lock exclusively for a rebuild that would build nothing,
 /// on every call, while every admission of the server queues behind it.
 pub fn get(
-    db: pg_sys::Oid,
-    role: pg_sys::Oid,
+    key: ScopeKey,
     tags: Tags,
     has_numbers: impl FnOnce() -> bool,
     count: impl FnOnce(&Latest) -> Option<(i64, i64)>,
 ) -> Option<(i64, i64)> {
-    let (db, role) = (u32::from(db), u32::from(role));
+    let k = key.shared();
     {
         let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
-        match find(db, role) {
+        match find(k) {
             Some(e) => {
                 if let Some(v) = read(e, tags) {
                     return Some(v);
@@ -252,7 +304,7 @@ pub fn get(
             }
             // No counter and no place for one: count without taking the lock
             // exclusively, which every admission of the server would queue behind.
-            None if vacancy(db, role, tags).is_none() => return None,
+            None if vacancy(k, tags).is_none() => return None,
             None => {}
         }
     }
@@ -261,7 +313,7 @@ pub fn get(
     }
     let (v, evicted) = {
         let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
-        let (e, evicted) = match find(db, role) {
+        let (e, evicted) = match find(k) {
             Some(e) => {
                 // Rebuilt by another backend since our shared look?
                 if let Some(v) = read(e, tags) {
@@ -270,14 +322,72 @@ pub fn get(
                 (e, None)
             }
             // Another scope's entry (or a free one): its numbers are not ours.
-            None => vacancy(db, role, tags)?,
+            None => vacancy(k, tags)?,
         };
-        (rebuild(e, db, role, tags, count)?, evicted)
+        (rebuild(e, k, tags, count)?, evicted)
     };
     if let Some((d, r)) = evicted {
-        log_eviction(d, r, db, role);
+        log_eviction(d, r, k.0, k.1);
     }
     Some(v)
+}
+
+/// The uncommitted transactional charges of scope `key` (0 if it has no counter: a
+/// scope with any has one, pinned).
+pub fn open(key: ScopeKey) -> i64 {
+    let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
+    find(key.shared()).map_or(0, |e| e.open.load(Ordering::Acquire))
+}
+
+/// A pinned counter: the entry that holds a scope's open charges, by its index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pin(usize);
+
+/// Adds one open charge to scope `key`'s counter, giving the scope a counter if it has
+/// none (it may take the entry of one read lately, never of a pinned one; it is built
+/// at its next read). None if every entry of its window is pinned: then nothing is
+/// charged. The caller holds the scope's lock (admission.rs), so no other backend adds
+/// to this scope meanwhile.
+pub fn pin(key: ScopeKey, tags: Option<Tags>) -> Option<Pin> {
+    let k = key.shared();
+    let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
+    let e = match find(k) {
+        Some(e) => e,
+        None => {
+            // Without tags (counters not usable now), every counter is judged stale.
+            let tags = tags.unwrap_or(Tags {
+                ledger: 0,
+                summary: 0,
+            });
+            let (e, _) = at(k, counters::place_pinned(judged(k, tags), now_secs())?)?;
+            // The entry is this scope's from here on, not built yet.
+            e.valid.store(false, Ordering::Relaxed);
+            e.active.store(0, Ordering::Relaxed);
+            e.rows.store(0, Ordering::Relaxed);
+            e.open.store(0, Ordering::Relaxed);
+            e.db.store(k.0, Ordering::Relaxed);
+            e.role.store(k.1, Ordering::Relaxed);
+            e.tenant[0].store(k.2 as u64, Ordering::Relaxed);
+            e.tenant[1].store((k.2 >> 64) as u64, Ordering::Relaxed);
+            e.used.store(now_secs(), Ordering::Relaxed);
+            e.state.store(ENTRY_TAKEN, Ordering::Release);
+            e
+        }
+    };
+    e.open.fetch_add(1, Ordering::AcqRel);
+    let table = counters_table();
+    let index =
+        (e as *const Counter as usize - table.as_ptr() as usize) / std::mem::size_of::<Counter>();
+    Some(Pin(index))
+}
+
+/// Takes one open charge off a pinned counter. Never raises: it runs at transaction
+/// end. No lock: the entry cannot change hands while it is pinned, and `open` is the
+/// charging backends' alone.
+pub fn unpin(p: Pin) {
+    if let Some(e) = counters_table().get(p.0) {
+        e.open.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Writes a line to the server log, when it keeps DEBUG1 lines, that a scope's counter
@@ -301,21 +411,22 @@ fn log_eviction(d: u32, r: u32, db: u32, role: u32) {
 /// transaction finished is still active until it commits (its finish is applied to
 /// the counter then, and published only at commit, so no rebuild can absorb it);
 /// counting it as ended here would count that finish twice, or, without a counter,
-/// admit where a counter would refuse.
-fn others_view() -> Latest {
+/// admit where a counter would refuse. A ticket this transaction charged (0.5.0) is
+/// counted among its scope's open charges until then.
+pub fn others_view() -> Latest {
     let snap = Latest::take();
     // SAFETY: `take` registered a private copy of the snapshot.
     unsafe { (*snap.0).curcid = pg_sys::FirstCommandId };
     snap
 }
 
-/// Builds the counter of (db, role) in entry `e` (its own, or the one it takes over)
-/// from `count`. The caller holds the lock exclusively. Nothing changes if `count`
-/// has no numbers.
+/// Builds the counter of `key` in entry `e` (its own, or the one it takes over) from
+/// `count`. The caller holds the lock exclusively. Nothing changes if `count` has no
+/// numbers. The entry's open charges stay: they are its own scope's (a pinned entry is
+/// never taken over).
 fn rebuild(
-    e: &'static Scope,
-    db: u32,
-    role: u32,
+    e: &'static Counter,
+    key: (u32, u32, u128),
     tags: Tags,
     count: impl FnOnce(&Latest) -> Option<(i64, i64)>,
 ) -> Option<(i64, i64)> {
@@ -325,8 +436,7 @@ fn rebuild(
     let (active, rows) = count(&snap)?;
     for p in all_pending() {
         if p.state.load(Ordering::Acquire) == PENDING_SET
-            && p.db.load(Ordering::Relaxed) == db
-            && p.role.load(Ordering::Relaxed) == role
+            && pending_key(p) == key
             // SAFETY: a snapshot check; the snapshot is registered.
             && !unsafe { pg_sys::XidInMVCCSnapshot(pg_sys::TransactionId::from_inner(p.xid.load(Ordering::Relaxed)), snap.0) }
         {
@@ -339,9 +449,15 @@ fn rebuild(
         }
     }
     // Taken over (or new): the entry is this scope's from here on.
+    let ours = slot(e) == Slot::Taken(key.0, key.1, key.2);
     e.valid.store(false, Ordering::Relaxed);
-    e.role.store(role, Ordering::Relaxed);
-    e.db.store(db, Ordering::Relaxed);
+    if !ours {
+        e.open.store(0, Ordering::Relaxed);
+    }
+    e.role.store(key.1, Ordering::Relaxed);
+    e.db.store(key.0, Ordering::Relaxed);
+    e.tenant[0].store(key.2 as u64, Ordering::Relaxed);
+    e.tenant[1].store((key.2 >> 64) as u64, Ordering::Relaxed);
     e.state.store(ENTRY_TAKEN, Ordering::Relaxed);
     e.used.store(now_secs(), Ordering::Relaxed);
     e.active.store(active, Ordering::Release);
@@ -352,21 +468,37 @@ fn rebuild(
     Some((active, rows))
 }
 
-/// Publishes this backend's changes of the transaction that is about to commit, as
-/// (role, Δactive, Δrows). Returns the roles that did not fit; their counters must be
-/// invalidated once the transaction has committed (`invalidate`).
-pub fn publish(changes: &[(pg_sys::Oid, i64, i64)]) -> Vec<pg_sys::Oid> {
+fn pending_key(p: &Pending) -> (u32, u32, u128) {
+    (
+        p.db.load(Ordering::Relaxed),
+        p.role.load(Ordering::Relaxed),
+        u128::from(p.tenant[0].load(Ordering::Relaxed))
+            | (u128::from(p.tenant[1].load(Ordering::Relaxed)) << 64),
+    )
+}
+
+/// Publishes changes of this backend's transaction that is about to commit, as (scope,
+/// Δactive, Δrows), after those it published already in this transaction (finish()
+/// and transactional starts publish apart). Returns the scopes that did not fit; their
+/// counters must be invalidated once the transaction has committed (`invalidate`).
+pub fn publish(changes: &[(ScopeKey, i64, i64)]) -> Vec<ScopeKey> {
     let mine = pending(shmem::my_procno());
     // SAFETY: plain reads of backend state; the transaction wrote, so it has an id.
-    let (db, xid) = unsafe { (shmem::my_db(), pg_sys::GetTopTransactionIdIfAny()) };
+    let xid = unsafe { pg_sys::GetTopTransactionIdIfAny() };
+    let mut free = mine
+        .iter()
+        .filter(|p| p.state.load(Ordering::Acquire) == PENDING_FREE);
     let mut overflow = Vec::new();
-    for (k, &(role, d_active, d_rows)) in changes.iter().enumerate() {
-        let Some(p) = mine.get(k) else {
-            overflow.push(role);
+    for &(key, d_active, d_rows) in changes {
+        let Some(p) = free.next() else {
+            overflow.push(key);
             continue;
         };
-        p.db.store(u32::from(db), Ordering::Relaxed);
-        p.role.store(u32::from(role), Ordering::Relaxed);
+        let (db, role, tenant) = key.shared();
+        p.db.store(db, Ordering::Relaxed);
+        p.role.store(role, Ordering::Relaxed);
+        p.tenant[0].store(tenant as u64, Ordering::Relaxed);
+        p.tenant[1].store((tenant >> 64) as u64, Ordering::Relaxed);
         p.xid.store(xid.into_inner(), Ordering::Relaxed);
         p.d_active.store(d_active, Ordering::Relaxed);
         p.d_rows.store(d_rows, Ordering::Relaxed);
@@ -412,7 +544,7 @@ pub fn apply_mine() {
                 ))
             };
         if committed {
-            if let Some(e) = find(p.db.load(Ordering::Relaxed), p.role.load(Ordering::Relaxed)) {
+            if let Some(e) = find(pending_key(p)) {
                 e.active
                     .fetch_add(p.d_active.load(Ordering::Relaxed), Ordering::AcqRel);
                 e.rows
@@ -423,57 +555,54 @@ pub fn apply_mine() {
     }
 }
 
-/// Marks the counters of `roles` in this database as stale.
-pub fn invalidate(roles: &[pg_sys::Oid]) {
-    if roles.is_empty() || !shmem::available() {
+/// Marks the counters of `keys` in this database as stale.
+pub fn invalidate(keys: &[ScopeKey]) {
+    if keys.is_empty() || !shmem::available() {
         return;
     }
-    let db = u32::from(shmem::my_db());
     let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
-    for &r in roles {
-        if let Some(e) = find(db, u32::from(r)) {
+    for key in keys {
+        if let Some(e) = find(key.shared()) {
             e.valid.store(false, Ordering::Release);
         }
     }
 }
 
-/// How many entries `forget` looks at under one hold of the lock, when it walks the
-/// whole table for a database: every admission of the server waits while the lock is
-/// held exclusively, and the table can hold millions of entries.
+/// How many entries `forget` looks at under one hold of the lock: every admission of
+/// the server waits while the lock is held exclusively, and the table can hold
+/// millions of entries.
 const FORGET_CHUNK: usize = 4096;
 
-/// Removes the counters of `db` (all roles if `roles` is None), for dropped roles and
-/// databases, so that the table does not fill up with them.
+/// Removes the counters of `db` (of `roles` and their tenants, or all of them if
+/// `roles` is None), for dropped roles and databases, so that the table does not fill
+/// up with them. A pinned counter (a transaction of the database still holds open
+/// charges on it) is only marked stale: its charges are given back to it when that
+/// transaction ends. The table is walked a chunk at a time, the lock released in
+/// between (a tenant's counter lives in a window of its own, not its role's).
+///
+/// A counter of `db` built meanwhile behind the walk (by a session of the database
+/// still running before DROP DATABASE or DROP EXTENSION commits) counts relations that
+/// are about to be gone: nobody reads it again, so it gives its place up once it has
+/// been idle for core::counters::MIN_IDLE_SECS, and a reinstalled extension (new
+/// relfilenodes) finds it stale.
 pub fn forget(db: pg_sys::Oid, roles: Option<&[pg_sys::Oid]>) {
     if !shmem::available() {
         return;
     }
     let db = u32::from(db);
-    let remove = |e: &Scope| {
-        e.valid.store(false, Ordering::Release);
-        e.state.store(ENTRY_REMOVED, Ordering::Relaxed);
-    };
-    match roles {
-        // A role's counter is in its window: no walk over the whole table.
-        Some(rs) => {
-            let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
-            rs.iter()
-                .filter_map(|&r| find(db, u32::from(r)))
-                .for_each(remove);
-        }
-        // The whole table, a chunk at a time, the lock released in between. A counter
-        // of `db` built meanwhile behind the walk (by a session of the database still
-        // running before DROP DATABASE or DROP EXTENSION commits) counts relations that
-        // are about to be gone: nobody reads it again, so it gives its place up once it
-        // has been idle for core::counters::MIN_IDLE_SECS, and a reinstalled extension
-        // (new relfilenodes) finds it stale.
-        None => {
-            for chunk in scopes().chunks(FORGET_CHUNK) {
-                let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
-                chunk
-                    .iter()
-                    .filter(|e| matches!(slot(e), Slot::Taken(d, _) if d == db))
-                    .for_each(remove);
+    let roles: Option<Vec<u32>> = roles.map(|rs| rs.iter().map(|&r| u32::from(r)).collect());
+    for chunk in counters_table().chunks(FORGET_CHUNK) {
+        let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
+        for e in chunk {
+            let Slot::Taken(d, r, _) = slot(e) else {
+                continue;
+            };
+            if d != db || roles.as_ref().is_some_and(|rs| !rs.contains(&r)) {
+                continue;
+            }
+            e.valid.store(false, Ordering::Release);
+            if e.open.load(Ordering::Acquire) == 0 {
+                e.state.store(ENTRY_REMOVED, Ordering::Relaxed);
             }
         }
     }
@@ -489,8 +618,8 @@ struct Header {
     n_slots: usize,
     /// Counters in the table: quota.scope_counters when the server started.
     n_scopes: usize,
-    /// Random bytes drawn when the server starts, which the scope lock's tag is made
-    /// from (see `scope_tag`).
+    /// Random bytes drawn when the server starts, which the scope lock's tag and the
+    /// tenants' keys are made from (see `scope_tag`, `tenant_key`).
     secret: [u64; 2],
 }
 
@@ -500,7 +629,7 @@ static BASE: Base = Base::new();
 /// counters, then each backend's pending changes.
 fn layout(n: usize, scopes: usize) -> (Layout, usize, usize) {
     let mut l = Layout::of::<Header>();
-    let at = l.array::<Scope>(scopes);
+    let at = l.array::<Counter>(scopes);
     let pending = l.array::<Pending>(n * PENDING_PER_SLOT);
     (l, at, pending)
 }
@@ -560,9 +689,9 @@ fn scope_lock() -> *mut pg_sys::LWLock {
 }
 
 /// The scope counters, quota.scope_counters of them.
-fn scopes() -> &'static [Scope] {
+fn counters_table() -> &'static [Counter] {
     // SAFETY: `layout` put n_scopes counters there; zeroed is a free entry.
-    unsafe { BASE.slice::<Scope>(layout(n_slots(), n_scopes()).1, n_scopes()) }
+    unsafe { BASE.slice::<Counter>(layout(n_slots(), n_scopes()).1, n_scopes()) }
 }
 
 /// Every backend's pending counter changes, PENDING_PER_SLOT per PGPROC number.
@@ -581,119 +710,35 @@ fn pending(procno: usize) -> &'static [Pending] {
     &all_pending()[procno * PENDING_PER_SLOT..(procno + 1) * PENDING_PER_SLOT]
 }
 
+/// A keyed 64-bit hash of `value`, the key drawn at server start: the same in every
+/// process of this server. DefaultHasher::new() is SipHash with fixed keys, the same
+/// in every process of this build; the secret (and `domain`), hashed first, is what
+/// keys it.
+fn keyed_hash(domain: u8, value: impl std::hash::Hash) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    header().secret.hash(&mut h);
+    domain.hash(&mut h);
+    value.hash(&mut h);
+    h.finish()
+}
+
 /// The two lock tag fields that stand for scope (db, role) in the scope lock: a keyed
 /// hash of the pair, the key drawn at server start. pg_locks, which every role can
 /// read, shows lock tags; the role's OID there would tell any tenant which roles are
 /// being admitted right now, which the rest of pg_quota shows no tenant. Two scopes
 /// whose hashes collide (a chance of one in 2^64) would only share a lock.
 pub fn scope_tag(db: pg_sys::Oid, role: pg_sys::Oid) -> (u32, u32) {
-    use std::hash::{Hash, Hasher};
-    // DefaultHasher::new() is SipHash with fixed keys, the same in every process of
-    // this build; the secret, hashed first, is what keys it.
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    header().secret.hash(&mut h);
-    (u32::from(db), u32::from(role)).hash(&mut h);
-    let v = h.finish();
+    let v = keyed_hash(0, (u32::from(db), u32::from(role)));
     (v as u32, (v >> 32) as u32)
 }
 
-// ---------------------------------------------------------------------------------
-// A scope's counts, as admission and the writer need them
-// ---------------------------------------------------------------------------------
-
-/// (active tickets, ledger rows) of `role`: from its scope counter (see scopes.rs),
-/// which is built from the ledger if missing or stale, or, where it has none (see
-/// `get`), counted from the ledger under a snapshot taken now.
-pub fn scope(reader: &Reader, role: pg_sys::Oid) -> (i64, i64) {
-    let r = &reader.rels;
-    reader
-        .tags
-        .and_then(|tags| {
-            let has_numbers = || summary_rows(r, &Latest::take(), role).is_some();
-            get(shmem::my_db(), role, tags, has_numbers, |s| {
-                // A rebuild holds the counters' lock: never count a whole history
-                // under it. Without a summary row, count this once without a
-                // counter; the writer rebuilds the summary row meanwhile.
-                let rows = summary_rows(r, s, role)?;
-                Some((active(r, s, role, None), rows))
-            })
-        })
-        .unwrap_or_else(|| {
-            // Counted as a counter would be (see `others_view`), in a snapshot taken
-            // now: after whatever the caller read before (its requests in flight).
-            let own = others_view();
-            let (rows, rebuild) = rows(r, &own, role);
-            if rebuild {
-                workers::request_summary_rebuild();
-            }
-            (active(r, &own, role, None), rows)
-        })
-}
-
-/// The scope's usage as admission needs it: each count only where its limit is set
-/// (`None` means no limit, so that count is not needed to decide). Tickets whose lease
-/// ran out by `now` are neither active nor, once past the cutoff, retained.
-pub fn usage(
-    reader: &Reader,
-    role: pg_sys::Oid,
-    now: pg_sys::TimestampTz,
-    cutoff: pg_sys::TimestampTz,
-    max_active: Option<i64>,
-    count_retained: bool,
-) -> Usage {
-    if max_active.is_none() && !count_retained {
-        return Usage::default();
-    }
-    let (active, rows) = scope(reader, role);
-    // A snapshot taken after the counter was read: it sees every purge and every
-    // expiry sweep the counter already reflects, so nothing is subtracted twice.
-    let after = Latest::take();
-    let lapsed = lapsed(&reader.rels, &after, role, now);
-    Usage {
-        active: if max_active.is_some() {
-            active - lapsed.expired()
-        } else {
-            0
-        },
-        retained: if count_retained {
-            rows - expired(&reader.rels, &after, role, cutoff) - lapsed.aged_out(cutoff)
-        } else {
-            0
-        },
-        ..Usage::default()
-    }
-}
-
-/// The full numbers for a refusal's message, and when capacity returns if the
-/// retained limit is the one reached.
-pub fn refusal_numbers(
-    reader: &Reader,
-    snap: &Latest,
-    role: pg_sys::Oid,
-    now: pg_sys::TimestampTz,
-    cutoff: pg_sys::TimestampTz,
-    retention_secs: i64,
-    kind: RefusalKind,
-) -> (Usage, Option<pg_sys::TimestampTz>) {
-    let r = &reader.rels;
-    let (active, rows) = scope(reader, role);
-    // As in counts::usage: a snapshot that sees every purge and sweep the counter
-    // reflects.
-    let after = Latest::take();
-    let lapsed = lapsed(r, &after, role, now);
-    let usage = Usage {
-        active: active - lapsed.expired(),
-        retained: rows - expired(r, &after, role, cutoff) - lapsed.aged_out(cutoff),
-        ..Usage::default()
-    };
-    let next = (kind == RefusalKind::Retained)
-        .then(|| {
-            earliest(
-                oldest_ended(r, snap, role, cutoff),
-                lapsed.oldest_retained(cutoff),
-            )
-        })
-        .flatten()
-        .map(|t| t.saturating_add(retention_secs.saturating_mul(1_000_000)));
-    (usage, next)
+/// The key that stands for a tenant's text (in the server encoding) in shared memory:
+/// 128 bits of two keyed hashes, never 0 (the role itself). Two tenants of one role
+/// would have to collide in all 128 bits to share a counter (a chance of about one in
+/// 10^29 among 100,000 tenants); the key is drawn at server start, so nobody can
+/// choose tenants that collide.
+pub fn tenant_key(text: &[u8]) -> u128 {
+    let k = u128::from(keyed_hash(1, text)) | (u128::from(keyed_hash(2, text)) << 64);
+    k.max(1)
 }

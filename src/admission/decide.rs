@@ -1,0 +1,298 @@
+//! Layer 5: the decision both kinds of start share. Refusals come from the committed
+//! counts without a lock; an admission is decided under the role's scope lock, with
+//! everything that could take a slot counted: the committed tickets, the open
+//! transactional charges (0.5.0), the requests in the writer's hands, and the starts
+//! waiting ahead. What admits (a request handed to the writer, or a charge inserted in
+//! the caller's transaction) happens under the lock too, so that count-and-take is
+//! atomic per role and its tenants.
+
+use pgrx::pg_sys;
+
+use super::{Caller, Refused};
+use crate::compat::{self, nap};
+use crate::core::{decide, Decision, RefusalKind, Usage};
+use crate::ledger::count::{db_active, key_in_progress, retained_with_key};
+use crate::ledger::rels::Reader;
+use crate::ledger::scan::Latest;
+use crate::queue::caller::{self as queue, Patience};
+use crate::scopes::counts;
+use crate::timestamps::cutoff;
+use crate::waiters::Ahead;
+use crate::{scopes, shmem};
+
+/// The scope lock's field4. SQL advisory locks live in the user lock method with
+/// field4 = 1 or 2; ours lives in the default lock method (so that transaction end
+/// and the deadlock detector treat it like any table lock) with a private field4. No
+/// `pg_advisory_*` call can produce this tag, block admission or bypass it (I4).
+/// tests/isolation/specs/advisory_squat.spec hangs and fails if it could.
+pub const SCOPE_LOCK_FIELD4: u16 = 0x5153; // "QS"
+
+/// How long a caller sleeps while requests of its scope that could tip it over the
+/// limit are in the writer's hands. They resolve within one writer commit.
+const INFLIGHT_POLL_MS: i64 = 1;
+
+/// What admission needs to count for the caller's limits: the role's (and its
+/// tenant's) counts where a limit needs them, open charges included, and the database's
+/// active tickets if it is capped.
+pub(crate) fn usage_for(
+    r: &Reader,
+    snap: &Latest,
+    caller: &Caller,
+    now: pg_sys::TimestampTz,
+    cutoff: pg_sys::TimestampTz,
+) -> Usage {
+    let limits = caller.limits;
+    let mut u = counts::usage(r, caller.role, caller.tenant, now, cutoff, limits);
+    if limits.max_db > 0 {
+        u.db_active = db_active(&r.rels, snap, now, limits.max_db) + crate::charges::open_in_db();
+    }
+    u
+}
+
+/// Holds the scope lock for (database, role) until dropped. A tenant's starts take
+/// their role's lock: a role's count includes its tenants', so they must not race.
+///
+/// It makes "count, then take" atomic per scope, so that two callers cannot both take
+/// the last slot. Taken under TopTransactionResourceOwner, as sequence.c's
+/// open_share_lock() does, so that no subtransaction abort can release it behind our
+/// back; and released explicitly as soon as the slot is taken (handed to the writer,
+/// or counted among the scope's open charges). Holding it while the writer commits
+/// would serialize the role's starts behind one WAL flush each; holding it to the end
+/// of the caller's transaction would serialize the role's long transactions, for
+/// nothing, since what it protects is counted by then.
+struct ScopeLock(pg_sys::LOCKTAG);
+
+impl ScopeLock {
+    fn acquire(role: pg_sys::Oid) -> ScopeLock {
+        // The role is not in the tag as its OID: see scopes::scope_tag.
+        let (field2, field3) = scopes::scope_tag(shmem::my_db(), role);
+        let tag = pg_sys::LOCKTAG {
+            locktag_field1: u32::from(shmem::my_db()),
+            locktag_field2: field2,
+            locktag_field3: field3,
+            locktag_field4: SCOPE_LOCK_FIELD4,
+            locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
+            locktag_lockmethodid: pg_sys::DEFAULT_LOCKMETHOD as u8,
+        };
+        with_top_owner(|| {
+            // SAFETY: an ordinary transaction-level lock; lock_timeout, cancel and the
+            // deadlock detector all apply while we wait for it.
+            unsafe { pg_sys::LockAcquire(&tag, pg_sys::ExclusiveLock as i32, false, false) };
+        });
+        ScopeLock(tag)
+    }
+}
+
+impl Drop for ScopeLock {
+    /// Runs on return and on an ERROR's unwind alike. In the second case a
+    /// subtransaction abort would not release a TopTransactionResourceOwner lock, so
+    /// a PL/pgSQL block that catches the error would hold up the scope until its top
+    /// transaction ends; releasing here avoids that.
+    fn drop(&mut self) {
+        with_top_owner(|| {
+            // SAFETY: we took this lock under the same owner in `acquire`.
+            unsafe { pg_sys::LockRelease(&self.0, pg_sys::ExclusiveLock as i32, false) };
+        });
+    }
+}
+
+fn with_top_owner<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(pg_sys::ResourceOwner);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            // SAFETY: puts back the owner saved below.
+            unsafe { pg_sys::CurrentResourceOwner = self.0 };
+        }
+    }
+    // SAFETY: inside a transaction TopTransactionResourceOwner is valid.
+    let _restore = unsafe {
+        let saved = pg_sys::CurrentResourceOwner;
+        pg_sys::CurrentResourceOwner = pg_sys::TopTransactionResourceOwner;
+        Restore(saved)
+    };
+    f()
+}
+
+/// What the limited path found instead of a decision.
+pub(crate) enum Repeat {
+    /// The key's ticket, committed and retained.
+    Found(pgrx::Uuid),
+    /// A start with the key, in the writer's hands: the writer must answer this one.
+    InFlight,
+    /// A transactional start with the key whose transaction is still open: wait for it
+    /// without the lock, then look again.
+    InProgress,
+    /// The database has no writer, to take the request or to answer the requests in
+    /// flight it waited for; one is to be started without the scope lock.
+    NoWriter,
+}
+
+/// The counts plus the starts waiting ahead, which take the next free slots.
+fn with_ahead(u: Usage, a: Ahead) -> Usage {
+    Usage {
+        active: u.active + a.of_role,
+        retained: u.retained + a.of_role,
+        db_active: u.db_active + a.of_db,
+        tenant_active: u.tenant_active + a.of_tenant,
+        tenant_retained: u.tenant_retained + a.of_tenant,
+        ahead: a.of_role + a.of_db,
+    }
+}
+
+/// Refuses, or admits with `take` under the scope lock once the start surely fits.
+/// `before_lock` runs before the lock is taken (the writer path waits there for an
+/// answer its session abandoned: nothing under the lock waits for anything but the
+/// counts). Err carries a repeat of the caller's key found meanwhile, or says that a
+/// writer must be started (without the lock) first.
+pub(crate) fn under_lock<T>(
+    caller: &Caller,
+    now: pg_sys::TimestampTz,
+    seq: u64,
+    waited: &mut Patience,
+    before_lock: impl FnOnce(),
+    take: impl FnOnce(&Reader) -> Result<T, Repeat>,
+) -> Result<Result<T, Refused>, Repeat> {
+    let role = caller.role;
+    let tenant = caller.tenant_key();
+    let limits = caller.limits;
+    let retention = caller.policy.retention_secs;
+    let cutoff = cutoff(now, retention);
+    let key = caller.args.key;
+    // `counted`: the counts the decision was made on, without the waiters ahead. Where
+    // both role limits are set they are the full numbers the message needs, and an
+    // active-limit refusal (the common one) reports them without counting again.
+    let refuse = |reader: &Reader, kind: RefusalKind, ahead: Ahead, counted: Usage| {
+        if let Some(key) = key {
+            // A start with our key may have committed after our last look, and the
+            // counts we refuse on may include its ticket: look again, under a snapshot
+            // taken after those counts, before refusing a repeat.
+            // The requests in flight first, then the snapshot: a start with our key
+            // that leaves the writer's hands in between has committed, and the
+            // snapshot sees it.
+            if queue::in_flight_with_key(role, tenant, key) {
+                return Err(Repeat::InFlight);
+            }
+            if key_in_progress(&reader.rels, role, caller.args.tenant, key).is_some() {
+                return Err(Repeat::InProgress);
+            }
+            if let Some(id) = retained_with_key(
+                &reader.rels,
+                &Latest::take(),
+                role,
+                caller.args.tenant,
+                key,
+                now,
+                cutoff,
+            ) {
+                return Err(Repeat::Found(pgrx::Uuid::from_bytes(id)));
+            }
+        }
+        let complete = limits.max_active > 0 && limits.max_retained > 0 && tenant == 0;
+        let (mut usage, next) = if complete && kind == RefusalKind::Active {
+            (counted, None)
+        } else {
+            counts::refusal_numbers(reader, role, caller.tenant, now, cutoff, retention, kind)
+        };
+        // The counts stay tickets; the starts waiting ahead are named apart (see
+        // core::errors), so that a refusal never reads "2 of 1".
+        usage.db_active = counted.db_active;
+        usage.ahead = match kind {
+            RefusalKind::Database => ahead.of_db,
+            RefusalKind::TenantActive | RefusalKind::TenantRetained => ahead.of_tenant,
+            RefusalKind::Active | RefusalKind::Retained => ahead.of_role,
+        };
+        Ok(Err(Refused { kind, usage, next }))
+    };
+
+    // Refusals need no lock: a committed count at the limit is a correct answer at
+    // the moment of the snapshot. This keeps a role hammering at its limit from
+    // queueing on its own scope lock. The Reader's table locks end with the reads.
+    if !caller.exempt {
+        let ahead = crate::waiters::ahead(role, tenant, seq);
+        let reader = Reader::open();
+        let snap = Latest::take();
+        let usage = usage_for(&reader, &snap, caller, now, cutoff);
+        if let Decision::Refuse(r) = decide(limits, with_ahead(usage, ahead), false) {
+            return refuse(&reader, r.kind, ahead, usage);
+        }
+    }
+
+    // Admission: under the scope lock, count the committed tickets plus the scope's
+    // open charges and requests still in the writer's hands, and take ours only if all
+    // of them fit. The lock makes count-and-take atomic per scope, so the decision here
+    // is exact; it is released before anyone waits for the writer, so one role's
+    // starts share the writer's commits. The writer checks again in any case (it is
+    // the single authority for what it inserts: for the database cap, which spans
+    // scopes, it is the only exact check), so this only keeps refusals off the writer.
+    //
+    // Nothing under the lock waits for anything but the counts: `before_lock` is waited
+    // for first, and a writer that must be started is started after the lock is
+    // released (Repeat::NoWriter). Every other start of the role, refusals included,
+    // queues behind this lock.
+    before_lock();
+    let _lock = ScopeLock::acquire(role);
+    loop {
+        // Read the requests in flight BEFORE taking the snapshot: a request that the
+        // writer commits in between is then counted twice (we wait and count again),
+        // never missed. The other order could miss it in both places.
+        // Waiters ahead first: one moves from the line (slot free) into flight, never
+        // back, so read in this order it is counted at least once.
+        let ahead = crate::waiters::ahead(role, tenant, seq);
+        let (inflight, inflight_tenant) = queue::inflight(role, tenant);
+        let inflight_db = if limits.max_db > 0 {
+            queue::inflight_db()
+        } else {
+            0
+        };
+        let reader = Reader::open();
+        let snap = Latest::take();
+        if let Some(key) = key {
+            // A start with our key: still open (transactional), or committed while we
+            // waited for in-flight ones.
+            if key_in_progress(&reader.rels, role, caller.args.tenant, key).is_some() {
+                return Err(Repeat::InProgress);
+            }
+            if let Some(id) = retained_with_key(
+                &reader.rels,
+                &snap,
+                role,
+                caller.args.tenant,
+                key,
+                now,
+                cutoff,
+            ) {
+                return Err(Repeat::Found(pgrx::Uuid::from_bytes(id)));
+            }
+        }
+        if caller.exempt {
+            // I7: superusers are never refused; what they take is still recorded.
+            return take(&reader).map(Ok);
+        }
+        let counted = usage_for(&reader, &snap, caller, now, cutoff);
+        let usage = with_ahead(counted, ahead);
+        if let Decision::Refuse(r) = decide(limits, usage, false) {
+            return refuse(&reader, r.kind, ahead, counted);
+        }
+        let with_inflight = Usage {
+            active: usage.active + inflight,
+            retained: usage.retained + inflight,
+            db_active: usage.db_active + inflight_db,
+            tenant_active: usage.tenant_active + inflight_tenant,
+            tenant_retained: usage.tenant_retained + inflight_tenant,
+            ahead: usage.ahead,
+        };
+        if decide(limits, with_inflight, false) == Decision::Admit {
+            return take(&reader).map(Ok);
+        }
+        // Requests in flight would take the last slots; wait for them to be
+        // committed (then counted) or refused, and count again. If their writer is
+        // gone, a new one is brought up (or the call fails clearly) rather than wait
+        // for ever, in line for a slot without the lock.
+        drop(snap);
+        drop(reader);
+        nap(INFLIGHT_POLL_MS, compat::Wait::InFlight);
+        if waited.writer_needed() {
+            return Err(Repeat::NoWriter);
+        }
+    }
+}

@@ -1,0 +1,384 @@
+//! Layer 5, the paths: start() in the caller's backend. Argument checks, the policy of
+//! the charged role, the wait for capacity (waiters.rs), and one try at admission:
+//! through the ledger writer (writer.rs here, the default), or in the caller's own
+//! transaction (transactional.rs, 0.5.0). Both decide under the same scope lock with
+//! the same counts (decide.rs); what they share with the writer's insert is in ledger/.
+
+mod decide;
+mod transactional;
+mod writer;
+
+use pgrx::pg_sys;
+
+use crate::catalog::{database_name, role_name};
+use crate::compat::{self, nap};
+use crate::core::lease::earliest;
+use crate::core::stats::Counter;
+use crate::core::{
+    check_key, check_label, check_tenant, Limits, QuotaError, Refusal, RefusalKind, Usage,
+};
+use crate::ledger::count::{key_in_progress, next_expiry, retained_with_key};
+use crate::ledger::rels::{rels, Reader};
+use crate::ledger::scan::{text_datum, Latest};
+use crate::policy::Policy;
+use crate::queue::caller as queue;
+use crate::scopes::counts::Tenant;
+use crate::timestamps::{cutoff, format_ts, interval_text, lease_until};
+use crate::{gucs, scopes, shmem, stats};
+
+/// What a start() call asks for, beyond the caller's settings.
+pub struct StartArgs<'a> {
+    /// Text in the server encoding, passed through as bytes: a LATIN1 or SQL_ASCII
+    /// database has labels that are not UTF-8, and its characters are counted by the
+    /// server's rules. The same holds for the idempotency key and the tenant.
+    pub label: Option<&'a [u8]>,
+    pub key: Option<&'a [u8]>,
+    /// An interval datum; None means quota.default_lease.
+    pub lease: Option<pg_sys::Datum>,
+    /// An interval datum: how long to wait for capacity; None means not at all.
+    pub wait: Option<pg_sys::Datum>,
+    /// 0.5.0: the tenant the ticket is charged to under its role (None: the role).
+    pub tenant: Option<&'a [u8]>,
+    /// 0.5.0: the charge commits or rolls back with the calling transaction.
+    pub transactional: bool,
+}
+
+impl StartArgs<'_> {
+    /// The arguments of 0.1.x's start(label).
+    pub fn label_only(label: Option<&[u8]>) -> StartArgs<'_> {
+        StartArgs {
+            label,
+            key: None,
+            lease: None,
+            wait: None,
+            tenant: None,
+            transactional: false,
+        }
+    }
+}
+
+/// Who a start is for and what it is checked against, fixed for the whole call.
+pub(crate) struct Caller<'a> {
+    pub args: &'a StartArgs<'a>,
+    pub role: pg_sys::Oid,
+    pub exempt: bool,
+    pub policy: Policy,
+    /// The role's limits, with its tenant's if the start has one.
+    pub limits: Limits,
+    pub tenant: Option<Tenant>,
+}
+
+impl Caller<'_> {
+    /// The tenant's key, 0 for none.
+    pub fn tenant_key(&self) -> u128 {
+        self.tenant.map_or(0, |t| t.key)
+    }
+
+    /// The refusal error for the caller's role (and tenant).
+    fn refusal(&self, r: &Refused) -> QuotaError {
+        QuotaError::Refused {
+            role: role_name(self.role),
+            tenant: self
+                .args
+                .tenant
+                .map(|t| String::from_utf8_lossy(t).into_owned()),
+            database: database_name(shmem::my_db()),
+            refusal: Refusal {
+                kind: r.kind,
+                usage: r.usage,
+                limits: self.limits,
+            },
+            next_ageout: r.next.map(format_ts),
+        }
+    }
+}
+
+/// Counts the characters of `bytes` in the server encoding.
+fn chars(bytes: &[u8]) -> usize {
+    // SAFETY: the length is that of a text datum, which fits in an int.
+    unsafe { pg_sys::pg_mbstrlen_with_len(bytes.as_ptr().cast(), bytes.len() as i32) as usize }
+}
+
+/// A refusal as the start path carries it, made into an error at the end.
+pub(crate) struct Refused {
+    pub kind: RefusalKind,
+    pub usage: Usage,
+    pub next: Option<pg_sys::TimestampTz>,
+}
+
+/// Admits one ticket for `current_user` (and its tenant, if given), or returns the
+/// refusal (53400) as an error value so that try_start can turn it into NULL. Every
+/// other error raises.
+///
+/// With a wait, a refused start takes a place in line (see waiters.rs) and looks again
+/// whenever a finish() of its scope or database commits, when the next lease in its
+/// way runs out, and at least every waiters::POLL_MS, until it is admitted or its time
+/// is up. The wait sleeps on the latch, so statement_timeout and pg_cancel_backend end
+/// it; nothing is charged for a wait that ends so.
+pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, QuotaError> {
+    shmem::require_callable(name);
+    // A standby or a read-only transaction refuses with 25006, as nextval() does:
+    // the charge is a write, even though it is not the caller's own.
+    // SAFETY: both raise ERROR or return.
+    unsafe {
+        pg_sys::PreventCommandDuringRecovery(name.as_ptr());
+        pg_sys::PreventCommandIfReadOnly(name.as_ptr());
+    }
+    if let Some(l) = args.label {
+        check_label(chars(l), l.len())?;
+    }
+    if let Some(k) = args.key {
+        check_key(chars(k), k.len())?;
+    }
+    if let Some(t) = args.tenant {
+        check_tenant(chars(t), t.len())?;
+    }
+    // SAFETY: plain reads of backend state and the clock.
+    let (role, exempt, now) = unsafe {
+        let role = pg_sys::GetUserId();
+        (
+            role,
+            pg_sys::superuser_arg(role),
+            pg_sys::GetCurrentTimestamp(),
+        )
+    };
+    // The policy of the role charged (after SET ROLE, not the login's; see policy.rs).
+    let policy = crate::policy::of(role);
+    let rels = rels();
+    if !rels.v2() {
+        // The library is newer than the database's schema: 0.1.x's calls work as
+        // they did; what needs 0.2.0's columns says how to get them.
+        if policy.limits.max_db > 0 && !exempt {
+            rels.require_v2("quota.max_active_per_database");
+        }
+        if args.key.is_some() {
+            rels.require_v2("an idempotency key");
+        }
+        if args.lease.is_some() {
+            rels.require_v2("a lease");
+        }
+    }
+    if !rels.v5() {
+        if args.tenant.is_some() {
+            rels.require_v5("a tenant");
+        }
+        if args.transactional {
+            rels.require_v5("a transactional start");
+        }
+    }
+    if args.transactional && !policy.allow_transactional {
+        return Err(QuotaError::TransactionalNotAllowed {
+            role: role_name(role),
+        });
+    }
+    let tenant = args.tenant.map(|t| Tenant {
+        key: scopes::tenant_key(t),
+        text: text_datum(t),
+    });
+    let caller = Caller {
+        args,
+        role,
+        exempt,
+        policy,
+        limits: Limits {
+            tenant_active: policy.tenant_max_active,
+            tenant_retained: policy.tenant_max_retained,
+            ..policy.limits
+        }
+        .for_tenant(tenant.is_some()),
+        tenant,
+    };
+    // Check the lease now, so that a bad one fails before any wait.
+    lease_until(now, args.lease, policy.default_lease_secs)?;
+    let deadline = match args.wait {
+        None => now,
+        Some(w) => {
+            // SAFETY: an interval datum points at its Interval.
+            let i = unsafe { &*w.cast_mut_ptr::<pg_sys::Interval>() };
+            let Some(us) = crate::core::lease::wait_micros(i.month, i.day, i.time) else {
+                return Err(QuotaError::InvalidInterval {
+                    what: "wait",
+                    value: interval_text(w),
+                });
+            };
+            now.saturating_add(us)
+        }
+    };
+
+    let mut place: Option<(crate::waiters::Place, WaitTimer)> = None;
+    loop {
+        if place.is_some() {
+            queue::drop_abandoned_answer();
+        }
+        let seq = place.as_ref().map_or(u64::MAX, |p| p.0.seq);
+        let r = match attempt(&caller, seq)? {
+            Ok((id, found_here)) => {
+                // The writer counts what it answers (see writer/batch.rs, count_admitted),
+                // a transactional start counts its admission when it commits
+                // (charges.rs); a repeat found by this session never reached either.
+                if found_here {
+                    stats::add(role, Counter::IdempotentHits, 1);
+                }
+                return Ok(id);
+            }
+            Err(r) => r,
+        };
+        // SAFETY: plain clock read.
+        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        if now >= deadline {
+            if place.is_some() {
+                stats::add(role, Counter::WaitTimeouts, 1);
+            }
+            count_refusal(&caller, &r);
+            return Err(caller.refusal(&r));
+        }
+        let Some((p, _)) = &place else {
+            // Take a place in line, then look again at once: a finish() that
+            // committed before we were in line could not wake us.
+            place = Some((
+                crate::waiters::Place::take(role, caller.tenant_key(), r.kind),
+                WaitTimer::start(role),
+            ));
+            continue;
+        };
+        p.refused_by(r.kind);
+        if p.woken() {
+            continue;
+        }
+        // The next change that could admit us without anyone finishing: a lease in our
+        // way running out, or, at the retained limit, the oldest ticket ageing out.
+        let next = {
+            let reader = Reader::open();
+            let snap = Latest::take();
+            let scope = (r.kind != RefusalKind::Database).then_some(role);
+            earliest(next_expiry(&reader.rels, &snap, scope, now), r.next)
+        };
+        nap(
+            crate::core::lease::wait_ms(now, deadline, next, crate::waiters::POLL_MS),
+            compat::Wait::Capacity,
+        );
+    }
+}
+
+/// Adds the time a start() spent in line to its role's wait_time when the wait ends,
+/// however it ends (admitted, refused, or an error's unwind).
+struct WaitTimer {
+    role: pg_sys::Oid,
+    since: std::time::Instant,
+}
+
+impl WaitTimer {
+    fn start(role: pg_sys::Oid) -> WaitTimer {
+        // The entry the wait is counted in when it ends, made now: the end may be an
+        // error's unwind, where no lock is taken to create one.
+        stats::ensure(role);
+        WaitTimer {
+            role,
+            since: std::time::Instant::now(),
+        }
+    }
+}
+
+impl Drop for WaitTimer {
+    fn drop(&mut self) {
+        // The entry exists unless a reset or an eviction took it meanwhile; then the
+        // wait goes uncounted, in waits, wait_time and the histogram alike.
+        let us = self.since.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
+        stats::waited(self.role, us.max(1));
+    }
+}
+
+/// Counts a refusal, and writes its LOG line if quota.log_refusals asks for one and
+/// the rate limit lets it through.
+fn count_refusal(caller: &Caller, r: &Refused) {
+    let log = gucs::log_refusals();
+    if let Some(suppressed) = stats::refused(caller.role, Counter::refused(r.kind), log) {
+        let tenant = caller
+            .args
+            .tenant
+            .map(|t| String::from_utf8_lossy(t).into_owned());
+        let line = crate::core::stats::refusal_log_line(
+            &role_name(caller.role),
+            tenant.as_deref(),
+            &database_name(shmem::my_db()),
+            r.kind,
+            r.usage,
+            caller.limits,
+            suppressed,
+        );
+        pgrx::pg_sys::panic::ErrorReport::new(
+            pgrx::PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            line,
+            "pg_quota",
+        )
+        // The server log only: the refused client gets its own error, and a tenant
+        // with client_min_messages = log must not read other details from here.
+        .report(pgrx::PgLogLevel::LOG_SERVER_ONLY);
+    }
+}
+
+/// Waits, outside any lock of pg_quota's, for every transaction still in progress that
+/// started a ticket of the caller's scope with `key` (a transactional start, 0.5.0) to
+/// commit or roll back, as an insert into a unique index waits for a conflicting one:
+/// its ticket is then either there to be returned, or gone and admitted anew.
+fn wait_for_key(caller: &Caller, key: &[u8]) {
+    loop {
+        let xid = {
+            let reader = Reader::open();
+            key_in_progress(&reader.rels, caller.role, caller.args.tenant, key)
+        };
+        let Some(xid) = xid else { return };
+        // SAFETY: an ordinary lock wait on the transaction's id; lock_timeout,
+        // statement_timeout, cancel and the deadlock detector all apply.
+        unsafe {
+            pg_sys::XactLockTableWait(
+                xid,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                pg_sys::XLTW_Oper::XLTW_None,
+            )
+        };
+    }
+}
+
+/// One try at admission for a caller at place `seq` in line (u64::MAX if it is not
+/// waiting). The outer Result carries errors, the inner one refusals; an admission
+/// says whether this session found it as an idempotent repeat.
+fn attempt(caller: &Caller, seq: u64) -> Result<Result<(pgrx::Uuid, bool), Refused>, QuotaError> {
+    // SAFETY: plain clock read.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let cutoff = cutoff(now, caller.policy.retention_secs);
+    // An idempotent repeat is answered here, whatever the limits say: it charges
+    // nothing. The writer checks again, for requests racing with the same key. Where
+    // synchronous standbys are named, the writer answers repeats of its tickets
+    // instead (see writer.rs). A transactional start with the key that is still open
+    // is waited for first.
+    let mut repeat = false;
+    if let Some(key) = caller.args.key {
+        wait_for_key(caller, key);
+        let reader = Reader::open();
+        let snap = Latest::take();
+        if let Some(id) = retained_with_key(
+            &reader.rels,
+            &snap,
+            caller.role,
+            caller.args.tenant,
+            key,
+            now,
+            cutoff,
+        ) {
+            if caller.args.transactional || !crate::syncrep::standbys_defined() {
+                return Ok(Ok((pgrx::Uuid::from_bytes(id), true)));
+            }
+            repeat = true;
+        }
+    }
+    // A length: the ticket's lease runs this long from when it really starts.
+    let lease_us = lease_until(now, caller.args.lease, caller.policy.default_lease_secs)?
+        .map(|until| crate::core::lease::length(now, until));
+    if caller.args.transactional {
+        transactional::attempt(caller, seq, lease_us)
+    } else {
+        writer::attempt(caller, seq, lease_us, repeat)
+    }
+}

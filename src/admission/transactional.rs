@@ -1,0 +1,103 @@
+//! Layer 5: a transactional start (0.5.0): the charge is a row of the caller's own
+//! transaction, as `pg_logical_emit_message(true, …)` is. It counts against its scopes
+//! at once, as an open charge (charges.rs), is kept if the transaction commits and
+//! given back if it (or the savepoint under which it was taken) rolls back; it is on
+//! disk exactly when the transaction's commit is. No ledger writer takes part.
+//!
+//! The row is inserted below SQL (ledger/write.rs, as the writer inserts), with the
+//! transaction's full id in `txid`, so that the writer can later fold it into its
+//! role's summary row (see sql/schema.sql) without anyone updating that row in the
+//! caller's transaction, where every enqueue of the role would queue on it.
+
+use pgrx::pg_sys;
+
+use super::decide::{under_lock, Repeat};
+use super::{Caller, Refused};
+use crate::compat::{self, nap};
+use crate::core::QuotaError;
+use crate::ledger::heap::OpenRel;
+use crate::ledger::rels::rels;
+use crate::ledger::write::{new_ticket_id, record, Admitted};
+use crate::ledger::COL_ID;
+use crate::queue::caller::{self as queue, Patience};
+
+/// One try in the caller's transaction; see super::attempt.
+pub(crate) fn attempt(
+    caller: &Caller,
+    seq: u64,
+    lease_us: Option<i64>,
+) -> Result<Result<(pgrx::Uuid, bool), Refused>, QuotaError> {
+    // The ledger is opened for writing before the scope lock is taken: a wait for it
+    // (behind maintenance, bounded) must not hold up the role's other starts.
+    let ledger = OpenRel::open(rels().ledger, "ledger", COL_ID);
+    let mut waited = Patience::new();
+    loop {
+        // SAFETY: plain clock read.
+        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        let taken = under_lock(
+            caller,
+            now,
+            seq,
+            &mut waited,
+            || {},
+            |reader| {
+                Ok(
+                    crate::charges::take(caller.role, caller.tenant_key(), reader.tags)
+                        .map(|()| insert(caller, &ledger, lease_us)),
+                )
+            },
+        );
+        match taken {
+            Ok(Ok(Ok(id))) => return Ok(Ok((id, false))),
+            Ok(Ok(Err(e))) => return Err(e),
+            Ok(Err(refused)) => return Ok(Err(refused)),
+            Err(Repeat::Found(id)) => return Ok(Ok((id, true))),
+            // A transactional start with our key is still open: wait for it without
+            // the lock, as a unique index would, then look again.
+            Err(Repeat::InProgress) => {
+                if let Some(key) = caller.args.key {
+                    super::wait_for_key(caller, key);
+                }
+            }
+            // A writer-committed start with our key is in the writer's hands: it
+            // resolves within one writer commit.
+            Err(Repeat::InFlight) => {
+                nap(1, compat::Wait::InFlight);
+                waited.check_writer();
+            }
+            // Requests of the scope in flight waited for a writer that is gone.
+            Err(Repeat::NoWriter) => queue::ensure_writer(),
+        }
+    }
+}
+
+/// Inserts the caller's ticket in its transaction, started now: after every wait of
+/// the call, so that its lease runs whole from its started_at.
+fn insert(caller: &Caller, ledger: &OpenRel, lease_us: Option<i64>) -> pgrx::Uuid {
+    // SAFETY: plain reads of the clock and of backend state; the transaction gets an id
+    // if it has none (it is about to write).
+    let (now, pid, txid) = unsafe {
+        (
+            pg_sys::GetCurrentTimestamp(),
+            pg_sys::MyProcPid,
+            pg_sys::GetTopFullTransactionId().value,
+        )
+    };
+    let id = pgrx::Uuid::from_bytes(new_ticket_id(now));
+    record(
+        ledger,
+        rels().ncols,
+        now,
+        &[Admitted {
+            id,
+            role: caller.role,
+            label: caller.args.label,
+            key: caller.args.key,
+            lease_until: lease_us.map(|us| crate::core::lease::ends(now, us)),
+            pid,
+            tenant: caller.args.tenant,
+            txid: Some(txid),
+        }],
+    );
+    id
+}

@@ -295,12 +295,7 @@ fn now_ms() -> u64 {
 /// the caller tries again (queue/caller.rs), for at most `quota.writer_start_wait`.
 pub fn try_start_writer() -> Option<usize> {
     let db = shmem::my_db();
-    let free = free_entry().or_else(|| {
-        sweep_dead_entries();
-        free_entry()
-    });
-    let registered = free.and_then(|i| Some((i, register_worker(i, db)?)));
-    let Some((i, handle)) = registered else {
+    let Some((i, handle)) = register_in_free_entry(db) else {
         let h = header();
         let left = now_ms().saturating_sub(h.last_left_ms.load(Ordering::Acquire));
         if left >= LEFT_JUST_NOW_MS && !h.yield_wanted.swap(true, Ordering::AcqRel) {
@@ -311,6 +306,22 @@ pub fn try_start_writer() -> Option<usize> {
     // The slot a writer gave up is taken: the next caller may ask for another at once.
     header().yield_wanted.store(false, Ordering::Release);
     header().last_left_ms.store(0, Ordering::Release);
+    take_entry(i, db, handle);
+    Some(i)
+}
+
+/// Registers a writer for `db` in a free entry, if there is one and a background worker
+/// slot is free. Table lock held exclusively.
+fn register_in_free_entry(db: pg_sys::Oid) -> Option<(usize, WorkerHandle)> {
+    let free = free_entry().or_else(|| {
+        sweep_dead_entries();
+        free_entry()
+    });
+    free.and_then(|i| Some((i, register_worker(i, db)?)))
+}
+
+/// Entry `i` is the new writer of `db`'s. Table lock held exclusively.
+fn take_entry(i: usize, db: pg_sys::Oid, handle: WorkerHandle) {
     // SAFETY: called with the table lock held exclusively; no other reference to it.
     let w = unsafe { writer_mut(i) };
     w.dboid = db;
@@ -319,7 +330,36 @@ pub fn try_start_writer() -> Option<usize> {
     w.exit_requested.store(false, Ordering::Relaxed);
     w.leave_when_idle.store(false, Ordering::Relaxed);
     w.rebuild_summary.store(false, Ordering::Relaxed);
-    Some(i)
+}
+
+/// Starts a writer for this database if none runs and one can start at once, without
+/// waiting and without asking another database's writer to give its slot up: for the
+/// housekeeping nobody waits for (the fold of transactional tickets, writer/fold.rs).
+/// Looks at most once a second per backend.
+pub fn start_soon() {
+    // Single-threaded backend state.
+    static mut LAST_LOOK: Option<Instant> = None;
+    // SAFETY: single-threaded backend state.
+    unsafe {
+        let last = &mut *std::ptr::addr_of_mut!(LAST_LOOK);
+        if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return;
+        }
+        *last = Some(Instant::now());
+    }
+    let db = shmem::my_db();
+    {
+        let _shared = TableLock::acquire_shared();
+        if writer_of(db).is_some() {
+            return;
+        }
+    }
+    let _lock = TableLock::acquire();
+    if writer_of(db).is_none() {
+        if let Some((i, handle)) = register_in_free_entry(db) {
+            take_entry(i, db, handle);
+        }
+    }
 }
 
 /// For a writer with nothing to do: whether a caller waits for a writer slot, taking

@@ -30,6 +30,9 @@ pub(crate) fn attempt(
     // The ledger is opened for writing before the scope lock is taken: a wait for it
     // (behind maintenance, bounded) must not hold up the role's other starts.
     let ledger = OpenRel::open(rels().ledger, "ledger", COL_ID);
+    // No writer is needed here, but one folds transactional tickets into their roles'
+    // summary rows and purges them when it runs (writer/fold.rs).
+    crate::workers::start_soon();
     let mut waited = Patience::new();
     loop {
         // SAFETY: plain clock read.

@@ -395,6 +395,25 @@ pub fn next_role(r: &Rels, snap: &Latest, after: pg_sys::Oid) -> Option<pg_sys::
     found
 }
 
+/// The smallest role above `after` that has a transactional ticket (0.5.0) visible to
+/// `snap`: one probe of ledger_txid_idx.
+pub fn next_txn_role(r: &Rels, snap: &Latest, after: pg_sys::Oid) -> Option<pg_sys::Oid> {
+    let mut found = None;
+    if r.v5() {
+        scan_index(
+            r.ledger,
+            r.ledger_txid_idx,
+            snap,
+            &[Key::OidGreater(after)],
+            |slot| {
+                found = attr(slot, COL_ROLE as i32).map(|d| pg_sys::Oid::from(d.value() as u32));
+                false
+            },
+        );
+    }
+    found
+}
+
 /// The roles with ledger rows visible to `snap` that `keep` accepts, walking the
 /// ledger with `next_role` (one index probe per role).
 pub fn roles_where(

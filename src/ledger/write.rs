@@ -84,6 +84,9 @@ pub fn purge_before(
     role: pg_sys::Oid,
     cutoff: pg_sys::TimestampTz,
 ) -> Purged {
+    // SAFETY: makes our earlier writes in this transaction (a fold of this role's
+    // summary row) visible to the snapshot.
+    unsafe { pg_sys::CommandCounterIncrement() };
     let folded = summary_rows(rels, &Latest::take(), role).map_or(0, |(_, f)| f);
     let v5 = rels.v5();
     let (all, summarized) = delete_counting(
@@ -196,6 +199,29 @@ fn summary_values(
 /// only (see sql/schema.sql): a row made anew counts those below the horizon of its
 /// snapshot (every transaction below it has ended), and the others stay unfolded.
 pub fn add_to_summary(rels: &Rels, summary: &OpenRel, role: pg_sys::Oid, n: i64) {
+    update_summary(rels, summary, role, n, None);
+}
+
+/// Adds `n` to `role`'s summary row and moves its `folded` up to `folded_to` (0.5.0's
+/// fold of transactional tickets, writer/fold.rs; 0 leaves it): a role without a row
+/// is left alone, as it is counted from the ledger until the writer rebuilds its row.
+pub fn fold_into_summary(
+    rels: &Rels,
+    summary: &OpenRel,
+    role: pg_sys::Oid,
+    n: i64,
+    folded_to: u64,
+) {
+    update_summary(rels, summary, role, n, Some(folded_to));
+}
+
+fn update_summary(
+    rels: &Rels,
+    summary: &OpenRel,
+    role: pg_sys::Oid,
+    n: i64,
+    fold: Option<u64>,
+) {
     loop {
         // SAFETY: makes our writes in this transaction visible to the snapshot below.
         unsafe { pg_sys::CommandCounterIncrement() };
@@ -222,10 +248,17 @@ pub fn add_to_summary(rels: &Rels, summary: &OpenRel, role: pg_sys::Oid, n: i64)
         let recount =
             |folded: u64| ledger_rows(rels, &snap, role) - unfolded(rels, &snap, role, folded);
         let Some((tid, tickets, folded)) = current else {
+            if fold.is_some() {
+                return;
+            }
             let folded = horizon(&snap);
             let tuple = summary_values(summary, ncols, role, recount(folded), Some(folded));
             summary.insert_tuple(tuple);
             return;
+        };
+        let folded = match fold {
+            Some(to) if to > folded.unwrap_or(0) => Some(to),
+            _ => folded,
         };
         let tickets = if tickets + n >= 0 {
             tickets + n

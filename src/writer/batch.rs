@@ -487,7 +487,7 @@ fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
 /// none. Two probes of the catalog's (setdatabase, setrole) index (policy::row): 0.3.x
 /// scanned the whole catalog for each batch, and with 100,000 roles that have a setting
 /// the writer served 27 times fewer starts.
-fn configured_retention(role: pg_sys::Oid) -> i64 {
+pub(super) fn configured_retention(role: pg_sys::Oid) -> i64 {
     let i = crate::gucs::Setting::Retention as usize;
     [shmem::my_db(), pg_sys::InvalidOid]
         .into_iter()

@@ -20,6 +20,7 @@
 //! rebuild (summary.rs) each have a file, and txn.rs the transaction bracket they share.
 
 mod batch;
+mod fold;
 mod purge;
 mod summary;
 mod sweep;
@@ -41,6 +42,9 @@ use txn::try_in_transaction;
 const MAX_BATCH: usize = 256;
 /// How often the writer writes down the leases that ran out (see sweep.rs).
 const SWEEP_EVERY: Duration = Duration::from_millis(250);
+/// How often the writer folds transactional tickets into their roles' summary rows
+/// and purges those roles (see fold.rs).
+const FOLD_EVERY: Duration = Duration::from_secs(1);
 /// How long a new writer waits for its predecessor to release the twin guard.
 const TWIN_GUARD_WAIT: Duration = Duration::from_secs(5);
 /// The writer never waits longer than this for a lock: a caller holding a lock the
@@ -215,6 +219,7 @@ fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64, mut purge_due:
     let started = Instant::now();
     let mut last_work = Instant::now();
     let mut last_sweep = Instant::now() - SWEEP_EVERY;
+    let mut last_fold = Instant::now();
     // A role drop is purged twice: at once, and a second later. The dropping backend
     // wakes us before it sends its catalog invalidations, so the first purge may still
     // see the role in our syscache. A purge that fails is tried again every
@@ -260,6 +265,10 @@ fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64, mut purge_due:
         if last_sweep.elapsed() >= SWEEP_EVERY {
             last_sweep = Instant::now();
             sweep::sweep_expired_and_wake();
+        }
+        if last_fold.elapsed() >= FOLD_EVERY {
+            last_fold = Instant::now();
+            fold::fold_and_purge();
         }
         let batch = serve::claim(db, MAX_BATCH, crate::scopes::PENDING_PER_SLOT);
         if !batch.is_empty() {

@@ -355,7 +355,7 @@ expect_eq "the trigger functions are not executable by PUBLIC" "false false fals
   "$(sql -c "SELECT string_agg(has_function_privilege('ht_tenant', p.oid, 'EXECUTE')::text, ' ')
               FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace AND p.prorettype = 'trigger'::regtype")"
 refused "a tenant cannot call a trigger function" 42501 $T "SELECT quota.ledger_written()"
-FUNCTIONS="quota.current_retention(), quota.finish(uuid,text), quota.ledger_written(), quota.renew(uuid,interval), quota.repack_placeholder(), quota.start(text,interval,text,interval), quota.stats_info_row(), quota.stats_reset(regrole), quota.stats_rows(), quota.summary_written(), quota.try_start(text,interval,text,interval), quota.wait_histogram_rows(), quota.writer_stats_rows()"
+FUNCTIONS="quota.current_retention(), quota.finish(uuid,text), quota.ledger_written(), quota.renew(uuid,interval), quota.repack_placeholder(), quota.start(text,interval,text,interval,text,boolean), quota.stats_info_row(), quota.stats_reset(regrole), quota.stats_rows(), quota.summary_written(), quota.try_start(text,interval,text,interval,text,boolean), quota.wait_histogram_rows(), quota.writer_stats_rows()"
 expect_eq "schema quota has exactly finish, renew, start, try_start, current_retention, the 0.3.0 statistics functions and the three trigger functions" \
   "$FUNCTIONS" \
   "$(sql -c "SELECT string_agg(p.oid::regprocedure::text, ', ' ORDER BY p.oid::regprocedure::text COLLATE \"C\") FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace")"

@@ -1,0 +1,91 @@
+//! Layer 5: the ledger writer's fold of transactional tickets (0.5.0). A
+//! transactional start inserts its ticket in its caller's transaction and must not
+//! update its role's summary row there (every enqueue of the role would queue on that
+//! row until its commit). The row counts the role's transactional tickets below its
+//! `folded` txid; the others are counted from ledger_txid_idx when a counter is built.
+//! This pass moves `folded` up to the horizon below which every transaction has ended,
+//! adding the tickets those committed, so that what is counted from the index stays
+//! short; and it purges what is past retention in those roles, as a batch does for the
+//! roles it admits, since their starts may never reach the writer.
+//!
+//! Neither changes what a scope counts: a fold moves tickets from the index's count to
+//! the row's, in one commit; a purge removes rows past every retention that could count
+//! them, and publishes that to the counters as a batch does.
+
+use pgrx::pg_sys;
+
+use crate::ledger::count::{next_txn_role, summary_rows, unfolded};
+use crate::ledger::heap::OpenRel;
+use crate::ledger::rels::Reader;
+use crate::ledger::scan::Latest;
+use crate::ledger::write::{fold_into_summary, horizon, purge_before};
+use crate::scopes::ScopeKey;
+use crate::timestamps::cutoff;
+
+use super::txn::try_in_transaction;
+
+/// The most roles one pass folds; the next pass goes on after the last one.
+const ROLES_PER_PASS: usize = 256;
+
+thread_local! {
+    /// The role the last pass stopped after, and the scopes whose purges did not fit
+    /// when published.
+    static AFTER: std::cell::Cell<pg_sys::Oid> = const { std::cell::Cell::new(pg_sys::InvalidOid) };
+    static OVERFLOW: std::cell::RefCell<Vec<ScopeKey>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `fold` in a transaction of its own, then its purges applied to the scope counters.
+pub fn fold_and_purge() {
+    let committed = try_in_transaction("fold transactional tickets", fold);
+    crate::scopes::apply_mine();
+    if committed {
+        crate::scopes::invalidate(&OVERFLOW.with_borrow_mut(std::mem::take));
+    }
+}
+
+fn fold() {
+    let reader = Reader::open();
+    let rels = reader.rels;
+    if !rels.v5() {
+        return;
+    }
+    let ledger = OpenRel::open(rels.ledger, "ledger", crate::ledger::COL_ID);
+    let summary = OpenRel::open(rels.summary, "summary", 1);
+    // SAFETY: plain clock read.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let snap = Latest::take();
+    let h = horizon(&snap);
+    let for_all = super::batch::configured_retention(pg_sys::InvalidOid)
+        .max(crate::gucs::retention_secs());
+    let mut changes = Vec::new();
+    let mut after = AFTER.get();
+    for _ in 0..ROLES_PER_PASS {
+        let Some(role) = next_txn_role(&rels, &snap, after) else {
+            after = pg_sys::InvalidOid;
+            break;
+        };
+        after = role;
+        // A role without a summary row is counted from the ledger anyway, and gets its
+        // row back from the summary rebuild.
+        let Some((_, folded)) = summary_rows(&rels, &snap, role) else {
+            continue;
+        };
+        if folded < h {
+            let added = unfolded(&rels, &snap, role, folded) - unfolded(&rels, &snap, role, h);
+            fold_into_summary(&rels, &summary, role, added, h);
+        }
+        let keep = for_all.max(super::batch::configured_retention(role));
+        let purged = purge_before(&rels, &ledger, role, cutoff(now, keep));
+        if purged.all > 0 {
+            fold_into_summary(&rels, &summary, role, -purged.summarized, 0);
+            changes.push((ScopeKey::role(role), 0, -purged.all));
+        }
+    }
+    AFTER.set(after);
+    drop(snap);
+    drop(summary);
+    drop(ledger);
+    drop(reader);
+    // Published before the commit, applied after it (see scopes/).
+    OVERFLOW.with_borrow_mut(|o| *o = crate::scopes::publish(&changes));
+}

@@ -1,0 +1,82 @@
+-- 0.5.0: transactional starts. The charge commits or rolls back with the caller's
+-- transaction; a superuser allows it with quota.allow_transactional.
+CREATE ROLE tx_app;
+SET quota.max_active_per_role = 2;
+SET quota.max_retained_per_role = 0;
+SET ROLE tx_app;
+
+-- Off by default: 42501, with a hint naming the setting.
+SELECT quota.start('x', transactional => true);
+\echo :LAST_ERROR_SQLSTATE
+\set VERBOSITY verbose
+SELECT quota.try_start('x', transactional => true);
+\set VERBOSITY default
+SELECT quota.start('x', transactional => NULL);
+\echo :LAST_ERROR_SQLSTATE
+RESET ROLE;
+SET quota.allow_transactional = on;
+SET ROLE tx_app;
+
+-- A rolled-back transactional start gives its slot back ...
+BEGIN;
+SELECT quota.start('rolled back', transactional => true) IS NOT NULL AS admitted;
+SELECT quota.start('rolled back too', transactional => true) IS NOT NULL AS admitted;
+SELECT quota.try_start('third', transactional => true) IS NULL AS refused_at_limit;
+ROLLBACK;
+-- ... a committed one keeps it.
+BEGIN;
+SELECT quota.start('committed', transactional => true) AS t \gset
+COMMIT;
+-- A savepoint rolled back gives its charges back; the rest of the transaction keeps its.
+BEGIN;
+SAVEPOINT s;
+SELECT quota.start('in savepoint', transactional => true) IS NOT NULL AS admitted;
+SELECT quota.try_start('over', transactional => true) IS NULL AS refused_at_limit;
+ROLLBACK TO SAVEPOINT s;
+SELECT quota.start('after savepoint', transactional => true) IS NOT NULL AS admitted;
+COMMIT;
+SELECT label FROM quota.tickets ORDER BY started_at;
+SELECT quota.try_start('full', transactional => true) IS NULL AS refused_at_limit;
+SELECT quota.finish(id) FROM quota.tickets WHERE label = 'after savepoint';
+
+-- An error caught by PL/pgSQL rolls back its block's charge: the block takes the last
+-- slot, and the statement after it finds that slot free again.
+DO $$
+BEGIN
+  BEGIN
+    PERFORM quota.start('caught', transactional => true);
+    RAISE EXCEPTION 'roll this block back';
+  EXCEPTION WHEN raise_exception THEN NULL;
+  END;
+  RAISE NOTICE 'after the block: %', quota.try_start('after block', transactional => true) IS NOT NULL;
+  RAISE EXCEPTION 'and roll the rest back';
+EXCEPTION WHEN raise_exception THEN NULL;
+END $$;
+SELECT count(*) AS caught_tickets FROM quota.tickets WHERE label IN ('caught', 'after block');
+
+-- finish() of a transactional ticket in the same transaction.
+BEGIN;
+SELECT quota.start('same transaction', transactional => true) AS u \gset
+SELECT quota.finish(:'u') AS finished_in_its_transaction;
+COMMIT;
+SELECT label, outcome, transactional FROM quota.tickets ORDER BY started_at;
+SELECT active FROM quota.usage;
+
+-- PREPARE TRANSACTION with a transactional charge is refused (0A000, before PostgreSQL
+-- looks at max_prepared_transactions); nothing stays.
+BEGIN;
+SELECT quota.start('prepared', transactional => true) IS NOT NULL AS admitted;
+PREPARE TRANSACTION 'tx_prepared';
+\echo :LAST_ERROR_SQLSTATE
+SELECT count(*) AS prepared_tickets FROM quota.tickets WHERE label = 'prepared';
+SELECT quota.try_start('room again', transactional => true) IS NOT NULL AS admitted;
+
+-- A transactional start in a read-only transaction is refused like any (25006).
+BEGIN READ ONLY;
+SELECT quota.start('read only', transactional => true);
+\echo :LAST_ERROR_SQLSTATE
+ROLLBACK;
+RESET ROLE;
+SELECT count(*) FILTER (WHERE txid IS NOT NULL) AS transactional_rows,
+       count(*) FILTER (WHERE txid IS NULL) AS writer_rows
+  FROM quota.ledger WHERE role = 'tx_app'::regrole;

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# I1 for transactional starts (0.5.0) under a real race: 100 clients of one role at a
+# limit of 10 take transactional charges, hold them a moment, and commit half of them
+# and roll back the others; the committed tickets are finished in the next
+# transaction. Meanwhile 10 more clients take writer-committed tickets of the same role
+# (mixed modes), and in a second round every charge is a tenant's (5 tenants, each
+# limited to 3, under the role's 10). A sampler reads the committed active count as
+# often as it can: it must never pass a limit. After the load, the role is admitted
+# exactly the room its ledger leaves: no open charge was lost or kept.
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
+PORT="${PORT:-$((5766 + PORT_OFFSET))}"
+with_cluster transactional_race "max_connections = 150"
+LIMIT=10
+sql -c "CREATE EXTENSION pg_quota" \
+    -c "CREATE ROLE tr LOGIN" \
+    -c "ALTER ROLE tr SET quota.max_active_per_role = $LIMIT" \
+    -c "ALTER ROLE tr SET quota.max_retained_per_role = 0" \
+    -c "ALTER ROLE tr SET quota.max_active_per_tenant = 3" \
+    -c "ALTER ROLE tr SET quota.allow_transactional = on" \
+    -c "CREATE TABLE public.tr_stop (x int)" -c "GRANT SELECT ON public.tr_stop TO PUBLIC" >/dev/null
+
+cat > "$CL/txn.sql" <<'SQL'
+\set r random(0, 1)
+BEGIN;
+SELECT coalesce(quota.try_start('txn', transactional => true)::text, '') AS t \gset
+SELECT pg_sleep(0.002);
+\if :r
+COMMIT;
+SELECT quota.finish(t) FROM (SELECT NULLIF(':t', '')::uuid AS t) s WHERE t IS NOT NULL;
+\else
+ROLLBACK;
+\endif
+SQL
+cat > "$CL/txn_tenant.sql" <<'SQL'
+\set r random(0, 1)
+\set n random(1, 5)
+BEGIN;
+SELECT coalesce(quota.try_start('txn', tenant => 't' || :n, transactional => true)::text, '') AS t \gset
+SELECT pg_sleep(0.002);
+\if :r
+COMMIT;
+SELECT quota.finish(t) FROM (SELECT NULLIF(':t', '')::uuid AS t) s WHERE t IS NOT NULL;
+\else
+ROLLBACK;
+\endif
+SQL
+cat > "$CL/writer.sql" <<'SQL'
+SELECT coalesce(quota.try_start('writer')::text, '') AS t \gset
+SELECT pg_sleep(0.002);
+SELECT quota.finish(t) FROM (SELECT NULLIF(':t', '')::uuid AS t) s WHERE t IS NOT NULL;
+SQL
+chmod 644 "$CL"/*.sql
+
+# round SCRIPT SAMPLE_SQL NAME: 100 clients of SCRIPT and 10 of writer.sql for 8 s,
+# with a sampler of SAMPLE_SQL (the largest committed count it sees).
+round() {
+  local script="$1" sample="$2" name="$3" pids=()
+  sql -c "DELETE FROM public.tr_stop" >/dev/null
+  start_sampler public.tr_stop "$sample"
+  bg bash -c "'$PG_BIN/pgbench' -n -h '$CL' -p '$PORT' -U tr -c 100 -j 2 -T 8 -f '$CL/$script' postgres > '$CL/pgbench.$name' 2>&1"
+  pids+=("$LAST_BG")
+  bg bash -c "'$PG_BIN/pgbench' -n -h '$CL' -p '$PORT' -U tr -c 10 -j 1 -T 8 -f '$CL/writer.sql' postgres > '$CL/pgbench.$name.writer' 2>&1"
+  pids+=("$LAST_BG")
+  wait "${pids[@]}" || true
+  stop_sampler public.tr_stop
+}
+processed() { sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$1" | head -1; }
+
+round txn.sql "SELECT count(*) FROM quota.ledger WHERE role = 'tr'::regrole AND ended_at IS NULL" role
+check "round 1 ran: $(processed "$CL/pgbench.role") transactional and $(processed "$CL/pgbench.role.writer") writer-committed cycles" \
+  test "$(processed "$CL/pgbench.role")" -gt 500
+check "the sampler ran ($SAMPLES samples)" test "${SAMPLES:-0}" -gt 100
+check "the role's committed active count never passed $LIMIT (max $SAMPLED_MAX)" test "${SAMPLED_MAX:-99}" -le "$LIMIT"
+rolled=$(sql -c "SELECT count(*) FROM quota.ledger WHERE role = 'tr'::regrole AND label = 'txn'")
+echo "# $rolled transactional tickets committed in round 1"
+
+round txn_tenant.sql "SELECT coalesce(max(c), 0) FROM (SELECT count(*) AS c FROM quota.ledger
+  WHERE role = 'tr'::regrole AND ended_at IS NULL AND tenant IS NOT NULL GROUP BY tenant) s" tenants
+check "round 2 ran: $(processed "$CL/pgbench.tenants") transactional tenant cycles" \
+  test "$(processed "$CL/pgbench.tenants")" -gt 500
+check "no tenant's committed active count passed 3 (max $SAMPLED_MAX)" test "${SAMPLED_MAX:-99}" -le 3
+errors=$(grep -h "ERROR" "$CL"/pgbench.* | grep -v "53400" | sort | uniq -c | head -3 || true)
+check "the clients saw no error but refusals${errors:+: $errors}" test -z "$errors"
+
+# After the load every open charge is gone: the role is admitted exactly its room.
+active=$(sql -c "SELECT count(*) FROM quota.ledger WHERE role = 'tr'::regrole AND ended_at IS NULL")
+expect_eq "the role is admitted exactly the room its ledger leaves ($LIMIT - $active)" "$((LIMIT - active))" \
+  "$(as tr postgres "SELECT count(quota.try_start('after', transactional => true)) FROM generate_series(1, $LIMIT + 2)")"
+expect_eq "... and each tenant its own room" 3 \
+  "$(as tr postgres "SELECT quota.finish(id) FROM quota.tickets WHERE label = 'after'" >/dev/null; as tr postgres "SELECT count(quota.try_start('t', tenant => 'fresh', transactional => true)) FROM generate_series(1, 5)")"
+finish_checks

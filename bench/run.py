@@ -48,6 +48,8 @@ def parse_args():
     p.add_argument("--db", default="bench")
     p.add_argument("--out", required=True)
     p.add_argument("--machine", default="")
+    p.add_argument("--only", choices=["jobs"], default=None,
+                   help="jobs: only 0.5.0's job-system figures (JOBT, tenants, CALL0)")
     return p.parse_args()
 
 
@@ -95,12 +97,15 @@ def read_latencies(logdir, tag):
     return lat
 
 
-def pgbench(script, user, clients, seconds, logdir, tag, per_statement=False, db=None):
+def pgbench(script, user, clients, seconds, logdir, tag, per_statement=False, db=None,
+            protocol="simple", defines=()):
     """One pgbench process. Returns (transactions, failed, latencies_us, stmt_lat_ms)."""
     prefix = os.path.join(logdir, tag)
     cmd = [os.path.join(ARGS.pgbin, "pgbench"), "-n", "-h", ARGS.host, "-p", ARGS.port,
            "-U", user, "-c", str(clients), "-j", str(min(clients, 4)), "-T", str(seconds),
-           "-f", os.path.join(SCRIPTS, script), "-l", "--log-prefix", prefix]
+           "-M", protocol, "-f", os.path.join(SCRIPTS, script), "-l", "--log-prefix", prefix]
+    for d in defines:
+        cmd += ["-D", d]
     if per_statement:
         cmd.append("-r")
     cmd.append(db or ARGS.db)
@@ -149,16 +154,18 @@ def run_databases(n, logdir, tag):
             "lat": sorted(x for r in results for x in r[2])}
 
 
-def run(system_script, clients, mode, logdir, tag, role="bench_r1", per_statement=False, db=None):
+def run(system_script, clients, mode, logdir, tag, role="bench_r1", per_statement=False, db=None,
+        protocol="simple", defines=()):
     """mode 'roles': one pgbench process per role, one client each; 'one': all on `role`."""
     t0 = time.time()
     if mode == "roles":
         with ThreadPoolExecutor(max_workers=clients) as ex:
             futs = [ex.submit(pgbench, system_script, f"bench_r{i + 1}", 1, SECONDS, logdir,
-                              f"{tag}-{i + 1}") for i in range(clients)]
+                              f"{tag}-{i + 1}", False, None, protocol) for i in range(clients)]
             results = [f.result() for f in futs]
     else:
-        results = [pgbench(system_script, role, clients, SECONDS, logdir, tag, per_statement, db)]
+        results = [pgbench(system_script, role, clients, SECONDS, logdir, tag, per_statement, db,
+                           protocol, defines)]
     elapsed = max(SECONDS, time.time() - t0 - 0.5)
     tx = sum(r[0] for r in results)
     lat = sorted(x for r in results for x in r[2])
@@ -299,7 +306,168 @@ def wal_bytes(a, b):
     return int(psql(f"SELECT pg_wal_lsn_diff('{b}', '{a}')::bigint"))
 
 
+# 0.5.0: the job lifecycles and the refusal floor, under both protocols (drivers such
+# as pgx, JDBC and asyncpg prepare). JOBT-tenants runs 16 clients on ONE role.
+JOBS5 = [("JOB", "job.sql", "roles", None), ("JOB1", "job1.sql", "roles", None),
+         ("JOBQ", "jobq.sql", "roles", None), ("JOBT", "jobt.sql", "roles", None),
+         ("JOBT-tenants", "jobt_tenants.sql", "one", "bench_tenants"),
+         ("start+finish", "pgq.sql", "roles", None), ("B2", "b2.sql", "roles", None)]
+CALLS5 = [("refuse", "refuse.sql", "bench_refused"),
+          ("refuse-tenant", "refuse_tenant.sql", "bench_tenant_refused"),
+          ("CALL0", "call0.sql", "bench_refused"), ("select1", "select1.sql", "bench_refused")]
+PROTOCOLS = ["simple", "prepared"]
+MANY_TENANTS = 100_000
+MANY_TENANTS_AT = [1, MANY_TENANTS]
+
+
+def ensure_many_tenants():
+    """MANY_TENANTS tenants of bench_many_tenants, each holding one transactional
+    ticket (a commit per 1,000). Returns the seconds it took."""
+    t0 = time.time()
+    have = int(psql("SELECT count(*) FROM quota.ledger WHERE role = 'bench_many_tenants'::regrole"))
+    if have < MANY_TENANTS:
+        psql("SELECT count(quota.finish(id)) FROM quota.ledger WHERE role = 'bench_many_tenants'::regrole")
+        parts = 4
+
+        def fill(k):
+            lo, hi = k * MANY_TENANTS // parts + 1, (k + 1) * MANY_TENANTS // parts
+            psql(f"DO $$ BEGIN FOR i IN {lo}..{hi} LOOP "
+                 "PERFORM quota.start('held', tenant => 't' || i, transactional => true); "
+                 "IF i % 1000 = 0 THEN COMMIT; END IF; END LOOP; END $$",
+                 user="bench_many_tenants")
+        with ThreadPoolExecutor(max_workers=parts) as ex:
+            list(ex.map(fill, range(parts)))
+    return time.time() - t0
+
+
+def jobs_round(logdir, rnd, figures):
+    """One round of 0.5.0's figures into `figures`: (name, protocol) -> list of runs,
+    and ("wal", name) -> bytes per call, and ("tenant", n) -> start() ms."""
+    for protocol in (PROTOCOLS if rnd % 2 == 0 else PROTOCOLS[::-1]):
+        for name, script, mode, role in JOBS5:
+            r = run(script, 16, mode, logdir, f"j5-{name}-{protocol}", role=role or "bench_r1",
+                    protocol=protocol)
+            figures.setdefault((name, protocol), []).append(r)
+            print(f"  {name:13} {protocol:8} 16 clients: {r['tps']:9.1f} jobs/s", flush=True)
+        for name, script, role in CALLS5:
+            a = wal_lsn()
+            r = run(script, 16, "one", logdir, f"j5-{name}-{protocol}", role=role, protocol=protocol)
+            b = wal_lsn()
+            figures.setdefault((name, protocol), []).append(r)
+            if name.startswith("refuse"):
+                figures.setdefault(("wal", name), []).append(wal_bytes(a, b) / max(1.0, r["tps"] * SECONDS))
+            print(f"  {name:13} {protocol:8} 16 clients: {r['tps']:9.1f} calls/s", flush=True)
+    # Tenant #1 against tenant #100,000 of one role, an old snapshot held: each churns
+    # through tickets first, leaving dead versions behind the snapshot, then is timed.
+    with HeldSnapshot():
+        for n in MANY_TENANTS_AT:
+            run("tenants_hot.sql", 1, "one", logdir, f"j5-churn-{n}", role="bench_many_tenants",
+                defines=[f"n={n}"])
+        order = MANY_TENANTS_AT if rnd % 2 == 0 else MANY_TENANTS_AT[::-1]
+        for n in order:
+            r = run("tenants_hot.sql", 1, "one", logdir, f"j5-tenant-{n}", role="bench_many_tenants",
+                    per_statement=True, defines=[f"n={n}"])
+            ms = next((v for k, v in r["stmt"].items() if "quota" in k), float("nan"))
+            figures.setdefault(("tenant", n), []).append(ms)
+            print(f"  start()+finish() of tenant #{n:,} (old snapshot held): {ms:.3f} ms", flush=True)
+
+
+def write_jobs_report(figures, lines):
+    """0.5.0's section of the report; returns its targets."""
+    add = lines.append
+
+    def t(name, protocol):
+        return median([r["tps"] for r in figures.get((name, protocol), [])])
+
+    def ratio(a, b):
+        return a / b if b else float("nan")
+    add("## 0.5.0: job systems")
+    add("")
+    add("16 clients. JOB, JOB1, JOBQ, JOBT, start+finish (pgq.sql) and B2 on 16 roles (a role each); JOBT-tenants on one "
+        "role, each job for a tenant drawn from 1,000 (quota.max_active_per_tenant = 100). JOBT "
+        "is JOBQ with `transactional => true`: the charge commits with the job's row. Refusals "
+        "on one role at its limit (a tenant at its limit for refuse-tenant); CALL0 is a C "
+        "function with start()'s signature that does nothing (bench/call0).")
+    add("")
+    add("| workload | simple /s | prepared /s | vs JOB (simple) | vs JOB (prepared) |")
+    add("|---|---:|---:|---:|---:|")
+    for name, _, _, _ in JOBS5:
+        add(f"| {name} | {t(name, 'simple'):.0f} | {t(name, 'prepared'):.0f} | "
+            f"{ratio(t(name, 'simple'), t('JOB', 'simple')):.2f}x | "
+            f"{ratio(t(name, 'prepared'), t('JOB', 'prepared')):.2f}x |")
+    add("")
+    add("| call (16 clients) | simple /s | prepared /s | vs CALL0 (simple) | vs CALL0 (prepared) |")
+    add("|---|---:|---:|---:|---:|")
+    for name, _, _ in CALLS5:
+        add(f"| {name} | {t(name, 'simple'):.0f} | {t(name, 'prepared'):.0f} | "
+            f"{ratio(t(name, 'simple'), t('CALL0', 'simple')):.2f}x | "
+            f"{ratio(t(name, 'prepared'), t('CALL0', 'prepared')):.2f}x |")
+    add("")
+    wal = {n: median(figures.get(("wal", n), [])) for n in ("refuse", "refuse-tenant")}
+    add(f"WAL per refusal: {wal['refuse']:.4f} bytes (role), {wal['refuse-tenant']:.4f} bytes (tenant).")
+    add("")
+    first, last = (median(figures.get(("tenant", n), [])) for n in MANY_TENANTS_AT)
+    add(f"start()+finish() of tenant #{MANY_TENANTS_AT[-1]:,} of one role: {last:.3f} ms, of tenant #1: "
+        f"{first:.3f} ms ({ratio(last, first):.2f}x), a REPEATABLE READ snapshot held, each "
+        f"tenant of {MANY_TENANTS:,} holding a ticket, after each churned for the same time.")
+    add("")
+    targets = []
+    for p in PROTOCOLS:
+        targets += [
+            (f"0.5.0 ({p}): JOBT vs JOB", ratio(t("JOBT", p), t("JOB", p)), ">=", 0.8),
+            (f"0.5.0 ({p}): JOBT vs JOB1", ratio(t("JOBT", p), t("JOB1", p)), ">=", 1.2),
+            (f"0.5.0 ({p}): JOBT-tenants vs JOBT", ratio(t("JOBT-tenants", p), t("JOBT", p)), ">=", 0.9),
+            (f"0.5.0 ({p}): refusals vs CALL0", ratio(t("refuse", p), t("CALL0", p)), ">=", 0.9),
+            (f"0.5.0 ({p}): tenant refusals vs CALL0", ratio(t("refuse-tenant", p), t("CALL0", p)), ">=", 0.9),
+            (f"0.5.0 ({p}): JOBQ vs JOB (writer path kept)", ratio(t("JOBQ", p), t("JOB", p)), ">=", 0.55),
+            (f"0.5.0 ({p}): start+finish vs B2 (writer path kept)",
+             ratio(t("start+finish", p), t("B2", p)), ">=", 1.35),
+        ]
+    targets += [
+        ("0.5.0: WAL bytes per refusal (role)", wal["refuse"], "<", 1.0),
+        ("0.5.0: WAL bytes per refusal (tenant)", wal["refuse-tenant"], "<", 1.0),
+        (f"0.5.0: tenant #{MANY_TENANTS:,} vs #1, old snapshot held", ratio(last, first), "<=", 1.25),
+    ]
+    return targets
+
+
+def targets_table(lines, targets):
+    add = lines.append
+    add("## Targets")
+    add("")
+    add("| figure | measured | target | |")
+    add("|---|---:|---|---|")
+    for name, val, op, goal in targets:
+        met = {">=": val >= goal, "<=": val <= goal, "<": val < goal}[op]
+        add(f"| {name} | {val:.2f} | {op} {goal} | {'met' if met else 'MISSED'} |")
+        print(f"target: {name}: {val:.2f} ({op} {goal}) {'met' if met else 'MISSED'}")
+
+
+def main_jobs():
+    """`--only jobs`: 0.5.0's figures alone."""
+    os.makedirs(ARGS.out, exist_ok=True)
+    logdir = tempfile.mkdtemp(prefix="pgbench-logs-", dir=ARGS.out)
+    print(f"{MANY_TENANTS} tenants holding a ticket each: {ensure_many_tenants():.0f} s", flush=True)
+    figures = {}
+    for rnd in range(ROUNDS):
+        print(f"round {rnd + 1} of {ROUNDS}", flush=True)
+        jobs_round(logdir, rnd, figures)
+    lines = [f"# pg_quota benchmark results: 0.5.0's figures ({'quick' if QUICK else 'full'} run)", "",
+             f"{ROUNDS} round(s) of {SECONDS} s per figure, interleaved; medians of the rounds.", ""]
+    if ARGS.machine:
+        lines += [f"Machine: {ARGS.machine}", ""]
+    targets = write_jobs_report(figures, lines)
+    targets_table(lines, targets)
+    report = "\n".join(lines) + "\n"
+    with open(os.path.join(ARGS.out, "results-jobs.md"), "w") as f:
+        f.write(report)
+    print(report)
+    shutil.rmtree(logdir, ignore_errors=True)
+
+
 def main():
+    if ARGS.only == "jobs":
+        return main_jobs()
     os.makedirs(ARGS.out, exist_ok=True)
     logdir = tempfile.mkdtemp(prefix="pgbench-logs-", dir=ARGS.out)
     through = {}   # (system, mode, clients) -> list of runs
@@ -314,10 +482,12 @@ def main():
     dbs = {n: [] for n in DATABASES}   # runs of bench/scripts/dbs.sql, a client per database
     # start() ms of role bench_many_N per round, and tx/s of the "spread" and "hot" runs
     roles = {n: [] for n in MANY_ROLES_AT + ["spread", "hot"]}
+    jobs5 = {}   # 0.5.0's figures (jobs_round)
     start_idempotency_keys()
     ensure_databases(max(DATABASES))
     print(f"{MANY_ROLES} roles holding a ticket each in {MANY_ROLES_DB}: "
           f"{ensure_many_roles():.0f} s", flush=True)
+    print(f"{MANY_TENANTS} tenants holding a ticket each: {ensure_many_tenants():.0f} s", flush=True)
 
     for rnd in range(ROUNDS):
         print(f"round {rnd + 1} of {ROUNDS}", flush=True)
@@ -396,6 +566,9 @@ def main():
         idem["runs"].append(r)
         print(f"  idempotent repeats {IDEM_CLIENTS} clients: {r['tps']:9.1f} calls/s;"
               f" ledger rows {rows} -> {idem['rows'][-1][1]}", flush=True)
+        # 0.5.0: the job lifecycles with transactional starts and tenants, under both
+        # protocols, the refusal floor (CALL0), and tenant #100,000.
+        jobs_round(logdir, rnd, jobs5)
         # How soon a waiting start() gets a slot that a finish() or a lease frees.
         for how in wake:
             got = wake_latency(max(1, WAKE_SAMPLES // ROUNDS), how)
@@ -403,7 +576,7 @@ def main():
             p50 = pct(sorted(w for w, _ in got if w is not None), 0.5)
             print(f"  wake after {how:6}: {len(got)} samples, p50 {p50:.2f} ms", flush=True)
 
-    write_report(through, refusal, history, snapshot, idem, wake, lifecycle, jobs, dbs, roles)
+    write_report(through, refusal, history, snapshot, idem, wake, lifecycle, jobs, dbs, roles, jobs5)
 
     shutil.rmtree(logdir, ignore_errors=True)
 
@@ -417,7 +590,7 @@ def lat_pcts(through, system, mode, clients):
     return pct(lat, 0.5), pct(lat, 0.99)
 
 
-def write_report(through, refusal, history, snapshot, idem, wake, lifecycle, jobs, dbs, roles):
+def write_report(through, refusal, history, snapshot, idem, wake, lifecycle, jobs, dbs, roles, jobs5):
     lines = []
     add = lines.append
     add(f"# pg_quota benchmark results ({'quick' if QUICK else 'full'} run)")
@@ -645,14 +818,8 @@ def write_report(through, refusal, history, snapshot, idem, wake, lifecycle, job
         (f"0.4.0: start() of role #{MANY_ROLES:,} vs #1, old snapshot held",
          ratio(median(roles[MANY_ROLES]), median(roles[1])), "<=", 1.25),
     ]
-    add("## Targets")
-    add("")
-    add("| figure | measured | target | |")
-    add("|---|---:|---|---|")
-    for name, val, op, goal in targets:
-        met = {">=": val >= goal, "<=": val <= goal, "<": val < goal}[op]
-        add(f"| {name} | {val:.2f} | {op} {goal} | {'met' if met else 'MISSED'} |")
-        print(f"target: {name}: {val:.2f} ({op} {goal}) {'met' if met else 'MISSED'}")
+    targets += write_jobs_report(jobs5, lines)
+    targets_table(lines, targets)
     report = "\n".join(lines) + "\n"
     with open(os.path.join(ARGS.out, "results.md"), "w") as f:
         f.write(report)

@@ -195,3 +195,47 @@ BEGIN
   PERFORM dblink_disconnect('wake_h');
   PERFORM dblink_disconnect('wake_w');
 END $$;
+
+-- 0.5.0: the bench roles may take transactional charges (JOBT).
+SELECT format('ALTER ROLE bench_r%s SET quota.allow_transactional = on', i) FROM generate_series(1, :roles) i \gexec
+
+-- JOBT-tenants: 16 clients of one role, each job for a tenant drawn from 1,000; the
+-- tenant limit is set (and checked) without refusing.
+CREATE ROLE bench_tenants LOGIN;
+ALTER ROLE bench_tenants SET quota.max_active_per_role = 100000;
+ALTER ROLE bench_tenants SET quota.max_retained_per_role = 0;
+ALTER ROLE bench_tenants SET quota.max_active_per_tenant = 100;
+ALTER ROLE bench_tenants SET quota.allow_transactional = on;
+
+-- Refusals of a tenant at its limit: bench_tenant_refused's tenant 'held' holds its one.
+CREATE ROLE bench_tenant_refused LOGIN;
+ALTER ROLE bench_tenant_refused SET quota.max_active_per_role = 1000;
+ALTER ROLE bench_tenant_refused SET quota.max_retained_per_role = 0;
+ALTER ROLE bench_tenant_refused SET quota.max_active_per_tenant = 1;
+SET ROLE bench_tenant_refused;
+SELECT quota.start('held for the tenant refusal workload', tenant => 'held') IS NOT NULL AS holding;
+RESET ROLE;
+
+-- 100,000 tenants of one role, each holding one ticket (bench/run.py fills them), for
+-- start() of tenant #100,000 against tenant #1.
+CREATE ROLE bench_many_tenants LOGIN;
+ALTER ROLE bench_many_tenants SET quota.max_active_per_role = 1000000;
+ALTER ROLE bench_many_tenants SET quota.max_retained_per_role = 0;
+ALTER ROLE bench_many_tenants SET quota.max_active_per_tenant = 10;
+ALTER ROLE bench_many_tenants SET quota.allow_transactional = on;
+
+-- CALL0: a C function that does nothing, with quota.start()'s exact signature and
+-- defaults (bench/call0/call0.c, built and installed by scripts/bench): the floor of
+-- such a call, which refusals are measured against.
+CREATE FUNCTION bench.call0(
+	"label" TEXT DEFAULT NULL,
+	"lease" interval DEFAULT NULL,
+	"idempotency_key" TEXT DEFAULT NULL,
+	"wait" interval DEFAULT '0',
+	"tenant" TEXT DEFAULT NULL,
+	"transactional" bool DEFAULT false
+) RETURNS uuid
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS '$libdir/pg_quota_bench_call0', 'call0';
+GRANT EXECUTE ON FUNCTION bench.call0 TO PUBLIC;

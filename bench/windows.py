@@ -42,6 +42,7 @@ def parse_args():
 
 
 ARGS = parse_args()
+ARGS.out = os.path.abspath(ARGS.out)
 BUILDS = [tuple(b.split("=", 1)) for b in ARGS.bin]
 
 

@@ -27,34 +27,35 @@
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 
-use crate::admission::{self, StartArgs};
+use crate::admission::{self, OnRefusal, StartArgs};
 use crate::core::QuotaError;
 use crate::finish;
 
-fn refused_as_null(r: Result<pgrx::Uuid, QuotaError>) -> Result<Option<pgrx::Uuid>, ErrorReport> {
-    match r {
-        Ok(id) => Ok(Some(id)),
-        Err(QuotaError::Refused { .. }) => Ok(None),
-        Err(e) => Err(e.into()),
-    }
+/// start(): a refusal raises 53400.
+fn raising(args: &StartArgs) -> Result<pgrx::Uuid, ErrorReport> {
+    let id = admission::start(args, c"quota.start()", OnRefusal::Raise)?;
+    Ok(id.expect("a refusal raises"))
+}
+
+/// try_start(): a refusal is NULL.
+fn refused_as_null(args: &StartArgs) -> Result<Option<pgrx::Uuid>, ErrorReport> {
+    Ok(admission::start(
+        args,
+        c"quota.try_start()",
+        OnRefusal::Null,
+    )?)
 }
 
 /// 0.1.x's start(label), for databases not yet updated.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn start(label: Option<&[u8]>) -> Result<pgrx::Uuid, ErrorReport> {
-    Ok(admission::start(
-        &StartArgs::label_only(label),
-        c"quota.start()",
-    )?)
+    raising(&StartArgs::label_only(label))
 }
 
 /// 0.1.x's try_start(label), for databases not yet updated.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn try_start(label: Option<&[u8]>) -> Result<Option<pgrx::Uuid>, ErrorReport> {
-    refused_as_null(admission::start(
-        &StartArgs::label_only(label),
-        c"quota.try_start()",
-    ))
+    refused_as_null(&StartArgs::label_only(label))
 }
 
 fn args<'a>(
@@ -88,7 +89,7 @@ fn start_v2(
     wait: Option<Interval>,
 ) -> Result<pgrx::Uuid, ErrorReport> {
     let a = args(label, lease, idempotency_key, wait, None, Some(false))?;
-    Ok(admission::start(&a, c"quota.start()")?)
+    raising(&a)
 }
 
 /// 0.2.0's try_start(label, lease, idempotency_key, wait), for databases not yet
@@ -101,7 +102,7 @@ fn try_start_v2(
     wait: Option<Interval>,
 ) -> Result<Option<pgrx::Uuid>, ErrorReport> {
     let a = args(label, lease, idempotency_key, wait, None, Some(false))?;
-    refused_as_null(admission::start(&a, c"quota.try_start()"))
+    refused_as_null(&a)
 }
 
 /// Admits one unit of work for `current_user` (and its `tenant`, if given), or raises
@@ -133,7 +134,7 @@ fn start_v5(
     transactional: Option<bool>,
 ) -> Result<pgrx::Uuid, ErrorReport> {
     let a = args(label, lease, idempotency_key, wait, tenant, transactional)?;
-    Ok(admission::start(&a, c"quota.start()")?)
+    raising(&a)
 }
 
 /// Like start(), but returns NULL where start() would raise 53400.
@@ -163,7 +164,7 @@ fn try_start_v5(
     transactional: Option<bool>,
 ) -> Result<Option<pgrx::Uuid>, ErrorReport> {
     let a = args(label, lease, idempotency_key, wait, tenant, transactional)?;
-    refused_as_null(admission::start(&a, c"quota.try_start()"))
+    refused_as_null(&a)
 }
 
 /// Ends a ticket. True if this call ended it, false if it had already ended (or its

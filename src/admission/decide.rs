@@ -8,7 +8,7 @@
 
 use pgrx::pg_sys;
 
-use super::{Caller, Refused};
+use super::{Caller, Numbers, Refused};
 use crate::compat::{self, nap};
 use crate::core::{decide, Decision, RefusalKind, Usage};
 use crate::ledger::count::{db_active, key_in_progress, retained_with_key};
@@ -33,20 +33,35 @@ const INFLIGHT_POLL_MS: i64 = 1;
 
 /// What admission needs to count for the caller's limits: the role's (and its
 /// tenant's) counts where a limit needs them, open charges included, and the database's
-/// active tickets if it is capped.
+/// active tickets if it is capped. An upper bound where `fits` accepts it (see
+/// counts::usage), the exact counts otherwise.
 pub(crate) fn usage_for(
     r: &Reader,
     snap: &Latest,
     caller: &Caller,
     now: pg_sys::TimestampTz,
     cutoff: pg_sys::TimestampTz,
+    fits: impl Fn(Usage) -> bool,
 ) -> Usage {
     let limits = caller.limits;
-    let mut u = counts::usage(r, caller.role, caller.tenant, now, cutoff, limits);
-    if limits.max_db > 0 {
-        u.db_active = db_active(&r.rels, snap, now, limits.max_db) + crate::charges::open_in_db();
-    }
-    u
+    let db_active = if limits.max_db > 0 {
+        db_active(&r.rels, snap, now, limits.max_db) + crate::charges::open_in_db()
+    } else {
+        0
+    };
+    let with_db = |mut u: Usage| {
+        u.db_active = db_active;
+        u
+    };
+    with_db(counts::usage(
+        r,
+        caller.role,
+        caller.tenant,
+        now,
+        cutoff,
+        limits,
+        |u| fits(with_db(u)),
+    ))
 }
 
 /// Holds the scope lock for (database, role) until dropped. A tenant's starts take
@@ -187,21 +202,19 @@ pub(crate) fn under_lock<T>(
                 return Err(Repeat::Found(pgrx::Uuid::from_bytes(id)));
             }
         }
-        let complete = limits.max_active > 0 && limits.max_retained > 0 && tenant == 0;
-        let (mut usage, next) = if complete && kind == RefusalKind::Active {
-            (counted, None)
-        } else {
-            counts::refusal_numbers(reader, role, caller.tenant, now, cutoff, retention, kind)
-        };
         // The counts stay tickets; the starts waiting ahead are named apart (see
-        // core::errors), so that a refusal never reads "2 of 1".
-        usage.db_active = counted.db_active;
-        usage.ahead = match kind {
+        // core::errors), so that a refusal never reads "2 of 1". The full numbers are
+        // counted only if read (see Numbers).
+        let mut counted = counted;
+        counted.ahead = match kind {
             RefusalKind::Database => ahead.of_db,
             RefusalKind::TenantActive | RefusalKind::TenantRetained => ahead.of_tenant,
             RefusalKind::Active | RefusalKind::Retained => ahead.of_role,
         };
-        Ok(Err(Refused { kind, usage, next }))
+        Ok(Err(Refused {
+            kind,
+            numbers: Numbers::Counted(counted, now),
+        }))
     };
 
     // Refusals need no lock: a committed count at the limit is a correct answer at
@@ -211,7 +224,8 @@ pub(crate) fn under_lock<T>(
         let ahead = crate::waiters::ahead(role, tenant, seq);
         let reader = Reader::open();
         let snap = Latest::take();
-        let usage = usage_for(&reader, &snap, caller, now, cutoff);
+        let admits = |u: Usage| decide(limits, with_ahead(u, ahead), false) == Decision::Admit;
+        let usage = usage_for(&reader, &snap, caller, now, cutoff, admits);
         if let Decision::Refuse(r) = decide(limits, with_ahead(usage, ahead), false) {
             return refuse(&reader, r.kind, ahead, usage);
         }
@@ -268,20 +282,24 @@ pub(crate) fn under_lock<T>(
             // I7: superusers are never refused; what they take is still recorded.
             return take(&reader).map(Ok);
         }
-        let counted = usage_for(&reader, &snap, caller, now, cutoff);
+        let with_inflight = |u: Usage| Usage {
+            active: u.active + inflight,
+            retained: u.retained + inflight,
+            db_active: u.db_active + inflight_db,
+            tenant_active: u.tenant_active + inflight_tenant,
+            tenant_retained: u.tenant_retained + inflight_tenant,
+            ahead: u.ahead,
+        };
+        // An upper bound that admits with everything in flight admits exactly.
+        let admits = |u: Usage| {
+            decide(limits, with_inflight(with_ahead(u, ahead)), false) == Decision::Admit
+        };
+        let counted = usage_for(&reader, &snap, caller, now, cutoff, admits);
         let usage = with_ahead(counted, ahead);
         if let Decision::Refuse(r) = decide(limits, usage, false) {
             return refuse(&reader, r.kind, ahead, counted);
         }
-        let with_inflight = Usage {
-            active: usage.active + inflight,
-            retained: usage.retained + inflight,
-            db_active: usage.db_active + inflight_db,
-            tenant_active: usage.tenant_active + inflight_tenant,
-            tenant_retained: usage.tenant_retained + inflight_tenant,
-            ahead: usage.ahead,
-        };
-        if decide(limits, with_inflight, false) == Decision::Admit {
+        if decide(limits, with_inflight(usage), false) == Decision::Admit {
             return take(&reader).map(Ok);
         }
         // Requests in flight would take the last slots; wait for them to be

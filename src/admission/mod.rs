@@ -74,8 +74,9 @@ impl Caller<'_> {
         self.tenant.map_or(0, |t| t.key)
     }
 
-    /// The refusal error for the caller's role (and tenant).
+    /// The refusal error for the caller's role (and tenant), with the full numbers.
     fn refusal(&self, r: &Refused) -> QuotaError {
+        let (usage, next) = r.numbers(self);
         QuotaError::Refused {
             role: role_name(self.role),
             tenant: self
@@ -85,10 +86,10 @@ impl Caller<'_> {
             database: database_name(shmem::my_db()),
             refusal: Refusal {
                 kind: r.kind,
-                usage: r.usage,
+                usage,
                 limits: self.limits,
             },
-            next_ageout: r.next.map(format_ts),
+            next_ageout: next.map(format_ts),
         }
     }
 }
@@ -102,20 +103,81 @@ fn chars(bytes: &[u8]) -> usize {
 /// A refusal as the start path carries it, made into an error at the end.
 pub(crate) struct Refused {
     pub kind: RefusalKind,
-    pub usage: Usage,
-    pub next: Option<pg_sys::TimestampTz>,
+    pub numbers: Numbers,
 }
 
-/// Admits one ticket for `current_user` (and its tenant, if given), or returns the
-/// refusal (53400) as an error value so that try_start can turn it into NULL. Every
-/// other error raises.
+/// A refusal's numbers: complete (the writer's answer), or the counts the decision was
+/// made on, completed only where someone reads them (the error's DETAIL, the LOG line,
+/// a wait at a retained limit), never for a try_start() that returns NULL.
+pub(crate) enum Numbers {
+    /// The numbers and when capacity returns, as the message gives them.
+    Full(Usage, Option<pg_sys::TimestampTz>),
+    /// The counts decided on at `now` (the waiters ahead apart, the database's count
+    /// included), which hold the full numbers only where both role limits are set and
+    /// the active one refused.
+    Counted(Usage, pg_sys::TimestampTz),
+}
+
+impl Refused {
+    /// The full numbers for the message, and when capacity returns if a retained limit
+    /// is the one reached.
+    fn numbers(&self, caller: &Caller) -> (Usage, Option<pg_sys::TimestampTz>) {
+        let (counted, now) = match self.numbers {
+            Numbers::Full(usage, next) => return (usage, next),
+            Numbers::Counted(counted, now) => (counted, now),
+        };
+        let limits = caller.limits;
+        let complete = limits.max_active > 0 && limits.max_retained > 0 && caller.tenant.is_none();
+        if complete && self.kind == RefusalKind::Active {
+            return (counted, None);
+        }
+        let retention = caller.policy.retention_secs;
+        let reader = Reader::open();
+        let (mut usage, next) = crate::scopes::counts::refusal_numbers(
+            &reader,
+            caller.role,
+            caller.tenant,
+            now,
+            cutoff(now, retention),
+            retention,
+            self.kind,
+        );
+        usage.db_active = counted.db_active;
+        usage.ahead = counted.ahead;
+        (usage, next)
+    }
+
+    /// When capacity returns without a finish, where a retained limit refused.
+    fn next_ageout(&self, caller: &Caller) -> Option<pg_sys::TimestampTz> {
+        match self.kind {
+            RefusalKind::Retained | RefusalKind::TenantRetained => self.numbers(caller).1,
+            _ => None,
+        }
+    }
+}
+
+/// What a start() that is refused returns.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum OnRefusal {
+    /// The 53400 error, with the numbers (start()).
+    Raise,
+    /// None (try_start()): the numbers are never counted.
+    Null,
+}
+
+/// Admits one ticket for `current_user` (and its tenant, if given). A refusal is the
+/// 53400 error, or None, as `on_refusal` says. Every other error raises.
 ///
 /// With a wait, a refused start takes a place in line (see waiters.rs) and looks again
 /// whenever a finish() of its scope or database commits, when the next lease in its
 /// way runs out, and at least every waiters::POLL_MS, until it is admitted or its time
 /// is up. The wait sleeps on the latch, so statement_timeout and pg_cancel_backend end
 /// it; nothing is charged for a wait that ends so.
-pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, QuotaError> {
+pub fn start(
+    args: &StartArgs,
+    name: &std::ffi::CStr,
+    on_refusal: OnRefusal,
+) -> Result<Option<pgrx::Uuid>, QuotaError> {
     shmem::require_callable(name);
     // A standby or a read-only transaction refuses with 25006, as nextval() does:
     // the charge is a write, even though it is not the caller's own.
@@ -219,7 +281,7 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
                 if found_here {
                     stats::add(role, Counter::IdempotentHits, 1);
                 }
-                return Ok(id);
+                return Ok(Some(id));
             }
             Err(r) => r,
         };
@@ -230,7 +292,10 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
                 stats::add(role, Counter::WaitTimeouts, 1);
             }
             count_refusal(&caller, &r);
-            return Err(caller.refusal(&r));
+            return match on_refusal {
+                OnRefusal::Raise => Err(caller.refusal(&r)),
+                OnRefusal::Null => Ok(None),
+            };
         }
         let Some((p, _)) = &place else {
             // Take a place in line, then look again at once: a finish() that
@@ -251,7 +316,10 @@ pub fn start(args: &StartArgs, name: &std::ffi::CStr) -> Result<pgrx::Uuid, Quot
             let reader = Reader::open();
             let snap = Latest::take();
             let scope = (r.kind != RefusalKind::Database).then_some(role);
-            earliest(next_expiry(&reader.rels, &snap, scope, now), r.next)
+            earliest(
+                next_expiry(&reader.rels, &snap, scope, now),
+                r.next_ageout(&caller),
+            )
         };
         nap(
             crate::core::lease::wait_ms(now, deadline, next, crate::waiters::POLL_MS),
@@ -293,6 +361,7 @@ impl Drop for WaitTimer {
 fn count_refusal(caller: &Caller, r: &Refused) {
     let log = gucs::log_refusals();
     if let Some(suppressed) = stats::refused(caller.role, Counter::refused(r.kind), log) {
+        let (usage, _) = r.numbers(caller);
         let tenant = caller
             .args
             .tenant
@@ -302,7 +371,7 @@ fn count_refusal(caller: &Caller, r: &Refused) {
             tenant.as_deref(),
             &database_name(shmem::my_db()),
             r.kind,
-            r.usage,
+            usage,
             caller.limits,
             suppressed,
         );

@@ -5,7 +5,7 @@
 use pgrx::pg_sys;
 
 use super::decide::{under_lock, Repeat};
-use super::{Caller, Refused};
+use super::{Caller, Numbers, Refused};
 use crate::queue::caller::{self as queue, Answer, Patience};
 use crate::queue::Request;
 
@@ -99,6 +99,9 @@ pub(crate) fn attempt(
     };
     Ok(match answer {
         Answer::Admitted(id) => Ok((pgrx::Uuid::from_bytes(id), false)),
-        Answer::Refused(kind, usage, next) => Err(Refused { kind, usage, next }),
+        Answer::Refused(kind, usage, next) => Err(Refused {
+            kind,
+            numbers: Numbers::Full(usage, next),
+        }),
     })
 }

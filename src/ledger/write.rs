@@ -215,13 +215,7 @@ pub fn fold_into_summary(
     update_summary(rels, summary, role, n, Some(folded_to));
 }
 
-fn update_summary(
-    rels: &Rels,
-    summary: &OpenRel,
-    role: pg_sys::Oid,
-    n: i64,
-    fold: Option<u64>,
-) {
+fn update_summary(rels: &Rels, summary: &OpenRel, role: pg_sys::Oid, n: i64, fold: Option<u64>) {
     loop {
         // SAFETY: makes our writes in this transaction visible to the snapshot below.
         unsafe { pg_sys::CommandCounterIncrement() };

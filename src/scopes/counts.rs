@@ -8,7 +8,7 @@
 
 use pgrx::pg_sys;
 
-use super::{get, open, others_view, ScopeKey};
+use super::{get, others_view, ScopeKey};
 use crate::core::lease::earliest;
 use crate::core::{Limits, RefusalKind, Usage};
 use crate::ledger::count::{
@@ -26,64 +26,79 @@ pub struct Tenant {
     pub text: pg_sys::Datum,
 }
 
-/// (active tickets, ledger rows) of `role`, committed: from its scope counter, which
-/// is built from the ledger if missing or stale, or, where it has none (see `get`),
-/// counted from the ledger under a snapshot taken now.
-pub fn role_counts(reader: &Reader, role: pg_sys::Oid) -> (i64, i64) {
+/// (active tickets, ledger rows, open charges) of `role`: the committed numbers from
+/// its scope counter, which is built from the ledger if missing or stale, or, where it
+/// has none (see `get`), counted from the ledger under a snapshot taken now; and its
+/// uncommitted transactional charges, read before either (see `get`), so a charge
+/// that commits meanwhile is counted at least once.
+pub fn role_counts(reader: &Reader, role: pg_sys::Oid) -> (i64, i64, i64) {
     let r = &reader.rels;
-    reader
-        .tags
-        .and_then(|tags| {
-            let has_numbers = || summary_rows(r, &others_view(), role).is_some();
-            get(ScopeKey::role(role), tags, has_numbers, |s| {
-                // A rebuild holds the counters' lock: never count a whole history
-                // under it. Without a summary row, count this once without a
-                // counter; the writer rebuilds the summary row meanwhile.
-                let (rows, _) = rows(r, s, role, false)?;
-                Some((active(r, s, role, None), rows))
-            })
+    let mut open = 0;
+    let counted = reader.tags.and_then(|tags| {
+        let has_numbers = || summary_rows(r, &others_view(), role).is_some();
+        get(ScopeKey::role(role), tags, &mut open, has_numbers, |s| {
+            // A rebuild holds the counters' lock: never count a whole history
+            // under it. Without a summary row, count this once without a
+            // counter; the writer rebuilds the summary row meanwhile.
+            let (rows, _) = rows(r, s, role, false)?;
+            Some((active(r, s, role, None), rows))
         })
-        .unwrap_or_else(|| {
-            // Counted as a counter would be (see `others_view`), in a snapshot taken
-            // now: after whatever the caller read before (its requests in flight).
-            let own = others_view();
-            let (rows, rebuild) = rows(r, &own, role, true).expect("counted from the ledger");
-            if rebuild {
-                workers::request_summary_rebuild();
-            }
-            (active(r, &own, role, None), rows)
-        })
+    });
+    if reader.tags.is_none() {
+        open = super::open(ScopeKey::role(role));
+    }
+    let (active, rows) = counted.unwrap_or_else(|| {
+        // Counted as a counter would be (see `others_view`), in a snapshot taken
+        // now: after whatever the caller read before (its requests in flight, the
+        // open charges).
+        let own = others_view();
+        let (rows, rebuild) = rows(r, &own, role, true).expect("counted from the ledger");
+        if rebuild {
+            workers::request_summary_rebuild();
+        }
+        (active(r, &own, role, None), rows)
+    });
+    (active, rows, open)
 }
 
-/// The committed active tickets of tenant `t` of `role`: from its counter, built from
-/// the ledger (its active tickets, never its history) if missing or stale, or counted
-/// from the ledger.
-pub fn tenant_counts(reader: &Reader, role: pg_sys::Oid, t: Tenant) -> i64 {
+/// (committed active tickets, open charges) of tenant `t` of `role`: from its counter,
+/// built from the ledger (its active tickets, never its history) if missing or stale,
+/// or counted from the ledger; open charges read first, as in `role_counts`.
+pub fn tenant_counts(reader: &Reader, role: pg_sys::Oid, t: Tenant) -> (i64, i64) {
     let r = &reader.rels;
     let key = ScopeKey {
         role,
         tenant: t.key,
     };
-    reader
-        .tags
-        .and_then(|tags| {
-            get(
-                key,
-                tags,
-                || true,
-                |s| Some((tenant_active(r, s, role, t.text, None), 0)),
-            )
-        })
-        .map_or_else(
-            || tenant_active(r, &others_view(), role, t.text, None),
-            |(a, _)| a,
+    let mut open = 0;
+    let counted = reader.tags.and_then(|tags| {
+        get(
+            key,
+            tags,
+            &mut open,
+            || true,
+            |s| Some((tenant_active(r, s, role, t.text, None), 0)),
         )
+    });
+    if reader.tags.is_none() {
+        open = super::open(key);
+    }
+    let active = counted.map_or_else(
+        || tenant_active(r, &others_view(), role, t.text, None),
+        |(a, _)| a,
+    );
+    (active, open)
 }
 
 /// The usage of `role` (and of its tenant `tenant`, for a start with one) as
 /// admission needs it: each count only where a limit of `limits` needs it. Tickets
 /// whose lease ran out by `now` are neither active nor, once past `cutoff`, retained.
 /// Open charges count as active and retained.
+///
+/// The counters give an upper bound at once: every lapsed ticket still counted. If
+/// `fits` accepts that bound it is returned as it is, since fewer tickets would fit
+/// too; only a start that the bound would refuse pays for the ledger scans that find
+/// what lapsed (a start far from its limits, the common case, never does).
 pub fn usage(
     reader: &Reader,
     role: pg_sys::Oid,
@@ -91,29 +106,53 @@ pub fn usage(
     now: pg_sys::TimestampTz,
     cutoff: pg_sys::TimestampTz,
     limits: Limits,
+    fits: impl FnOnce(Usage) -> bool,
 ) -> Usage {
     let mut u = Usage::default();
     let r = &reader.rels;
-    if limits.max_active > 0 || limits.max_retained > 0 {
-        let (active, rows) = role_counts(reader, role);
-        let open = open(ScopeKey::role(role));
-        // A snapshot taken after the counter was read: it sees every purge and every
-        // expiry sweep the counter already reflects, so nothing is subtracted twice.
-        let after = others_view();
-        let lapsed = lapsed(r, &after, role, now);
+    let of_role = limits.max_active > 0 || limits.max_retained > 0;
+    if of_role {
+        let (active, rows, open) = role_counts(reader, role);
         if limits.max_active > 0 {
-            u.active = active + open - lapsed.expired();
+            u.active = active + open;
         }
         if limits.max_retained > 0 {
-            u.retained = rows + open - expired(r, &after, role, cutoff) - lapsed.aged_out(cutoff);
+            u.retained = rows + open;
         }
     }
-    if let Some(t) = tenant {
-        if limits.tenant_active > 0 || limits.tenant_retained > 0 {
-            let (active, retained) =
-                of_tenant(reader, role, t, now, cutoff, limits.tenant_retained > 0);
-            u.tenant_active = active;
-            u.tenant_retained = retained;
+    let of_tenant = tenant.filter(|_| limits.tenant_active > 0 || limits.tenant_retained > 0);
+    // A snapshot taken after the counters were read: it sees every purge and every
+    // expiry sweep they already reflect, so nothing is subtracted twice.
+    let mut after = None;
+    if let Some(t) = of_tenant {
+        let (active, open) = tenant_counts(reader, role, t);
+        u.tenant_active = active + open;
+        if limits.tenant_retained > 0 {
+            // A tenant's history is counted from the ledger (see `of_tenant`).
+            let snap = after.insert(others_view());
+            u.tenant_retained = tenant_active(r, snap, role, t.text, None)
+                + tenant_ended_since(r, snap, role, t.text, cutoff)
+                + open;
+        }
+    }
+    if fits(u) {
+        return u;
+    }
+    let after = after.get_or_insert_with(others_view);
+    if of_role {
+        let lapsed = lapsed(r, after, role, now);
+        if limits.max_active > 0 {
+            u.active -= lapsed.expired();
+        }
+        if limits.max_retained > 0 {
+            u.retained -= expired(r, after, role, cutoff) + lapsed.aged_out(cutoff);
+        }
+    }
+    if let Some(t) = of_tenant {
+        let lapsed = tenant_lapsed(r, after, role, t.text, now);
+        u.tenant_active -= lapsed.expired();
+        if limits.tenant_retained > 0 {
+            u.tenant_retained -= lapsed.aged_out(cutoff);
         }
     }
     u
@@ -131,11 +170,7 @@ pub fn of_tenant(
     count_retained: bool,
 ) -> (i64, i64) {
     let r = &reader.rels;
-    let active = tenant_counts(reader, role, t);
-    let open = open(ScopeKey {
-        role,
-        tenant: t.key,
-    });
+    let (active, open) = tenant_counts(reader, role, t);
     let after = others_view();
     let lapsed = tenant_lapsed(r, &after, role, t.text, now);
     let retained = if count_retained {
@@ -162,8 +197,7 @@ pub fn refusal_numbers(
     kind: RefusalKind,
 ) -> (Usage, Option<pg_sys::TimestampTz>) {
     let r = &reader.rels;
-    let (active, rows) = role_counts(reader, role);
-    let open = open(ScopeKey::role(role));
+    let (active, rows, open) = role_counts(reader, role);
     // As in `usage`: a snapshot that sees every purge and sweep the counter reflects.
     let after = others_view();
     let lapsed = lapsed(r, &after, role, now);

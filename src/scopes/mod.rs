@@ -287,9 +287,16 @@ fn current(e: &Counter, tags: Tags) -> Option<(i64, i64)> {
 /// scope without them (its summary row gone after a TRUNCATE, say) is counted by the
 /// caller without taking the lock exclusively for a rebuild that would build nothing,
 /// on every call, while every admission of the server queues behind it.
+///
+/// `open` gets the scope's open charges (0.5.0), read before its numbers: a charge that
+/// commits is applied to the counter before it stops being open (charges.rs), so read
+/// in this order it is counted at least once, whatever happens in between (the other
+/// order could miss it in both). Counted from the ledger by the caller, a committed
+/// charge shows in a snapshot taken after this read.
 pub fn get(
     key: ScopeKey,
     tags: Tags,
+    open: &mut i64,
     has_numbers: impl FnOnce() -> bool,
     count: impl FnOnce(&Latest) -> Option<(i64, i64)>,
 ) -> Option<(i64, i64)> {
@@ -298,6 +305,7 @@ pub fn get(
         let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
         match find(k) {
             Some(e) => {
+                *open = e.open.load(Ordering::Acquire);
                 if let Some(v) = read(e, tags) {
                     return Some(v);
                 }
@@ -315,6 +323,7 @@ pub fn get(
         let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
         let (e, evicted) = match find(k) {
             Some(e) => {
+                *open = e.open.load(Ordering::Acquire);
                 // Rebuilt by another backend since our shared look?
                 if let Some(v) = read(e, tags) {
                     return Some(v);
@@ -333,7 +342,8 @@ pub fn get(
 }
 
 /// The uncommitted transactional charges of scope `key` (0 if it has no counter: a
-/// scope with any has one, pinned).
+/// scope with any has one, pinned). Read it before the scope's committed numbers (see
+/// `get`).
 pub fn open(key: ScopeKey) -> i64 {
     let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
     find(key.shared()).map_or(0, |e| e.open.load(Ordering::Acquire))

@@ -291,8 +291,7 @@ fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
         .into_iter()
         .map(|(role, needs)| {
             let oid = pg_sys::Oid::from(role);
-            let (active, rows) = counts::role_counts(&reader, oid);
-            let open = crate::scopes::open(ScopeKey::role(oid));
+            let (active, rows, open) = counts::role_counts(&reader, oid);
             let after = Latest::take();
             let lapsed = lapsed(&rels, &after, oid, now);
             let retained = needs

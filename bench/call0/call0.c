@@ -1,0 +1,18 @@
+/*
+ * CALL0: a C function that does nothing, with quota.start()'s exact signature and
+ * defaults (bench/setup.sql declares it), built only for scripts/bench: the floor of
+ * calling such a function from SQL, which refusals are measured against. It returns
+ * NULL, as try_start() does when it refuses.
+ */
+#include "postgres.h"
+#include "fmgr.h"
+
+PG_MODULE_MAGIC;
+
+PG_FUNCTION_INFO_V1(call0);
+
+Datum
+call0(PG_FUNCTION_ARGS)
+{
+	PG_RETURN_NULL();
+}

@@ -36,6 +36,10 @@ struct Charge {
     /// The tenant's key, 0 for the role itself.
     tenant: u128,
     pins: [Option<Pin>; 2],
+    /// Its idempotency key, and its ticket once inserted: a repeat of the key in this
+    /// transaction gets that ticket (see `own_with_key`).
+    key: Option<Vec<u8>>,
+    id: Option<[u8; 16]>,
 }
 
 // Single-threaded backend state: the open charges of the current transaction, with
@@ -50,7 +54,12 @@ static mut CALLBACKS_REGISTERED: bool = false;
 /// the role's scope lock and has decided to admit. Fails with 53000 if a scope has no
 /// counter it could keep (every entry of its window holds open charges itself); then
 /// nothing is charged.
-pub fn take(role: pg_sys::Oid, tenant: u128, tags: Option<Tags>) -> Result<(), QuotaError> {
+pub fn take(
+    role: pg_sys::Oid,
+    tenant: u128,
+    key: Option<&[u8]>,
+    tags: Option<Tags>,
+) -> Result<(), QuotaError> {
     register_callbacks();
     let role_pin = scopes::pin(ScopeKey::role(role), tags).ok_or(QuotaError::NoCounter)?;
     let tenant_pin = if tenant != 0 {
@@ -72,6 +81,8 @@ pub fn take(role: pg_sys::Oid, tenant: u128, tags: Option<Tags>) -> Result<(), Q
                 role,
                 tenant,
                 pins: [Some(role_pin), tenant_pin],
+                key: key.map(<[u8]>::to_vec),
+                id: None,
             },
             level,
         ));
@@ -80,6 +91,26 @@ pub fn take(role: pg_sys::Oid, tenant: u128, tags: Option<Tags>) -> Result<(), Q
     mine.db.store(u32::from(shmem::my_db()), Ordering::Relaxed);
     mine.n.fetch_add(1, Ordering::AcqRel);
     Ok(())
+}
+
+/// Names the ticket of the charge `take` took last.
+pub fn identify(id: [u8; 16]) {
+    // SAFETY: single-threaded backend state.
+    if let Some((c, _)) = unsafe { (*std::ptr::addr_of_mut!(OPEN)).last_mut() } {
+        c.id = Some(id);
+    }
+}
+
+/// The ticket of an open charge of this transaction in scope (`role`, `tenant`) with
+/// idempotency key `key`. Nobody else sees it before the commit, and this transaction
+/// may not either: a repeat in the same statement runs under the same command id.
+pub fn own_with_key(role: pg_sys::Oid, tenant: u128, key: &[u8]) -> Option<[u8; 16]> {
+    // SAFETY: single-threaded backend state.
+    let open = unsafe { &*std::ptr::addr_of!(OPEN) };
+    open.iter()
+        .rev()
+        .find(|(c, _)| c.role == role && c.tenant == tenant && c.key.as_deref() == Some(key))
+        .and_then(|(c, _)| c.id)
 }
 
 /// How many open charges of any role this database has: what the database cap counts

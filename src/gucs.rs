@@ -80,28 +80,64 @@ pub const POLICY: [(Setting, &std::ffi::CStr, i32); 8] = [
     (Setting::AllowTransactional, c"quota.allow_transactional", 0),
 ];
 
-// Single-threaded backend state: each policy setting's server value (booleans as 0 or
-// 1). The postmaster captures them at preload; backends inherit them and capture them
-// again when they reload the configuration file.
-static mut SERVER: [i32; 8] = [100, 10_000, 0, 0, 0, 7 * 24 * 3600, 24 * 3600, 0];
-
-/// Whether a value from `source` belongs to the server's layer.
-fn is_server_layer(source: pg_sys::GucSource::Type) -> bool {
-    matches!(
-        source,
-        pg_sys::GucSource::PGC_S_DEFAULT
-            | pg_sys::GucSource::PGC_S_DYNAMIC_DEFAULT
-            | pg_sys::GucSource::PGC_S_ENV_VAR
-            | pg_sys::GucSource::PGC_S_FILE
-            | pg_sys::GucSource::PGC_S_ARGV
-    )
+/// The server's layers of the policy settings, as this process saw them applied
+/// (booleans as 0 or 1). The postmaster captures them at preload; backends inherit them
+/// and capture them again when they reload the configuration file.
+struct ServerLayers {
+    /// Boot values, and those of the environment (PGC_S_DEFAULT to PGC_S_ENV_VAR).
+    base: [i32; 8],
+    /// The configuration files' (postgresql.conf, postgresql.auto.conf), as last
+    /// applied: see `server_value` for when they still are.
+    file: [Option<i32>; 8],
+    /// The postmaster's command line (PGC_S_ARGV), which the files cannot override.
+    argv: [Option<i32>; 8],
+    /// PgReloadTime when the library was loaded.
+    loaded_at: pg_sys::TimestampTz,
 }
 
+// Single-threaded backend state (see ServerLayers).
+static mut SERVER: ServerLayers = ServerLayers {
+    base: [100, 10_000, 0, 0, 0, 7 * 24 * 3600, 24 * 3600, 0],
+    file: [None; 8],
+    argv: [None; 8],
+    loaded_at: 0,
+};
+
+/// Records `value` of `s` from `source` if it belongs to the server's layers.
+///
+/// A file value counts only from a pass that applies the files: the postmaster's, and
+/// a process's reload, which runs between statements. `ALTER SYSTEM` and the
+/// `pg_file_settings` view check the files' values too (with PGC_S_FILE, inside a
+/// statement), without applying them: those are not taken.
 fn capture(s: Setting, value: i32, source: pg_sys::GucSource::Type) {
-    if is_server_layer(source) {
-        // SAFETY: single-threaded backend (or postmaster) state.
-        unsafe { (*std::ptr::addr_of_mut!(SERVER))[s as usize] = value };
+    // SAFETY: single-threaded backend (or postmaster) state; ActivePortal is a plain
+    // read of a backend variable.
+    unsafe {
+        let layers = &mut *std::ptr::addr_of_mut!(SERVER);
+        let i = s as usize;
+        match source {
+            pg_sys::GucSource::PGC_S_DEFAULT => {
+                // The boot value: at definition, or as a value removed from the files
+                // is reverted (PostgreSQL does so only for a value the files set).
+                layers.base[i] = value;
+                layers.file[i] = None;
+            }
+            pg_sys::GucSource::PGC_S_DYNAMIC_DEFAULT | pg_sys::GucSource::PGC_S_ENV_VAR => {
+                layers.base[i] = value;
+            }
+            pg_sys::GucSource::PGC_S_FILE if pg_sys::ActivePortal.is_null() => {
+                layers.file[i] = Some(value);
+            }
+            pg_sys::GucSource::PGC_S_ARGV => layers.argv[i] = Some(value),
+            _ => {}
+        }
     }
+}
+
+/// Notes when the library was loaded (see `server_value`).
+fn note_load() {
+    // SAFETY: single-threaded postmaster (or backend) state.
+    unsafe { (*std::ptr::addr_of_mut!(SERVER)).loaded_at = pg_sys::PgReloadTime };
 }
 
 /// A check hook that accepts every value and captures the server's (see `capture`).
@@ -145,10 +181,34 @@ unsafe extern "C-unwind" fn hook_allow_transactional(
     true
 }
 
-/// The server's value of `s` (a boolean as 0 or 1).
+/// The server's value of `s` (a boolean as 0 or 1): the postmaster's command line,
+/// else the configuration files', else the boot value.
+///
+/// A value removed from the files is reverted by PostgreSQL only where the files had
+/// set the session's own value; where a login role's or database's setting hides it, no
+/// hook hears of the removal. So a captured file value counts only while the setting is
+/// still in the files as last read: PostgreSQL marks each setting found there
+/// (GUC_IS_IN_FILE) on every pass over them. Until this process reads them again after
+/// the library was loaded, the mark is not set (a setting defined by a library starts
+/// without it), and the captured value stands.
 pub fn server_value(s: Setting) -> i32 {
-    // SAFETY: single-threaded backend state.
-    unsafe { (*std::ptr::addr_of!(SERVER))[s as usize] }
+    let i = s as usize;
+    // SAFETY: single-threaded backend state; a plain read of PgReloadTime and of a GUC
+    // record's status bits (a record, once defined, is never freed).
+    unsafe {
+        let layers = &*std::ptr::addr_of!(SERVER);
+        if let Some(v) = layers.argv[i] {
+            return v;
+        }
+        if let Some(v) = layers.file[i] {
+            let unread = pg_sys::PgReloadTime == layers.loaded_at;
+            let r = record(s);
+            if unread || (!r.is_null() && (*r).status & pg_sys::GUC_IS_IN_FILE as i32 != 0) {
+                return v;
+            }
+        }
+        layers.base[i]
+    }
 }
 
 /// The session's current value of `s` (a boolean as 0 or 1).
@@ -173,19 +233,26 @@ static mut RECORDS: [*mut pg_sys::config_generic; 8] = [std::ptr::null_mut(); 8]
 /// function's SET clause, the connection's options): PGC_S_CLIENT or above, where
 /// PostgreSQL's own order puts it above every per-role and per-database value.
 pub fn set_in_session(s: Setting) -> bool {
-    // SAFETY: single-threaded backend state; a GUC record, once defined, is never
-    // freed, and its source is a plain field.
+    let r = record(s);
+    // SAFETY: a GUC record, once defined, is never freed, and its source is a plain
+    // field.
+    !r.is_null() && unsafe { (*r).source } >= pg_sys::GucSource::PGC_S_CLIENT
+}
+
+/// The GUC record of `s` (null before it is defined).
+fn record(s: Setting) -> *mut pg_sys::config_generic {
+    // SAFETY: single-threaded backend state.
     unsafe {
         let records = &mut *std::ptr::addr_of_mut!(RECORDS);
         if records[s as usize].is_null() {
             records[s as usize] = crate::compat::guc_record(POLICY[s as usize].1);
         }
-        let r = records[s as usize];
-        !r.is_null() && (*r).source >= pg_sys::GucSource::PGC_S_CLIENT
+        records[s as usize]
     }
 }
 
 pub fn init() {
+    note_load();
     // 0 turns the limit off; a million concurrent tickets for one role is far beyond
     // what one PostgreSQL server can run, so larger values are typos.
     // SAFETY: the hook is a check hook of the right type, valid for the process.

@@ -20,24 +20,19 @@ use crate::timestamps::cutoff;
 use crate::waiters::Ahead;
 use crate::{scopes, shmem};
 
-/// The scope lock's field4. SQL advisory locks live in the user lock method with
-/// field4 = 1 or 2; ours lives in the default lock method (so that transaction end
-/// and the deadlock detector treat it like any table lock) with a private field4. No
-/// `pg_advisory_*` call can produce this tag, block admission or bypass it (I4).
-/// tests/isolation/specs/advisory_squat.spec hangs and fails if it could.
-pub const SCOPE_LOCK_FIELD4: u16 = 0x5153; // "QS"
-
 /// How long a caller sleeps while requests of its scope that could tip it over the
 /// limit are in the writer's hands. They resolve within one writer commit.
 const INFLIGHT_POLL_MS: i64 = 1;
 
 /// What admission needs to count for the caller's limits: the role's (and its
 /// tenant's) counts where a limit needs them, open charges included, and the database's
-/// active tickets if it is capped. An upper bound where `fits` accepts it (see
+/// active tickets if it is capped (under `snap`, plus `open_db`, the database's open
+/// charges read before `snap` was taken). An upper bound where `fits` accepts it (see
 /// counts::usage), the exact counts otherwise.
 pub(crate) fn usage_for(
     r: &Reader,
     snap: &Latest,
+    open_db: i64,
     caller: &Caller,
     now: pg_sys::TimestampTz,
     cutoff: pg_sys::TimestampTz,
@@ -45,7 +40,7 @@ pub(crate) fn usage_for(
 ) -> Usage {
     let limits = caller.limits;
     let db_active = if limits.max_db > 0 {
-        db_active(&r.rels, snap, now, limits.max_db) + crate::charges::open_in_db()
+        db_active(&r.rels, snap, now, limits.max_db) + open_db
     } else {
         0
     };
@@ -64,8 +59,9 @@ pub(crate) fn usage_for(
     ))
 }
 
-/// Holds the scope lock for (database, role) until dropped. A tenant's starts take
-/// their role's lock: a role's count includes its tenants', so they must not race.
+/// Holds the scope lock for (database, role) until dropped (or the database cap's lock,
+/// see scopes::cap_lock_tag). A tenant's starts take their role's lock: a role's count
+/// includes its tenants', so they must not race.
 ///
 /// It makes "count, then take" atomic per scope, so that two callers cannot both take
 /// the last slot. Taken under TopTransactionResourceOwner, as sequence.c's
@@ -80,15 +76,15 @@ struct ScopeLock(pg_sys::LOCKTAG);
 impl ScopeLock {
     fn acquire(role: pg_sys::Oid) -> ScopeLock {
         // The role is not in the tag as its OID: see scopes::scope_tag.
-        let (field2, field3) = scopes::scope_tag(shmem::my_db(), role);
-        let tag = pg_sys::LOCKTAG {
-            locktag_field1: u32::from(shmem::my_db()),
-            locktag_field2: field2,
-            locktag_field3: field3,
-            locktag_field4: SCOPE_LOCK_FIELD4,
-            locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
-            locktag_lockmethodid: pg_sys::DEFAULT_LOCKMETHOD as u8,
-        };
+        ScopeLock::take(scopes::scope_lock_tag(shmem::my_db(), role))
+    }
+
+    /// The database cap's lock, taken after the role's.
+    fn cap() -> ScopeLock {
+        ScopeLock::take(scopes::cap_lock_tag(shmem::my_db()))
+    }
+
+    fn take(tag: pg_sys::LOCKTAG) -> ScopeLock {
         with_top_owner(|| {
             // SAFETY: an ordinary transaction-level lock; lock_timeout, cancel and the
             // deadlock detector all apply while we wait for it.
@@ -222,10 +218,15 @@ pub(crate) fn under_lock<T>(
     // queueing on its own scope lock. The Reader's table locks end with the reads.
     if !caller.exempt {
         let ahead = crate::waiters::ahead(role, tenant, seq);
+        let open_db = if limits.max_db > 0 {
+            crate::charges::open_in_db()
+        } else {
+            0
+        };
         let reader = Reader::open();
         let snap = Latest::take();
         let admits = |u: Usage| decide(limits, with_ahead(u, ahead), false) == Decision::Admit;
-        let usage = usage_for(&reader, &snap, caller, now, cutoff, admits);
+        let usage = usage_for(&reader, &snap, open_db, caller, now, cutoff, admits);
         if let Decision::Refuse(r) = decide(limits, with_ahead(usage, ahead), false) {
             return refuse(&reader, r.kind, ahead, usage);
         }
@@ -246,26 +247,42 @@ pub(crate) fn under_lock<T>(
     before_lock();
     let _lock = ScopeLock::acquire(role);
     loop {
+        // A transactional start under a database cap also holds the cap's lock, which
+        // the writer holds from its count of a capped batch to its commit: the role's
+        // lock cannot keep starts of other roles, or the writer, from taking the last
+        // slot of the database meanwhile, and nothing counts a transactional charge
+        // again. Never held while waiting for the writer (below), which may need it.
+        let cap =
+            (caller.args.transactional && limits.max_db > 0 && !caller.exempt).then(ScopeLock::cap);
         // Read the requests in flight BEFORE taking the snapshot: a request that the
         // writer commits in between is then counted twice (we wait and count again),
-        // never missed. The other order could miss it in both places.
+        // never missed. The other order could miss it in both places. The same for
+        // the database's open charges: one that commits in between is counted twice.
         // Waiters ahead first: one moves from the line (slot free) into flight, never
         // back, so read in this order it is counted at least once.
         let ahead = crate::waiters::ahead(role, tenant, seq);
         let (inflight, inflight_tenant) = queue::inflight(role, tenant);
-        let inflight_db = if limits.max_db > 0 {
-            queue::inflight_db()
+        let (inflight_db, open_db) = if limits.max_db > 0 {
+            (queue::inflight_db(), crate::charges::open_in_db())
         } else {
-            0
+            (0, 0)
         };
         let reader = Reader::open();
-        let snap = Latest::take();
         if let Some(key) = key {
-            // A start with our key: still open (transactional), or committed while we
-            // waited for in-flight ones.
+            // A start with our key still open (transactional) or in the writer's
+            // hands: looked for before the snapshot, so that one that commits in
+            // between is in it. A writer-committed start is answered by the writer
+            // (InFlight); the writer path hands its repeat to the writer too.
             if key_in_progress(&reader.rels, role, caller.args.tenant, key).is_some() {
                 return Err(Repeat::InProgress);
             }
+            if caller.args.transactional && queue::in_flight_with_key(role, tenant, key) {
+                return Err(Repeat::InFlight);
+            }
+        }
+        let snap = Latest::take();
+        if let Some(key) = key {
+            // A start with our key committed while we waited for in-flight ones.
             if let Some(id) = retained_with_key(
                 &reader.rels,
                 &snap,
@@ -294,7 +311,7 @@ pub(crate) fn under_lock<T>(
         let admits = |u: Usage| {
             decide(limits, with_inflight(with_ahead(u, ahead)), false) == Decision::Admit
         };
-        let counted = usage_for(&reader, &snap, caller, now, cutoff, admits);
+        let counted = usage_for(&reader, &snap, open_db, caller, now, cutoff, admits);
         let usage = with_ahead(counted, ahead);
         if let Decision::Refuse(r) = decide(limits, usage, false) {
             return refuse(&reader, r.kind, ahead, counted);
@@ -308,6 +325,7 @@ pub(crate) fn under_lock<T>(
         // for ever, in line for a slot without the lock.
         drop(snap);
         drop(reader);
+        drop(cap);
         nap(INFLIGHT_POLL_MS, compat::Wait::InFlight);
         if waited.writer_needed() {
             return Err(Repeat::NoWriter);

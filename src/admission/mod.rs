@@ -424,6 +424,11 @@ fn attempt(caller: &Caller, seq: u64) -> Result<Result<(pgrx::Uuid, bool), Refus
     // is waited for first.
     let mut repeat = false;
     if let Some(key) = caller.args.key {
+        // A transactional start of this very transaction with the key, which its own
+        // snapshots may not see (the same statement, see charges::own_with_key).
+        if let Some(id) = crate::charges::own_with_key(caller.role, caller.tenant_key(), key) {
+            return Ok(Ok((pgrx::Uuid::from_bytes(id), true)));
+        }
         wait_for_key(caller, key);
         let reader = Reader::open();
         let snap = Latest::take();

@@ -44,10 +44,17 @@ pub(crate) fn attempt(
             &mut waited,
             || {},
             |reader| {
-                Ok(
-                    crate::charges::take(caller.role, caller.tenant_key(), reader.tags)
-                        .map(|()| insert(caller, &ledger, lease_us)),
-                )
+                let charged = crate::charges::take(
+                    caller.role,
+                    caller.tenant_key(),
+                    caller.args.key,
+                    reader.tags,
+                );
+                Ok(charged.map(|()| {
+                    let id = insert(caller, &ledger, lease_us);
+                    crate::charges::identify(*id.as_bytes());
+                    id
+                }))
             },
         );
         match taken {

@@ -9,7 +9,7 @@ use crate::ledger::scan::{
     attr, count, scan, scan_any, scan_index, text_attr, text_datum, ts_attr, Key, Latest,
 };
 use crate::ledger::{
-    COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_ROLE, COL_STARTED_AT, COL_TENANT,
+    COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_ROLE, COL_STARTED_AT, COL_TENANT, COL_TXID,
     SUMMARY_COL_FOLDED, SUMMARY_COL_TICKETS,
 };
 
@@ -482,7 +482,10 @@ pub fn key_in_progress(
                     !pg_sys::TransactionIdIsCurrentTransactionId(xmin)
                         && pg_sys::TransactionIdIsInProgress(xmin)
                 };
-            if running && text_attr(slot, COL_TENANT).as_deref() == tenant {
+            // Only a transactional start's row (the writer's have no txid; the writer
+            // answers repeats of its own requests, see queue::in_flight_with_key).
+            let transactional = attr(slot, COL_TXID as i32).is_some();
+            if running && transactional && text_attr(slot, COL_TENANT).as_deref() == tenant {
                 found = Some(xmin);
                 return false;
             }

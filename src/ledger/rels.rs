@@ -580,6 +580,13 @@ impl Reader {
         // most starts never touch them, and every lock taken here is paid on every
         // start, refusals included.
         locks.take(rels.summary_idx, pg_sys::AccessShareLock);
+        if rels.v5() {
+            // 0.5.0's partial indexes are counted in (the unfolded transactional
+            // tickets of a role's count, a tenant's tickets), also where a rebuild
+            // holds the counters' lock and must not wait for a lock (see scopes::get).
+            locks.take(rels.ledger_txid_idx, pg_sys::AccessShareLock);
+            locks.take(rels.ledger_tenant_idx, pg_sys::AccessShareLock);
+        }
         Reader {
             rels,
             tags: tags_of(&rels),

@@ -222,9 +222,12 @@ pub fn scan_open(
 }
 
 /// Every version of every row of `heap` that `keys` select on `index`, whatever its
-/// visibility (SnapshotAny, which takes no predicate lock), handed to `visit` with the
-/// transaction that inserted it, until `visit` returns false. For finding rows that
-/// transactions still in progress inserted.
+/// visibility (SnapshotAny, which takes no predicate lock), that was inserted as a new
+/// row (not as an UPDATE's new version) by a transaction not known to have committed,
+/// handed to `visit` with that transaction's id, until `visit` returns false. For
+/// finding rows that transactions still in progress inserted: the caller asks whether
+/// the id is still running (a version whose xmin is hinted committed, or frozen, is
+/// skipped here, so that an old frozen id is never taken for a running one).
 pub fn scan_any(
     heap: pg_sys::Oid,
     index: pg_sys::Oid,
@@ -259,8 +262,15 @@ pub fn scan_any(
             let bslot = slot as *mut pg_sys::BufferHeapTupleTableSlot;
             let buffer = (*bslot).buffer;
             pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as i32);
-            let xmin = (*(*(*bslot).base.tuple).t_data).t_choice.t_heap.t_xmin;
+            let header = (*(*bslot).base.tuple).t_data;
+            let xmin = (*header).t_choice.t_heap.t_xmin;
+            let infomask = u32::from((*header).t_infomask);
             pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_UNLOCK as i32);
+            let inserted = infomask & pg_sys::HEAP_UPDATED == 0;
+            let known_committed = infomask & pg_sys::HEAP_XMIN_COMMITTED != 0;
+            if !inserted || known_committed {
+                continue;
+            }
             if !visit(slot, xmin) {
                 break;
             }

@@ -743,6 +743,40 @@ pub fn scope_tag(db: pg_sys::Oid, role: pg_sys::Oid) -> (u32, u32) {
     (v as u32, (v >> 32) as u32)
 }
 
+/// The lock field4 of the scope lock (admission's), and of the database cap's lock.
+/// SQL advisory locks live in the user lock method with field4 = 1 or 2; these live in
+/// the default lock method (so that transaction end and the deadlock detector treat
+/// them like any table lock) with private field4 values, so no `pg_advisory_*` call can
+/// produce them, block admission or bypass it (I4).
+/// tests/isolation/specs/advisory_squat.spec hangs and fails if it could.
+pub const SCOPE_LOCK_FIELD4: u16 = 0x5153; // "QS"
+pub const CAP_LOCK_FIELD4: u16 = 0x5143; // "QC"
+
+/// The tag of the scope lock of (`db`, `role`) (see `scope_tag`).
+pub fn scope_lock_tag(db: pg_sys::Oid, role: pg_sys::Oid) -> pg_sys::LOCKTAG {
+    let (field2, field3) = scope_tag(db, role);
+    lock_tag(db, field2, field3, SCOPE_LOCK_FIELD4)
+}
+
+/// The tag of `db`'s database cap lock (0.5.0): the ledger writer holds it from its
+/// count of a batch with a capped request to its commit, and a transactional start
+/// under a cap holds it from its count to its charge, so that neither can miss what
+/// the other takes (their scope locks are per role; the cap spans roles).
+pub fn cap_lock_tag(db: pg_sys::Oid) -> pg_sys::LOCKTAG {
+    lock_tag(db, 0, 0, CAP_LOCK_FIELD4)
+}
+
+fn lock_tag(db: pg_sys::Oid, field2: u32, field3: u32, field4: u16) -> pg_sys::LOCKTAG {
+    pg_sys::LOCKTAG {
+        locktag_field1: u32::from(db),
+        locktag_field2: field2,
+        locktag_field3: field3,
+        locktag_field4: field4,
+        locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
+        locktag_lockmethodid: pg_sys::DEFAULT_LOCKMETHOD as u8,
+    }
+}
+
 /// The key that stands for a tenant's text (in the server encoding) in shared memory:
 /// 128 bits of two keyed hashes, never 0 (the role itself). Two tenants of one role
 /// would have to collide in all 128 bits to share a counter (a chance of about one in

@@ -233,14 +233,36 @@ fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
     // up to its lock_timeout for maintenance) may come between it and the insert.
     let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
     let summary = OpenRel::open(rels.summary, "summary", 1);
-    // SAFETY: plain clock read.
-    let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let snap = Latest::take();
     // SAFETY: the slots are CLAIMED by us; their callers do not touch them until DONE.
     let requests: Vec<&Request> = batch
         .iter()
         .map(|&i| unsafe { serve::request(i) })
         .collect();
+    // The database cap spans roles, which the callers' scope locks do not: a batch
+    // with a capped request holds the cap's lock from its count to its commit, as
+    // transactional starts under a cap do from their count to their charge (see
+    // scopes::cap_lock_tag), so neither misses what the other takes. Then the
+    // database's open charges, read before the snapshot: one that commits in between
+    // is counted twice, never missed.
+    let capped = rels.v2() && requests.iter().any(|r| r.max_db > 0 && !r.exempt);
+    let open_db = if capped {
+        // SAFETY: an ordinary transaction-level lock, released when the batch's
+        // transaction ends; lock_timeout and the deadlock detector apply.
+        unsafe {
+            pg_sys::LockAcquire(
+                &crate::scopes::cap_lock_tag(crate::shmem::my_db()),
+                pg_sys::ExclusiveLock as i32,
+                false,
+                false,
+            )
+        };
+        crate::charges::open_in_db()
+    } else {
+        0
+    };
+    // SAFETY: plain clock read.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let snap = Latest::take();
     let roles: Vec<pg_sys::Oid> = batch.iter().map(|&i| queue::slot(i).role()).collect();
     let tenants: Vec<u128> = batch.iter().map(|&i| queue::slot(i).tenant()).collect();
     let breqs: Vec<BatchRequest> = requests
@@ -342,9 +364,8 @@ fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
         .collect();
     // The database cap: every role's active tickets together, counted once, and the
     // transactional charges still open.
-    let db_active = batch::db_cap(&fresh_reqs).map_or(0, |cap| {
-        db_active(&rels, &snap, now, cap) + crate::charges::open_in_db()
-    });
+    let db_active =
+        batch::db_cap(&fresh_reqs).map_or(0, |cap| db_active(&rels, &snap, now, cap) + open_db);
     let fresh_decisions = batch::decide_batch(&fresh_reqs, &counted, &tenant_counted, db_active);
     let mut decisions: Vec<Option<Decision>> = vec![None; batch.len()];
     for (&k, d) in fresh.iter().zip(fresh_decisions) {

@@ -6,7 +6,9 @@
 # (mixed modes), and in a second round every charge is a tenant's (5 tenants, each
 # limited to 3, under the role's 10). A sampler reads the committed active count as
 # often as it can: it must never pass a limit. After the load, the role is admitted
-# exactly the room its ledger leaves: no open charge was lost or kept.
+# exactly the room its ledger leaves: no open charge was lost or kept. A third round
+# races four roles' transactional starts and a fifth role's writer-committed ones for a
+# database cap of 10, which no role's scope lock covers (scopes::cap_lock_tag).
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
 PORT="${PORT:-$((5766 + PORT_OFFSET))}"
 with_cluster transactional_race "max_connections = 150"
@@ -88,4 +90,32 @@ expect_eq "the role is admitted exactly the room its ledger leaves ($LIMIT - $ac
   "$(as tr postgres "SELECT count(quota.try_start('after', transactional => true)) FROM generate_series(1, $LIMIT + 2)")"
 expect_eq "... and each tenant its own room" 3 \
   "$(as tr postgres "SELECT quota.finish(id) FROM quota.tickets WHERE label = 'after'" >/dev/null; as tr postgres "SELECT count(quota.try_start('t', tenant => 'fresh', transactional => true)) FROM generate_series(1, 5)")"
+
+# 3. The database cap, across roles and modes: four roles take transactional charges
+#    (25 clients each) and a fifth writer-committed tickets (10 clients), under
+#    quota.max_active_per_database = 10 and no role limit.
+sql -c "SELECT count(quota.finish(id)) FROM quota.ledger WHERE ended_at IS NULL" \
+    -c "DO \$\$ BEGIN FOR i IN 1..5 LOOP EXECUTE format('CREATE ROLE tc%s LOGIN; ALTER ROLE tc%s SET quota.max_active_per_role = 0; ALTER ROLE tc%s SET quota.max_retained_per_role = 0; ALTER ROLE tc%s SET quota.allow_transactional = on', i, i, i, i); END LOOP; END \$\$" \
+    -c "ALTER DATABASE postgres SET quota.max_active_per_database = 10" -c "DELETE FROM public.tr_stop" >/dev/null
+start_sampler public.tr_stop "SELECT count(*) FROM quota.ledger WHERE ended_at IS NULL"
+pids=()
+for i in 1 2 3 4; do
+  bg bash -c "'$PG_BIN/pgbench' -n -h '$CL' -p '$PORT' -U tc$i -c 25 -j 1 -T 8 -f '$CL/txn.sql' postgres > '$CL/pgbench.cap.$i' 2>&1"
+  pids+=("$LAST_BG")
+done
+bg bash -c "'$PG_BIN/pgbench' -n -h '$CL' -p '$PORT' -U tc5 -c 10 -j 1 -T 8 -f '$CL/writer.sql' postgres > '$CL/pgbench.cap.writer' 2>&1"
+pids+=("$LAST_BG")
+wait "${pids[@]}" || true
+stop_sampler public.tr_stop
+cycles=0
+for i in 1 2 3 4; do cycles=$((cycles + $(processed "$CL/pgbench.cap.$i"))); done
+check "round 3 ran: $cycles transactional cycles of four roles, $(processed "$CL/pgbench.cap.writer") writer-committed" \
+  test "$cycles" -gt 500
+check "the database's committed active count never passed its cap of 10 (max $SAMPLED_MAX of $SAMPLES samples)" \
+  test "${SAMPLED_MAX:-99}" -le 10
+errors=$(grep -h "ERROR" "$CL"/pgbench.cap.* | grep -v "53400" | sort | uniq -c | head -3 || true)
+check "the clients saw no error but refusals${errors:+: $errors}" test -z "$errors"
+active=$(sql -c "SELECT count(*) FROM quota.ledger WHERE ended_at IS NULL")
+expect_eq "the database is admitted exactly the room its cap leaves (10 - $active)" "$((10 - active))" \
+  "$(as tc1 postgres "SELECT count(quota.try_start('after', transactional => true)) FROM generate_series(1, 12)")"
 finish_checks

@@ -71,6 +71,14 @@ PREPARE TRANSACTION 'tx_prepared';
 SELECT count(*) AS prepared_tickets FROM quota.tickets WHERE label = 'prepared';
 SELECT quota.try_start('room again', transactional => true) IS NOT NULL AS admitted;
 
+-- A key repeated in the same statement as its first transactional start (which that
+-- statement's snapshot cannot see) gets the same ticket: one ticket, one charge.
+SELECT quota.finish(id) IS NOT NULL AS made_room FROM quota.tickets WHERE label = 'room again';
+SELECT count(*) AS answers, count(DISTINCT t) AS tickets
+  FROM (SELECT quota.start('same statement', idempotency_key => 'same-stmt', transactional => true) AS t
+          FROM generate_series(1, 3)) s;
+SELECT count(*) AS tickets_with_key FROM quota.tickets WHERE idempotency_key = 'same-stmt';
+
 -- A transactional start in a read-only transaction is refused like any (25006).
 BEGIN READ ONLY;
 SELECT quota.start('read only', transactional => true);

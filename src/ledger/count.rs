@@ -168,25 +168,30 @@ fn being_changed(slot: *mut pg_sys::TupleTableSlot) -> bool {
 /// the counter reflects and nothing is subtracted twice. The result serves every
 /// retention cutoff (see core::lease::Lapsed).
 pub fn lapsed(r: &Rels, snap: &Latest, role: pg_sys::Oid, now: pg_sys::TimestampTz) -> Lapsed {
-    let mut expiries = Vec::new();
-    if r.v2() {
-        scan(
-            r.ledger,
-            r.ledger_idx,
-            snap,
-            &[
-                Key::OidEq(role),
-                Key::IsNull,
-                Key::TsLess(now.saturating_add(1)),
-            ],
-            |slot| {
-                if !being_changed(slot) {
-                    expiries.extend(ts_attr(slot, COL_LEASE_UNTIL));
-                }
-                true
-            },
-        );
+    if !r.v2() {
+        return Lapsed::new(Vec::new());
     }
+    lapsed_on(r.ledger_idx, r, snap, &[Key::OidEq(role)], now)
+}
+
+/// The unfinished tickets that the `scope` keys select on `index` (whose next columns
+/// are ended_at, then lease_until) and whose lease ran out by `now`.
+fn lapsed_on(
+    index: pg_sys::Oid,
+    r: &Rels,
+    snap: &Latest,
+    scope: &[Key],
+    now: pg_sys::TimestampTz,
+) -> Lapsed {
+    let mut expiries = Vec::new();
+    let mut keys = scope.to_vec();
+    keys.extend([Key::IsNull, Key::TsLess(now.saturating_add(1))]);
+    scan(r.ledger, index, snap, &keys, |slot| {
+        if !being_changed(slot) {
+            expiries.extend(ts_attr(slot, COL_LEASE_UNTIL));
+        }
+        true
+    });
     Lapsed::new(expiries)
 }
 
@@ -272,27 +277,17 @@ pub fn tenant_lapsed(
     tenant: pg_sys::Datum,
     now: pg_sys::TimestampTz,
 ) -> Lapsed {
-    let mut expiries = Vec::new();
-    if r.v5() {
-        scan_index(
-            r.ledger,
-            r.ledger_tenant_idx,
-            snap,
-            &[
-                Key::OidEq(role),
-                Key::TextEq(tenant),
-                Key::IsNull,
-                Key::TsLess(now.saturating_add(1)),
-            ],
-            |slot| {
-                if !being_changed(slot) {
-                    expiries.extend(ts_attr(slot, COL_LEASE_UNTIL));
-                }
-                true
-            },
-        );
+    if !r.v5() {
+        return Lapsed::new(Vec::new());
     }
-    Lapsed::new(expiries)
+    // The index is locked by the Reader (see rels.rs).
+    lapsed_on(
+        r.ledger_tenant_idx,
+        r,
+        snap,
+        &[Key::OidEq(role), Key::TextEq(tenant)],
+        now,
+    )
 }
 
 /// The database's active tickets, all roles together, counting at most `stop_at`

@@ -35,6 +35,7 @@ impl Drop for Latest {
     }
 }
 
+#[derive(Clone, Copy)]
 pub enum Key {
     OidEq(pg_sys::Oid),
     OidGreater(pg_sys::Oid),

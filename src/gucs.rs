@@ -93,6 +93,10 @@ struct ServerLayers {
     argv: [Option<i32>; 8],
     /// PgReloadTime when the library was loaded.
     loaded_at: pg_sys::TimestampTz,
+    /// Whether each setting was in the files at the last reload that applied them
+    /// (GUC_IS_IN_FILE as it stood then), and that reload's PgReloadTime.
+    in_file: [bool; 8],
+    marks_at: pg_sys::TimestampTz,
 }
 
 // Single-threaded backend state (see ServerLayers).
@@ -101,6 +105,8 @@ static mut SERVER: ServerLayers = ServerLayers {
     file: [None; 8],
     argv: [None; 8],
     loaded_at: 0,
+    in_file: [false; 8],
+    marks_at: 0,
 };
 
 /// Records `value` of `s` from `source` if it belongs to the server's layers.
@@ -186,28 +192,41 @@ unsafe extern "C-unwind" fn hook_allow_transactional(
 ///
 /// A value removed from the files is reverted by PostgreSQL only where the files had
 /// set the session's own value; where a login role's or database's setting hides it, no
-/// hook hears of the removal. So a captured file value counts only while the setting is
-/// still in the files as last read: PostgreSQL marks each setting found there
-/// (GUC_IS_IN_FILE) on every pass over them. Until this process reads them again after
-/// the library was loaded, the mark is not set (a setting defined by a library starts
-/// without it), and the captured value stands.
+/// hook hears of the removal. So a captured file value counts only while the setting
+/// was still in the files at the last reload that applied them: PostgreSQL marks each
+/// setting found there (GUC_IS_IN_FILE) on every pass over them, and this copies the
+/// marks when a reload has applied them (PgReloadTime moved), since passes that apply
+/// nothing (the `pg_file_settings` view, a reload that fails) mark too. Until this
+/// process reloads after the library was loaded, no mark is set (a setting defined by a
+/// library starts without it), and the captured value stands.
 pub fn server_value(s: Setting) -> i32 {
     let i = s as usize;
-    // SAFETY: single-threaded backend state; a plain read of PgReloadTime and of a GUC
-    // record's status bits (a record, once defined, is never freed).
+    // SAFETY: single-threaded backend state; a plain read of PgReloadTime and of GUC
+    // records' status bits (a record, once defined, is never freed).
     unsafe {
-        let layers = &*std::ptr::addr_of!(SERVER);
+        let layers = &mut *std::ptr::addr_of_mut!(SERVER);
         if let Some(v) = layers.argv[i] {
             return v;
         }
-        if let Some(v) = layers.file[i] {
-            let unread = pg_sys::PgReloadTime == layers.loaded_at;
-            let r = record(s);
-            if unread || (!r.is_null() && (*r).status & pg_sys::GUC_IS_IN_FILE as i32 != 0) {
-                return v;
-            }
+        let Some(v) = layers.file[i] else {
+            return layers.base[i];
+        };
+        if pg_sys::PgReloadTime == layers.loaded_at {
+            return v;
         }
-        layers.base[i]
+        if layers.marks_at != pg_sys::PgReloadTime {
+            for (k, (setting, _, _)) in POLICY.iter().enumerate() {
+                let r = record(*setting);
+                layers.in_file[k] =
+                    !r.is_null() && (*r).status & pg_sys::GUC_IS_IN_FILE as i32 != 0;
+            }
+            layers.marks_at = pg_sys::PgReloadTime;
+        }
+        if layers.in_file[i] {
+            v
+        } else {
+            layers.base[i]
+        }
     }
 }
 

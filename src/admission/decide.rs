@@ -71,7 +71,7 @@ pub(crate) fn usage_for(
 /// would serialize the role's starts behind one WAL flush each; holding it to the end
 /// of the caller's transaction would serialize the role's long transactions, for
 /// nothing, since what it protects is counted by then.
-struct ScopeLock(pg_sys::LOCKTAG);
+struct ScopeLock(pg_sys::LOCKTAG, i32);
 
 impl ScopeLock {
     fn acquire(role: pg_sys::Oid) -> ScopeLock {
@@ -84,13 +84,25 @@ impl ScopeLock {
         ScopeLock::take(scopes::cap_lock_tag(shmem::my_db()))
     }
 
+    /// The database cap's lock in a mode that only keeps its exclusive holders out.
+    fn cap_shared() -> ScopeLock {
+        ScopeLock::take_in(
+            scopes::cap_lock_tag(shmem::my_db()),
+            pg_sys::RowShareLock as i32,
+        )
+    }
+
     fn take(tag: pg_sys::LOCKTAG) -> ScopeLock {
+        ScopeLock::take_in(tag, pg_sys::ExclusiveLock as i32)
+    }
+
+    fn take_in(tag: pg_sys::LOCKTAG, mode: i32) -> ScopeLock {
         with_top_owner(|| {
             // SAFETY: an ordinary transaction-level lock; lock_timeout, cancel and the
             // deadlock detector all apply while we wait for it.
-            unsafe { pg_sys::LockAcquire(&tag, pg_sys::ExclusiveLock as i32, false, false) };
+            unsafe { pg_sys::LockAcquire(&tag, mode, false, false) };
         });
-        ScopeLock(tag)
+        ScopeLock(tag, mode)
     }
 }
 
@@ -102,7 +114,7 @@ impl Drop for ScopeLock {
     fn drop(&mut self) {
         with_top_owner(|| {
             // SAFETY: we took this lock under the same owner in `acquire`.
-            unsafe { pg_sys::LockRelease(&self.0, pg_sys::ExclusiveLock as i32, false) };
+            unsafe { pg_sys::LockRelease(&self.0, self.1, false) };
         });
     }
 }
@@ -218,13 +230,16 @@ pub(crate) fn under_lock<T>(
     // queueing on its own scope lock. The Reader's table locks end with the reads.
     if !caller.exempt {
         let ahead = crate::waiters::ahead(role, tenant, seq);
+        let reader = Reader::open();
+        let snap = Latest::take();
+        // After the snapshot: a charge that commits in between is missed here, which
+        // only lets the locked path below count again; counted twice, it could refuse
+        // a start that fits.
         let open_db = if limits.max_db > 0 {
             crate::charges::open_in_db()
         } else {
             0
         };
-        let reader = Reader::open();
-        let snap = Latest::take();
         let admits = |u: Usage| decide(limits, with_ahead(u, ahead), false) == Decision::Admit;
         let usage = usage_for(&reader, &snap, open_db, caller, now, cutoff, admits);
         if let Decision::Refuse(r) = decide(limits, with_ahead(usage, ahead), false) {
@@ -247,13 +262,22 @@ pub(crate) fn under_lock<T>(
     before_lock();
     let _lock = ScopeLock::acquire(role);
     loop {
-        // A transactional start under a database cap also holds the cap's lock, which
-        // the writer holds from its count of a capped batch to its commit: the role's
-        // lock cannot keep starts of other roles, or the writer, from taking the last
-        // slot of the database meanwhile, and nothing counts a transactional charge
-        // again. Never held while waiting for the writer (below), which may need it.
-        let cap =
-            (caller.args.transactional && limits.max_db > 0 && !caller.exempt).then(ScopeLock::cap);
+        // The tables first, as the writer takes them before the cap's lock.
+        let reader = Reader::open();
+        // A transactional start takes the database cap's lock (see
+        // scopes::cap_lock_tag) until its charge is taken: exclusively where the cap
+        // is checked, since the role's lock cannot keep starts of other roles, or the
+        // writer, from taking the database's last slot meanwhile, and nothing counts a
+        // transactional charge again; shared otherwise (a superuser's, or a start
+        // without a cap of its own), so that no charge is taken between a capped
+        // start's count and its charge. Never held while waiting for the writer.
+        let cap = caller.args.transactional.then(|| {
+            if limits.max_db > 0 && !caller.exempt {
+                ScopeLock::cap()
+            } else {
+                ScopeLock::cap_shared()
+            }
+        });
         // Read the requests in flight BEFORE taking the snapshot: a request that the
         // writer commits in between is then counted twice (we wait and count again),
         // never missed. The other order could miss it in both places. The same for
@@ -267,7 +291,6 @@ pub(crate) fn under_lock<T>(
         } else {
             (0, 0)
         };
-        let reader = Reader::open();
         if let Some(key) = key {
             // A start with our key still open (transactional) or in the writer's
             // hands: looked for before the snapshot, so that one that commits in

@@ -425,8 +425,13 @@ fn attempt(caller: &Caller, seq: u64) -> Result<Result<(pgrx::Uuid, bool), Refus
     let mut repeat = false;
     if let Some(key) = caller.args.key {
         // A transactional start of this very transaction with the key, which its own
-        // snapshots may not see (the same statement, see charges::own_with_key).
+        // snapshots may not see (the same statement, see charges::own_with_key): a
+        // transactional repeat gets its ticket, which stands or falls with the same
+        // transaction; a writer-committed one may not (KeyHeldUncommitted).
         if let Some(id) = crate::charges::own_with_key(caller.role, caller.tenant_key(), key) {
+            if !caller.args.transactional {
+                return Err(QuotaError::KeyHeldUncommitted);
+            }
             return Ok(Ok((pgrx::Uuid::from_bytes(id), true)));
         }
         wait_for_key(caller, key);

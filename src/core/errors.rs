@@ -82,6 +82,11 @@ pub enum QuotaError {
     /// charged role (0.5.0).
     #[error("transactional starts are not allowed for role \"{role}\"")]
     TransactionalNotAllowed { role: String },
+    /// A writer-committed start repeating the idempotency key of a transactional start
+    /// of its own transaction, not committed yet (0.5.0): its ticket could vanish with
+    /// a rollback, which a writer-committed start promises it never does.
+    #[error("idempotency key names a transactional ticket of this transaction, not committed yet")]
+    KeyHeldUncommitted,
     /// A transactional charge found no scope counter it could hold (every counter of
     /// its window holds open charges already).
     #[error("no scope counter is free for a transactional charge")]
@@ -268,6 +273,7 @@ impl QuotaError {
             | QuotaError::TenantTooLong { .. } => Sqlstate::StringDataRightTruncation,
             QuotaError::TransactionalNotAllowed { .. } => Sqlstate::InsufficientPrivilege,
             QuotaError::NoCounter => Sqlstate::InsufficientResources,
+            QuotaError::KeyHeldUncommitted => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::InvalidInterval { .. } => Sqlstate::InvalidParameterValue,
             QuotaError::TicketEnded { .. } | QuotaError::NeedsUpdate { .. } => {
                 Sqlstate::ObjectNotInPrerequisiteState
@@ -347,6 +353,10 @@ impl QuotaError {
                 "A transactional charge is given back when its transaction rolls back, so work launched outside the transaction (dblink, postgres_fdw, an untrusted language) could run past the limit."
                     .to_string(),
             ),
+            QuotaError::KeyHeldUncommitted => Some(
+                "A start without transactional commits its charge on its own, and would return a ticket that a rollback of this transaction removes."
+                    .to_string(),
+            ),
             QuotaError::NoCounter => Some(
                 "Every scope counter its scope may use holds uncommitted transactional charges of other scopes."
                     .to_string(),
@@ -424,6 +434,9 @@ impl QuotaError {
             ),
             QuotaError::NoCounter => Some(
                 "Commit or roll back transactions that hold many transactional charges, or raise quota.scope_counters (a restart).".to_string(),
+            ),
+            QuotaError::KeyHeldUncommitted => Some(
+                "Repeat it with transactional => true, or after this transaction commits.".to_string(),
             ),
             QuotaError::ForeignTicket { .. } => Some(
                 "Only the role that started a ticket, a member of that role, or a superuser can finish or renew it."
@@ -710,6 +723,7 @@ mod tests {
     #[test]
     fn messages_are_lowercase_postgres_style() {
         let all = [
+            QuotaError::KeyHeldUncommitted,
             QuotaError::LabelTooLong {
                 chars: 201,
                 max: 200,
@@ -823,6 +837,9 @@ mod tests {
             .code(),
             "55P03"
         );
+        let held = QuotaError::KeyHeldUncommitted;
+        assert_eq!(held.sqlstate().code(), "55000");
+        assert!(held.hint().unwrap().contains("transactional => true"));
     }
 
     /// Holding a ticket's uuid must not reveal which role owns it (item 9 of 0.1.1).

@@ -758,10 +758,11 @@ pub fn scope_lock_tag(db: pg_sys::Oid, role: pg_sys::Oid) -> pg_sys::LOCKTAG {
     lock_tag(db, field2, field3, SCOPE_LOCK_FIELD4)
 }
 
-/// The tag of `db`'s database cap lock (0.5.0): the ledger writer holds it from its
-/// count of a batch with a capped request to its commit, and a transactional start
-/// under a cap holds it from its count to its charge, so that neither can miss what
-/// the other takes (their scope locks are per role; the cap spans roles).
+/// The tag of `db`'s database cap lock (0.5.0): the ledger writer holds it while it
+/// reads the open charges and takes its snapshot for a batch with a capped request,
+/// and a transactional start holds it from its count to its charge (exclusively under
+/// a cap, shared otherwise), so that none can miss what another takes (their scope
+/// locks are per role; the cap spans roles).
 pub fn cap_lock_tag(db: pg_sys::Oid) -> pg_sys::LOCKTAG {
     lock_tag(db, 0, 0, CAP_LOCK_FIELD4)
 }

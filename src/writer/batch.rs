@@ -239,30 +239,31 @@ fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
         .map(|&i| unsafe { serve::request(i) })
         .collect();
     // The database cap spans roles, which the callers' scope locks do not: a batch
-    // with a capped request holds the cap's lock from its count to its commit, as
-    // transactional starts under a cap do from their count to their charge (see
-    // scopes::cap_lock_tag), so neither misses what the other takes. Then the
-    // database's open charges, read before the snapshot: one that commits in between
-    // is counted twice, never missed.
+    // with a capped request reads the database's open charges and takes its snapshot
+    // under the cap's lock, which transactional starts hold from their count to their
+    // charge (see scopes::cap_lock_tag): a charge taken before is in the read, and a
+    // start that counts after counts this batch's requests as in flight until they are
+    // answered, after the commit. The open charges are read before the snapshot: one
+    // that commits in between is counted twice, never missed.
     let capped = rels.v2() && requests.iter().any(|r| r.max_db > 0 && !r.exempt);
+    let cap = crate::scopes::cap_lock_tag(crate::shmem::my_db());
     let open_db = if capped {
-        // SAFETY: an ordinary transaction-level lock, released when the batch's
-        // transaction ends; lock_timeout and the deadlock detector apply.
-        unsafe {
-            pg_sys::LockAcquire(
-                &crate::scopes::cap_lock_tag(crate::shmem::my_db()),
-                pg_sys::ExclusiveLock as i32,
-                false,
-                false,
-            )
-        };
+        // SAFETY: an ordinary transaction-level lock, released below (or when the
+        // batch's transaction ends, on an error); lock_timeout and the deadlock
+        // detector apply. Its holders hold no lock the writer waits for meanwhile.
+        unsafe { pg_sys::LockAcquire(&cap, pg_sys::ExclusiveLock as i32, false, false) };
         crate::charges::open_in_db()
     } else {
         0
     };
-    // SAFETY: plain clock read.
-    let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let snap = Latest::take();
+    if capped {
+        // SAFETY: taken above, under the same owner.
+        unsafe { pg_sys::LockRelease(&cap, pg_sys::ExclusiveLock as i32, false) };
+    }
+    // SAFETY: plain clock read, after every lock the writes wait for and after the
+    // counts' snapshot: a ticket is admitted no earlier than its started_at.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let roles: Vec<pg_sys::Oid> = batch.iter().map(|&i| queue::slot(i).role()).collect();
     let tenants: Vec<u128> = batch.iter().map(|&i| queue::slot(i).tenant()).collect();
     let breqs: Vec<BatchRequest> = requests

@@ -109,7 +109,7 @@ refused "CREATE FUNCTION in schema quota is refused" 42501 $T "CREATE FUNCTION q
 refused "CREATE TABLE in schema quota is refused" 42501 $T "CREATE TABLE quota.evil (x int)"
 refused "replacing quota.start is refused" 42501 $T \
   "CREATE OR REPLACE FUNCTION quota.start(label text DEFAULT NULL, lease interval DEFAULT NULL, idempotency_key text DEFAULT NULL, wait interval DEFAULT '0') RETURNS uuid LANGUAGE sql AS 'SELECT gen_random_uuid()'"
-refused "ALTER FUNCTION quota.start SECURITY DEFINER is refused" 42501 $T "ALTER FUNCTION quota.start(text, interval, text, interval) SECURITY DEFINER"
+refused "ALTER FUNCTION quota.start SECURITY DEFINER is refused" 42501 $T "ALTER FUNCTION quota.start(text, interval, text, interval, text, boolean) SECURITY DEFINER"
 refused "ALTER FUNCTION quota.finish OWNER TO the tenant is refused" 42501 $T "ALTER FUNCTION quota.finish(uuid, text) OWNER TO ht_tenant"
 expect_eq "the ledger and the summary are unchanged after the writes" "$before" "$(fingerprint)"
 

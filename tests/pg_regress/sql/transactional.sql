@@ -78,6 +78,15 @@ SELECT count(*) AS answers, count(DISTINCT t) AS tickets
   FROM (SELECT quota.start('same statement', idempotency_key => 'same-stmt', transactional => true) AS t
           FROM generate_series(1, 3)) s;
 SELECT count(*) AS tickets_with_key FROM quota.tickets WHERE idempotency_key = 'same-stmt';
+-- In the charging transaction, a start without transactional may not return that
+-- uncommitted ticket (55000): it promises a ticket no rollback removes.
+SELECT quota.finish(id) AS made_room FROM quota.tickets WHERE idempotency_key = 'same-stmt';
+BEGIN;
+SELECT quota.start('open key', idempotency_key => 'open-key', transactional => true) IS NOT NULL AS admitted;
+SELECT quota.start('open key', idempotency_key => 'open-key');
+\echo :LAST_ERROR_SQLSTATE
+ROLLBACK;
+SELECT count(*) AS open_key_tickets FROM quota.tickets WHERE idempotency_key = 'open-key';
 
 -- A transactional start in a read-only transaction is refused like any (25006).
 BEGIN READ ONLY;

@@ -172,25 +172,12 @@ unsafe extern "C-unwind" fn xact_event(
                 // One change per scope: each charge is one more active ticket and one
                 // more row of its role, and one more active ticket of its tenant.
                 let mut changes: Vec<(ScopeKey, i64, i64)> = Vec::new();
-                let mut add =
-                    |key: ScopeKey, rows: i64| match changes.iter_mut().find(|c| c.0 == key) {
-                        Some(c) => {
-                            c.1 += 1;
-                            c.2 += rows;
-                        }
-                        None => changes.push((key, 1, rows)),
-                    };
                 for (c, _) in open.iter() {
-                    add(ScopeKey::role(c.role), 1);
-                    if c.tenant != 0 {
-                        add(
-                            ScopeKey {
-                                role: c.role,
-                                tenant: c.tenant,
-                            },
-                            0,
-                        );
-                    }
+                    let key = ScopeKey {
+                        role: c.role,
+                        tenant: c.tenant,
+                    };
+                    scopes::add_change(&mut changes, key, 1, 1);
                 }
                 *overflow = scopes::publish(&changes);
             }

@@ -300,15 +300,8 @@ unsafe extern "C-unwind" fn xact_event(
             pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT if !finished.is_empty() => {
                 // One change per scope: its role's, and its tenant's if it has one.
                 let mut per_scope: Vec<(ScopeKey, i64, i64)> = Vec::new();
-                let mut count = |key: ScopeKey| match per_scope.iter_mut().find(|c| c.0 == key) {
-                    Some(c) => c.1 -= 1,
-                    None => per_scope.push((key, -1, 0)),
-                };
                 for &((role, tenant), _) in finished.iter() {
-                    count(ScopeKey::role(role));
-                    if tenant != 0 {
-                        count(ScopeKey { role, tenant });
-                    }
+                    scopes::add_change(&mut per_scope, ScopeKey { role, tenant }, -1, 0);
                 }
                 *overflow = scopes::publish(&per_scope);
             }

@@ -9,13 +9,14 @@
 use pgrx::pg_sys;
 
 use super::{get, others_view, ScopeKey};
-use crate::core::lease::earliest;
+use crate::core::lease::{earliest, Lapsed};
 use crate::core::{Limits, RefusalKind, Usage};
 use crate::ledger::count::{
     active, expired, lapsed, oldest_ended, rows, summary_rows, tenant_active, tenant_ended_since,
     tenant_lapsed, tenant_oldest_ended,
 };
 use crate::ledger::rels::Reader;
+use crate::ledger::scan::Latest;
 use crate::workers;
 
 /// A tenant of a role: the key that stands for it in shared memory, and its text (a
@@ -128,7 +129,7 @@ pub fn usage(
         let (active, open) = tenant_counts(reader, role, t);
         u.tenant_active = active + open;
         if limits.tenant_retained > 0 {
-            // A tenant's history is counted from the ledger (see `of_tenant`).
+            // A tenant's history is counted from the ledger (see `tenant_exact`).
             let snap = after.insert(others_view());
             u.tenant_retained = tenant_active(r, snap, role, t.text, None)
                 + tenant_ended_since(r, snap, role, t.text, cutoff)
@@ -158,30 +159,72 @@ pub fn usage(
     u
 }
 
-/// (active, retained) of tenant `t`, open charges included; retained only if asked
-/// for (a tenant's history is counted from the ledger: there is no summary row per
-/// tenant, as there can be 100,000 of them).
-pub fn of_tenant(
+/// A scope's counts with its lapsed leases subtracted: its active tickets, and its
+/// retained ones at each cutoff asked for (in that order), open charges included; with
+/// the lapsed leases and the snapshot they were counted under (taken after the counter
+/// was read: it sees every purge and sweep the counter reflects), for what the caller
+/// asks next.
+pub struct Exact {
+    pub active: i64,
+    pub retained: Vec<i64>,
+    pub lapsed: Lapsed,
+    pub after: Latest,
+}
+
+/// `role`'s exact counts (see Exact).
+pub fn role_exact(
+    reader: &Reader,
+    role: pg_sys::Oid,
+    now: pg_sys::TimestampTz,
+    cutoffs: &[pg_sys::TimestampTz],
+) -> Exact {
+    let r = &reader.rels;
+    let (active, rows, open) = role_counts(reader, role);
+    let after = others_view();
+    let lapsed = lapsed(r, &after, role, now);
+    let retained = cutoffs
+        .iter()
+        .map(|&c| rows + open - expired(r, &after, role, c) - lapsed.aged_out(c))
+        .collect();
+    Exact {
+        active: active + open - lapsed.expired(),
+        retained,
+        lapsed,
+        after,
+    }
+}
+
+/// Tenant `t`'s exact counts (see Exact). A tenant's history is counted from the
+/// ledger, at each cutoff: there is no summary row per tenant, as there can be 100,000
+/// of them.
+pub fn tenant_exact(
     reader: &Reader,
     role: pg_sys::Oid,
     t: Tenant,
     now: pg_sys::TimestampTz,
-    cutoff: pg_sys::TimestampTz,
-    count_retained: bool,
-) -> (i64, i64) {
+    cutoffs: &[pg_sys::TimestampTz],
+) -> Exact {
     let r = &reader.rels;
     let (active, open) = tenant_counts(reader, role, t);
     let after = others_view();
     let lapsed = tenant_lapsed(r, &after, role, t.text, now);
-    let retained = if count_retained {
-        tenant_active(r, &after, role, t.text, None)
-            + tenant_ended_since(r, &after, role, t.text, cutoff)
-            + open
-            - lapsed.aged_out(cutoff)
-    } else {
+    let unfinished = if cutoffs.is_empty() {
         0
+    } else {
+        tenant_active(r, &after, role, t.text, None)
     };
-    (active + open - lapsed.expired(), retained)
+    let retained = cutoffs
+        .iter()
+        .map(|&c| {
+            unfinished + tenant_ended_since(r, &after, role, t.text, c) + open - lapsed.aged_out(c)
+        })
+        .collect();
+    Exact {
+        active: active + open - lapsed.expired(),
+        retained,
+        lapsed,
+        after,
+    }
 }
 
 /// The full numbers for a refusal's message, and when capacity returns if a retained
@@ -197,31 +240,27 @@ pub fn refusal_numbers(
     kind: RefusalKind,
 ) -> (Usage, Option<pg_sys::TimestampTz>) {
     let r = &reader.rels;
-    let (active, rows, open) = role_counts(reader, role);
-    // As in `usage`: a snapshot that sees every purge and sweep the counter reflects.
-    let after = others_view();
-    let lapsed = lapsed(r, &after, role, now);
+    let of_role = role_exact(reader, role, now, &[cutoff]);
     let mut usage = Usage {
-        active: active + open - lapsed.expired(),
-        retained: rows + open - expired(r, &after, role, cutoff) - lapsed.aged_out(cutoff),
+        active: of_role.active,
+        retained: of_role.retained[0],
         ..Usage::default()
     };
     let mut next = None;
     if kind == RefusalKind::Retained {
         next = earliest(
-            oldest_ended(r, &after, role, cutoff),
-            lapsed.oldest_retained(cutoff),
+            oldest_ended(r, &of_role.after, role, cutoff),
+            of_role.lapsed.oldest_retained(cutoff),
         );
     }
     if let Some(t) = tenant {
-        let (ta, tr) = of_tenant(reader, role, t, now, cutoff, true);
-        usage.tenant_active = ta;
-        usage.tenant_retained = tr;
+        let of_tenant = tenant_exact(reader, role, t, now, &[cutoff]);
+        usage.tenant_active = of_tenant.active;
+        usage.tenant_retained = of_tenant.retained[0];
         if kind == RefusalKind::TenantRetained {
-            let lapsed = tenant_lapsed(r, &after, role, t.text, now);
             next = earliest(
-                tenant_oldest_ended(r, &after, role, t.text, cutoff),
-                lapsed.oldest_retained(cutoff),
+                tenant_oldest_ended(r, &of_tenant.after, role, t.text, cutoff),
+                of_tenant.lapsed.oldest_retained(cutoff),
             );
         }
     }

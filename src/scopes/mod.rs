@@ -86,6 +86,23 @@ impl ScopeKey {
     }
 }
 
+/// Adds to `changes` (one per scope, as `publish` takes them) what one ticket of scope
+/// `key` changes: `active` active tickets and `rows` rows of its role, and the same
+/// active tickets of its tenant if it has one (a tenant has no rows of its own).
+pub fn add_change(changes: &mut Vec<(ScopeKey, i64, i64)>, key: ScopeKey, active: i64, rows: i64) {
+    let mut add = |k: ScopeKey, rows: i64| match changes.iter_mut().find(|c| c.0 == k) {
+        Some(c) => {
+            c.1 += active;
+            c.2 += rows;
+        }
+        None => changes.push((k, active, rows)),
+    };
+    add(ScopeKey::role(key.role), rows);
+    if key.is_tenant() {
+        add(key, 0);
+    }
+}
+
 /// An entry's state (`Counter::state`). Never used: probing stops here.
 const ENTRY_FREE: u8 = 0;
 /// A scope's counter: `db`, `role` and `tenant` say whose.
@@ -370,17 +387,8 @@ pub fn pin(key: ScopeKey, tags: Option<Tags>) -> Option<Pin> {
                 summary: 0,
             });
             let (e, _) = at(k, counters::place_pinned(judged(k, tags), now_secs())?)?;
-            // The entry is this scope's from here on, not built yet.
-            e.valid.store(false, Ordering::Relaxed);
-            e.active.store(0, Ordering::Relaxed);
-            e.rows.store(0, Ordering::Relaxed);
-            e.open.store(0, Ordering::Relaxed);
-            e.db.store(k.0, Ordering::Relaxed);
-            e.role.store(k.1, Ordering::Relaxed);
-            e.tenant[0].store(k.2 as u64, Ordering::Relaxed);
-            e.tenant[1].store((k.2 >> 64) as u64, Ordering::Relaxed);
-            e.used.store(now_secs(), Ordering::Relaxed);
-            e.state.store(ENTRY_TAKEN, Ordering::Release);
+            // The entry is this scope's from here on, built at its next read.
+            claim(e, k);
             e
         }
     };
@@ -459,23 +467,33 @@ fn rebuild(
         }
     }
     // Taken over (or new): the entry is this scope's from here on.
-    let ours = slot(e) == Slot::Taken(key.0, key.1, key.2);
-    e.valid.store(false, Ordering::Relaxed);
-    if !ours {
-        e.open.store(0, Ordering::Relaxed);
-    }
-    e.role.store(key.1, Ordering::Relaxed);
-    e.db.store(key.0, Ordering::Relaxed);
-    e.tenant[0].store(key.2 as u64, Ordering::Relaxed);
-    e.tenant[1].store((key.2 >> 64) as u64, Ordering::Relaxed);
-    e.state.store(ENTRY_TAKEN, Ordering::Relaxed);
-    e.used.store(now_secs(), Ordering::Relaxed);
+    claim(e, key);
     e.active.store(active, Ordering::Release);
     e.rows.store(rows, Ordering::Release);
     e.ledger_node.store(tags.ledger, Ordering::Relaxed);
     e.summary_node.store(tags.summary, Ordering::Relaxed);
     e.valid.store(true, Ordering::Release);
     Some((active, rows))
+}
+
+/// Makes entry `e` scope `key`'s, not built (invalid, no numbers), read now. Its open
+/// charges are kept if it was this scope's already (a stale counter rebuilt), and none
+/// otherwise (an entry taken over never holds any: pinned entries are not given up).
+/// The caller holds the counters' lock exclusively.
+fn claim(e: &Counter, key: (u32, u32, u128)) {
+    let ours = slot(e) == Slot::Taken(key.0, key.1, key.2);
+    e.valid.store(false, Ordering::Relaxed);
+    e.active.store(0, Ordering::Relaxed);
+    e.rows.store(0, Ordering::Relaxed);
+    if !ours {
+        e.open.store(0, Ordering::Relaxed);
+    }
+    e.db.store(key.0, Ordering::Relaxed);
+    e.role.store(key.1, Ordering::Relaxed);
+    e.tenant[0].store(key.2 as u64, Ordering::Relaxed);
+    e.tenant[1].store((key.2 >> 64) as u64, Ordering::Relaxed);
+    e.used.store(now_secs(), Ordering::Relaxed);
+    e.state.store(ENTRY_TAKEN, Ordering::Release);
 }
 
 fn pending_key(p: &Pending) -> (u32, u32, u128) {

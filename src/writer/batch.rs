@@ -10,7 +10,7 @@ use pgrx::prelude::*;
 
 use crate::core::batch::{self, BatchRequest, Counted};
 use crate::core::{Decision, Limits, RefusalKind};
-use crate::ledger::count::{db_active, expired, lapsed, retained_with_key};
+use crate::ledger::count::{db_active, retained_with_key};
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::Reader;
 use crate::ledger::scan::{text_datum, Latest};
@@ -63,6 +63,15 @@ pub fn hand_back_at_exit(committed: bool) {
     }
     BATCH.with_borrow(|b| b.iter().for_each(|&i| serve::hand_back(i, committed)));
     QUEUED.with_borrow(|q| q.iter().for_each(|&i| serve::hand_back(i, false)));
+}
+
+/// A scope's counts as the batch decides on them: its active tickets, and its
+/// retained ones for each of `retentions` (the cutoffs `exact` was counted at).
+fn counted_of(exact: counts::Exact, retentions: &[i64]) -> Counted {
+    Counted {
+        active: exact.active,
+        retained: retentions.iter().copied().zip(exact.retained).collect(),
+    }
 }
 
 /// Handles one batch, then answers every caller in it. A group whose transaction
@@ -313,54 +322,31 @@ fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
     let counted: HashMap<u32, Counted> = batch::needs(&fresh_reqs)
         .into_iter()
         .map(|(role, needs)| {
-            let oid = pg_sys::Oid::from(role);
-            let (active, rows, open) = counts::role_counts(&reader, oid);
-            let after = Latest::take();
-            let lapsed = lapsed(&rels, &after, oid, now);
-            let retained = needs
+            let cutoffs: Vec<_> = needs
                 .retentions
                 .iter()
-                .map(|&ret| {
-                    let cutoff = cutoff(now, ret);
-                    (
-                        ret,
-                        rows + open - expired(&rels, &after, oid, cutoff) - lapsed.aged_out(cutoff),
-                    )
-                })
+                .map(|&ret| cutoff(now, ret))
                 .collect();
-            (
-                role,
-                Counted {
-                    active: active + open - lapsed.expired(),
-                    retained,
-                },
-            )
+            let exact = counts::role_exact(&reader, pg_sys::Oid::from(role), now, &cutoffs);
+            (role, counted_of(exact, &needs.retentions))
         })
         .collect();
     // The same for each tenant of the batch, from the ledger where it has no counter.
     let tenant_counted: HashMap<batch::TenantOf, Counted> = batch::tenant_needs(&fresh_reqs)
         .into_iter()
         .map(|((role, t), needs)| {
-            let oid = pg_sys::Oid::from(role);
             let tenant = Tenant {
                 key: t,
                 text: text_datum(tenant_text(role, t).unwrap_or_default()),
             };
-            let mut active = 0;
-            let retained = needs
+            let cutoffs: Vec<_> = needs
                 .retentions
                 .iter()
-                .map(|&ret| {
-                    let (a, r) =
-                        counts::of_tenant(&reader, oid, tenant, now, cutoff(now, ret), true);
-                    active = a;
-                    (ret, r)
-                })
+                .map(|&ret| cutoff(now, ret))
                 .collect();
-            if needs.retentions.is_empty() {
-                active = counts::of_tenant(&reader, oid, tenant, now, now, false).0;
-            }
-            ((role, t), Counted { active, retained })
+            let exact =
+                counts::tenant_exact(&reader, pg_sys::Oid::from(role), tenant, now, &cutoffs);
+            ((role, t), counted_of(exact, &needs.retentions))
         })
         .collect();
     // The database cap: every role's active tickets together, counted once, and the

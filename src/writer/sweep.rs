@@ -92,10 +92,6 @@ fn sweep_expired() {
     }
     let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
     let mut ended: Vec<(ScopeKey, i64, i64)> = Vec::new();
-    let mut count = |key: ScopeKey| match ended.iter_mut().find(|(k, _, _)| *k == key) {
-        Some(e) => e.1 -= 1,
-        None => ended.push((key, -1, 0)),
-    };
     for (tid, key, until) in due {
         // A finish() or renew() of the ticket in an open transaction: leave it to a
         // later sweep rather than wait for that transaction.
@@ -106,10 +102,7 @@ fn sweep_expired() {
             continue;
         };
         if ledger.update(tid, tuple, &[COL_ENDED_AT, COL_OUTCOME]) == pg_sys::TM_Result::TM_Ok {
-            count(ScopeKey::role(key.role));
-            if key.is_tenant() {
-                count(key);
-            }
+            crate::scopes::add_change(&mut ended, key, -1, 0);
         }
     }
     drop(ledger);

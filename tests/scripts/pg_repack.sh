@@ -145,7 +145,8 @@ expect_eq "--all: the DBA's rows are all there" "10000 10000" \
   "$(sql -d app -c "SELECT count(*) FROM public.jobs") $(sql -d app2 -c "SELECT count(*) FROM public.jobs")"
 
 touch "$CL/stop"
-timeout 150 bash -c "while pgrep -f 'iter.sql' >/dev/null; do sleep 0.2; done" || true
+# The bracket keeps the pattern from matching this waiting shell's own command line.
+timeout 150 bash -c "while pgrep -f '$CL/iter[.]sql' >/dev/null; do sleep 0.2; done" || true
 sleep 1
 
 # --- nothing was lost ---------------------------------------------------------------------

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Where a unit of work spends its time: CPU per unit and wait events, for the job
-lifecycles (JOB, JOB1, JOBQ) and start+finish. Called by `scripts/bench --cpu`, which
-builds, installs and starts the server as for a normal run. Standard library only;
-Linux only (it reads /proc).
+lifecycles (JOB, JOB1, JOBQ, and 0.5.0's JOBT and JOBT-tenants), start+finish, and the
+refusal floor (a refused try_start() of a role and of a tenant against CALL0, a C
+function with start()'s signature that does nothing). Called by `scripts/bench --cpu`,
+which builds, installs and starts the server as for a normal run. Standard library
+only; Linux only (it reads /proc).
 
 Each workload runs as the throughput runs do (16 pgbench processes, one client each, on
-16 roles) for SECONDS. Meanwhile every process of the server and every pgbench
+16 roles, or all on the one role the workload names) for SECONDS. Meanwhile every process of the server and every pgbench
 process is sampled from /proc every 0.2 s (user and system CPU; a process that exits
 keeps its last sample), and pg_stat_activity every 50 ms from one session of its own
 (psql's \\watch), which leaves itself out. The report divides the CPU by the units
@@ -21,8 +23,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")
-WORKLOADS = [("JOB", "job.sql"), ("JOB1", "job1.sql"), ("JOBQ", "jobq.sql"),
-             ("start+finish", "pgq.sql")]
+# (name, script, role): None spreads the clients over bench_r1..bench_r16.
+WORKLOADS = [("JOB", "job.sql", None), ("JOB1", "job1.sql", None), ("JOBQ", "jobq.sql", None),
+             ("JOBT", "jobt.sql", None), ("JOBT-tenants", "jobt_tenants.sql", "bench_tenants"),
+             ("start+finish", "pgq.sql", None),
+             ("refuse", "refuse.sql", "bench_refused"),
+             ("refuse-tenant", "refuse_tenant.sql", "bench_tenant_refused"),
+             ("CALL0", "call0.sql", "bench_refused")]
 CLIENTS = 16
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -51,7 +58,7 @@ def kind_of(pid, pgbench_pids):
         return None
     if "pg_quota ledger writer" in cmd:
         return "writer"
-    if re.search(r"postgres: bench_r\d+ ", cmd):
+    if re.search(r"postgres: bench_\w+ bench ", cmd):
         return "backend"
     return "other postgres"
 
@@ -87,7 +94,7 @@ def machine_cpu():
             "idle": (v[3] + v[4]) / TICK}
 
 
-def run(name, script):
+def run(name, script, role):
     with open(os.path.join(ARGS.datadir, "postmaster.pid")) as f:
         postmaster = int(f.readline())
     first = {}   # pid -> (kind, user, system) at its first sample
@@ -124,7 +131,7 @@ def run(name, script):
     for i in range(CLIENTS):
         procs.append(subprocess.Popen(
             [os.path.join(ARGS.pgbin, "pgbench"), "-n", "-h", ARGS.host, "-p", ARGS.port,
-             "-U", f"bench_r{i + 1}", "-c", "1", "-T", str(ARGS.seconds),
+             "-U", role or f"bench_r{i + 1}", "-c", "1", "-T", str(ARGS.seconds),
              "-f", os.path.join(SCRIPTS, script), ARGS.db],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     pg_pids = {p.pid for p in procs}
@@ -164,7 +171,8 @@ def report(results):
     if ARGS.machine:
         lines += [f"Machine: {ARGS.machine}", ""]
     lines += [f"{CLIENTS} pgbench processes, one client each on 16 roles, {ARGS.seconds} s per "
-              "workload. CPU in microseconds per unit (a job, or a start+finish), user + system; "
+              "workload (all 16 on one role for JOBT-tenants and the calls). CPU in microseconds "
+              "per unit (a job, a start+finish, or a call), user + system; "
               "the machine's columns are all its CPUs together.", "",
               "| workload | units/s | " + " | ".join(f"{k} us" for k in kinds)
               + " | all processes us | machine user us | machine system us | machine idle |",
@@ -199,8 +207,8 @@ def report(results):
 
 def main():
     results = []
-    for name, script in WORKLOADS:
-        r = run(name, script)
+    for name, script, role in WORKLOADS:
+        r = run(name, script, role)
         results.append(r)
         print(f"{name}: {r['units'] / r['wall']:.0f} units/s", flush=True)
     text = report(results)

@@ -41,6 +41,7 @@ def parse_args():
     p.add_argument("--db", default="bench")
     p.add_argument("--seconds", type=int, default=10)
     p.add_argument("--machine", default="")
+    p.add_argument("--only", default="", help="comma-separated workload names (default: all)")
     return p.parse_args()
 
 
@@ -207,7 +208,10 @@ def report(results):
 
 def main():
     results = []
+    only = set(filter(None, ARGS.only.split(",")))
     for name, script, role in WORKLOADS:
+        if only and name not in only:
+            continue
         r = run(name, script, role)
         results.append(r)
         print(f"{name}: {r['units'] / r['wall']:.0f} units/s", flush=True)

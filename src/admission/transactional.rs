@@ -50,15 +50,24 @@ pub(crate) fn attempt(
                     caller.args.key,
                     reader.tags,
                 );
+                // The charge is what every count reads (an open charge, in shared
+                // memory); the row is only looked for by a repeat of its key. So a
+                // start without a key inserts its row after the locks are released,
+                // and the role's other starts do not queue behind its index inserts.
+                // Charged, it leaves the line of waiting starts at once (if it was in
+                // it): counted as an open charge, it must not count as a start ahead
+                // of the others too while it inserts.
                 Ok(charged.map(|()| {
-                    let id = insert(caller, &ledger, lease_us);
-                    crate::charges::identify(*id.as_bytes());
-                    id
+                    crate::waiters::leave();
+                    caller.args.key.map(|_| insert(caller, &ledger, lease_us))
                 }))
             },
         );
         match taken {
-            Ok(Ok(Ok(id))) => return Ok(Ok((id, false))),
+            Ok(Ok(Ok(id))) => {
+                let id = id.unwrap_or_else(|| insert(caller, &ledger, lease_us));
+                return Ok(Ok((id, false)));
+            }
             Ok(Ok(Err(e))) => return Err(e),
             Ok(Err(refused)) => return Ok(Err(refused)),
             Err(Repeat::Found(id)) => return Ok(Ok((id, true))),
@@ -82,7 +91,8 @@ pub(crate) fn attempt(
 }
 
 /// Inserts the caller's ticket in its transaction, started now: after every wait of
-/// the call, so that its lease runs whole from its started_at.
+/// the call, so that its lease runs whole from its started_at; and names it as the
+/// ticket of the charge just taken.
 fn insert(caller: &Caller, ledger: &OpenRel, lease_us: Option<i64>) -> pgrx::Uuid {
     // SAFETY: plain reads of the clock and of backend state; the transaction gets an id
     // if it has none (it is about to write).
@@ -109,5 +119,6 @@ fn insert(caller: &Caller, ledger: &OpenRel, lease_us: Option<i64>) -> pgrx::Uui
             txid: Some(txid),
         }],
     );
+    crate::charges::identify(*id.as_bytes());
     id
 }

@@ -1,0 +1,135 @@
+"""pg_quota admission for procrastinate (psycopg 3): the recipe of USER_GUIDE.md.
+
+Only procrastinate's public API is used: Task.configure(connection=...).defer_async()
+to defer in a transaction of ours, a worker middleware (App.run_worker_async(
+worker_middleware=[...])) around every job, and a BaseRetryStrategy subclass that
+puts a job refused at its tenant's limit back in the queue.
+
+The pool handed to the middlewares is an psycopg_pool.AsyncConnectionPool of ours (the
+one given to App.open_async); a connection taken from it commits when its block ends.
+"""
+import psycopg
+import procrastinate
+
+
+class AtCapacity(Exception):
+    """The job's tenant is at its limit: the job goes back to the queue for later."""
+
+
+class QuotaRetry(procrastinate.BaseRetryStrategy):
+    """AtCapacity: try again in `capacity_delay` seconds, however often (a refusal is
+    no failure). Anything else: ask `inner` (None: no retry). procrastinate's
+    job.attempts counts the AtCapacity retries too, so an inner strategy should not
+    rely on max_attempts alone."""
+
+    def __init__(self, inner=None, capacity_delay=0.3):
+        self.inner = inner
+        self.capacity_delay = capacity_delay
+
+    def get_retry_decision(self, *, exception, job):
+        if isinstance(exception, AtCapacity):
+            return procrastinate.RetryDecision(retry_in={"seconds": self.capacity_delay})
+        if self.inner is None:
+            return None
+        return self.inner.get_retry_decision(exception=exception, job=job)
+
+
+# --- at enqueue -----------------------------------------------------------------------
+async def defer_with_ticket(conn, task, tenant, lease, label, **task_kwargs):
+    """Defers `task` for `tenant` with a transactional ticket, in ONE transaction of
+    `conn` (an autocommit psycopg.AsyncConnection): the charge and the job's row commit
+    or roll back together. Returns the job id; raises AtCapacity (nothing enqueued,
+    nothing charged) when the tenant is at its limit. Call it inside your own
+    `async with conn.transaction():` to defer with the rest of your writes."""
+    async with conn.transaction():
+        cur = await conn.execute(
+            "SELECT quota.try_start(%s, lease => %s::interval, tenant => %s, transactional => true)",
+            (label, lease, tenant))
+        ticket = (await cur.fetchone())[0]
+        if ticket is None:
+            raise AtCapacity(tenant)
+        return await task.configure(connection=conn).defer_async(
+            tenant=tenant, ticket=str(ticket), **task_kwargs)
+
+
+async def _try_start(pool, label, lease, tenant):
+    async with pool.connection() as c:
+        cur = await c.execute(
+            "SELECT quota.try_start(%s, lease => %s::interval, tenant => %s)", (label, lease, tenant))
+        return (await cur.fetchone())[0]
+
+
+async def _finish(pool, ticket, outcome):
+    async with pool.connection() as c:
+        await c.execute("SELECT quota.finish(%s, %s)", (ticket, outcome))
+
+
+async def _renew(pool, ticket, lease):
+    """True if the ticket is still active and now runs `lease` from now; False if it
+    has ended (finished, or its lease ran out: 55000)."""
+    try:
+        async with pool.connection() as c:
+            await c.execute("SELECT quota.renew(%s, %s::interval)", (ticket, lease))
+        return True
+    except psycopg.errors.ObjectNotInPrerequisiteState:
+        return False
+
+
+def enqueued_ticket_middleware(pool, lease, queue_lease, label_of=lambda job: None):
+    """Worker middleware for jobs deferred with defer_with_ticket: the job's ticket
+    (task kwarg `ticket`) is renewed to `lease` (the run's) when a run starts, renewed
+    to `queue_lease` (as at enqueue) when the job goes back to the queue for a retry,
+    and finished when the job ends (succeeded, or failed for good). If the ticket has
+    ended by the time a run starts (its worker was killed and the lease gave the slot
+    back; the job waited past its lease), the run takes a writer-committed slot for
+    its tenant instead, finished when the run ends; none free: AtCapacity (retry later).
+    """
+    async def middleware(call_next, context, worker):
+        job = context.job
+        own = job.task_kwargs["ticket"]
+        tenant = job.task_kwargs["tenant"]
+        if await _renew(pool, own, lease):
+            ticket = own
+        else:
+            ticket = await _try_start(pool, label_of(job), lease, tenant)
+            if ticket is None:
+                raise AtCapacity(tenant)
+        outcome = "failed"
+        retried = False
+        try:
+            result = await call_next()
+            outcome = "succeeded"
+            return result
+        except BaseException as e:
+            retried = context.task.get_retry_exception(exception=e, job=job) is not None
+            raise
+        finally:
+            if ticket != own or not retried:
+                await _finish(pool, ticket, outcome)
+            else:
+                # Back to the queue holding its ticket. (If its lease ran out during the
+                # run, _renew is False and the next run takes a slot anew.)
+                await _renew(pool, own, queue_lease)
+    return middleware
+
+
+# --- at claim -------------------------------------------------------------------------
+def claim_ticket_middleware(pool, lease, tenant_of, label_of=lambda job: None):
+    """Worker middleware that admits each run of a job when the worker has claimed it:
+    a writer-committed try_start for the job's tenant (procrastinate claims in its own
+    transaction, procrastinate_fetch_job_v2, which is not ours to extend), finished when
+    the run ends whatever its end. Refused: AtCapacity, the job goes back to the queue
+    (QuotaRetry) without running."""
+    async def middleware(call_next, context, worker):
+        job = context.job
+        ticket = await _try_start(pool, label_of(job), lease, tenant_of(job))
+        if ticket is None:
+            raise AtCapacity(tenant_of(job))
+        outcome = "failed"
+        try:
+            result = await call_next()
+            outcome = "succeeded"
+            return result
+        finally:
+            await _finish(pool, ticket, outcome)
+    return middleware

@@ -37,7 +37,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
 PORT="${PORT:-$((5771 + PORT_OFFSET))}"
 NODE_DIR="$ROOT/tests/queues/graphile-worker"
 CACHE="${GRAPHILE_WORKER_CACHE:-/var/cache/pg_quota-tests/graphile-worker}"
-LIMIT=2 JOBS=300 TENANTS=30 WORKERS=4 CONCURRENCY=4 LEASE_S=5 JOB_MS=300
+LIMIT=2 JOBS=300 TENANTS=30 WORKERS=4 CONCURRENCY=4 LEASE_S=10 JOB_MS=300
 NO_QUOTA="${QUEUE_NO_QUOTA:-0}"
 [ "$NO_QUOTA" = 1 ] && echo "# QUEUE_NO_QUOTA=1: pg_quota is taken out of the recipe"
 

@@ -4,7 +4,7 @@
 # - enqueue: each job is deferred (Task.configure(connection=conn).defer_async) in the
 #   transaction that takes its transactional ticket (try_start(tenant, transactional),
 #   lease 30 s: the wait in the queue); the job carries its ticket; a worker middleware
-#   renews it to the run's lease (4 s) when a run starts, keeps it while the job is
+#   renews it to the run's lease (8 s) when a run starts, keeps it while the job is
 #   retried, finishes it when the job ends;
 # - claim: jobs are deferred plainly; a worker middleware takes a writer-committed
 #   try_start for the job's tenant right after procrastinate claimed it (its claim is
@@ -13,7 +13,7 @@
 # Each: 3 worker processes (concurrency 6), 300 jobs over 30 tenants in bursts of 10
 # jobs of one tenant, quota.max_active_per_tenant = 2, 50 planned failures that
 # procrastinate retries, 30 enqueues that roll back, one worker SIGKILLed mid-job (its
-# jobs recovered with procrastinate's get_stalled_jobs/retry_job once the 4 s lease of
+# jobs recovered with procrastinate's get_stalled_jobs/retry_job once the 8 s lease of
 # the killed runs has passed). A sampler session counts, per tenant, the jobs whose work is
 # running (rows the jobs write at the start and delete at the end of their work).
 # Checks: no tenant ever ran more than 2; every job succeeded, its work done once; the
@@ -41,7 +41,7 @@ VENV="$PQ_CACHE/procrastinate-$PQ_VERSION-py3.11"
 NO_QUOTA=0
 case "${QUEUE_NO_QUOTA:-}" in ""|0) ;; *) NO_QUOTA=1 ;; esac
 LIMIT=2
-LEASE='4 s'        # a run's
+LEASE='8 s'        # a run's (a stalled run on a loaded machine must not outlive it)
 QUEUE_LEASE='30 s' # an enqueued ticket's, until its job runs
 T_START=$SECONDS
 

@@ -38,7 +38,6 @@ NO_QUOTA = os.environ.get("QUEUE_NO_QUOTA", "") not in ("", "0")
 N_JOBS = jobs.N_JOBS
 WORKERS = int(os.environ.get("PQ_WORKERS", "3"))
 CONCURRENCY = int(os.environ.get("PQ_CONCURRENCY", "6"))
-KILL_AFTER = int(os.environ.get("PQ_KILL_AFTER", "60"))  # jobs done before the SIGKILL
 
 
 
@@ -139,11 +138,13 @@ async def run(mode, logdir):
                 async with POOL.connection() as c:
                     cur = await c.execute("SELECT count(DISTINCT key) FROM pq_runs WHERE ok")
                     done = (await cur.fetchone())[0]
-                    if killed is None and done >= KILL_AFTER:
-                        # SIGKILL a worker in the middle of a job's work.
+                    if killed is None:
+                        # SIGKILL the worker running the victim's first run (jobs.VICTIM),
+                        # which blocks until then: in the middle of a job's work.
                         pids = [p.pid for p in procs]
                         cur = await c.execute(
-                            "SELECT key, tenant, pid FROM pq_running WHERE pid = ANY(%s) LIMIT 1", (pids,))
+                            "SELECT key, tenant, pid FROM pq_running WHERE key = %s AND pid = ANY(%s) LIMIT 1",
+                            (jobs.VICTIM, pids))
                         row = await cur.fetchone()
                         if row:
                             victim = next(p for p in procs if p.pid == row[2])

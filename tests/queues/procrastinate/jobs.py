@@ -11,6 +11,9 @@ DSN = os.environ.get("PQ_DSN", "")
 N_JOBS = int(os.environ.get("PQ_JOBS", "300"))
 N_TENANTS = int(os.environ.get("PQ_TENANTS", "30"))
 BURST = int(os.environ.get("PQ_BURST", "10"))
+# The job whose first run blocks until driver.py kills its worker (SIGKILL): a fixed
+# victim, so that the kill never meets a run that is just ending.
+VICTIM = os.environ.get("PQ_VICTIM", "j100")
 
 app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=DSN))
 POOL = None  # the process's pool (ours, given to App.open_async); set by driver.py
@@ -46,6 +49,11 @@ async def work(*, key, tenant, fail_times=0, ms=200, ticket=None):
                         (key, tenant, os.getpid()))
     ok = False
     try:
+        if key == VICTIM:
+            async with POOL.connection() as c:
+                cur = await c.execute("SELECT count(*) FROM pq_kills WHERE key = %s", (key,))
+                if (await cur.fetchone())[0] == 0:
+                    await asyncio.sleep(120)  # killed here
         await asyncio.sleep(ms / 1000)
         async with POOL.connection() as c:
             cur = await c.execute("SELECT count(*) FROM pq_runs WHERE key = %s AND NOT ok", (key,))

@@ -222,17 +222,8 @@ unsafe extern "C-unwind" fn subxact_event(
         if open.is_empty() {
             return;
         }
-        if event == pg_sys::SubXactEvent::SUBXACT_EVENT_ABORT_SUB {
-            // The savepoint's inserts are rolled back with it: so are its charges.
-            let level = pg_sys::GetCurrentTransactionNestLevel();
-            let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(open)
-                .into_iter()
-                .partition(|(_, l)| *l >= level);
-            *open = kept;
-            end(gone, false);
-        } else {
-            crate::xact::at_subxact_end(open, event);
-        }
+        // The savepoint's inserts are rolled back with it: so are its charges.
+        end(crate::xact::at_subxact_end(open, event), false);
     }
 }
 

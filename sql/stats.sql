@@ -55,3 +55,8 @@ SELECT d.datname,
 GRANT SELECT ON quota.stats, quota.stats_info, quota.writer_stats, quota.wait_histogram
     TO PUBLIC;
 REVOKE EXECUTE ON FUNCTION quota.stats_reset(pg_catalog.regrole) FROM PUBLIC;
+
+-- 0.5.1: quota.usage_totals() (src/api.rs) reports every role's tickets together, so
+-- it is for those who see every role's statistics. Also in sql/pg_quota--0.5.0--0.5.1.sql.
+REVOKE EXECUTE ON FUNCTION quota.usage_totals() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION quota.usage_totals() TO pg_read_all_stats;

@@ -414,6 +414,35 @@ fn writer_stats_rows() -> TableIterator<
     }))
 }
 
+/// quota.usage_totals() (0.5.1): the database's active and retained tickets and its
+/// ledger rows, all roles together, without reading the ledger's history (see
+/// stats/usage.rs). EXECUTE is revoked from PUBLIC and granted to pg_read_all_stats
+/// (sql/stats.sql): the totals cover every role.
+#[pg_extern(
+    volatile,
+    parallel_safe,
+    sql = r#"
+CREATE FUNCTION "usage_totals"(
+	OUT "active" bigint, OUT "retained" bigint, OUT "ledger_rows" bigint
+) RETURNS SETOF record
+VOLATILE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'usage_totals_wrapper';
+"#
+)]
+fn usage_totals() -> TableIterator<
+    'static,
+    (
+        name!(active, i64),
+        name!(retained, i64),
+        name!(ledger_rows, i64),
+    ),
+> {
+    crate::shmem::require_preloaded();
+    let t = crate::stats::usage_totals();
+    TableIterator::once((t.active, t.retained, t.ledger_rows))
+}
+
 /// Empties quota.stats: the rows of `role` in every database, or, with NULL, every
 /// row and quota.stats_info's figures. EXECUTE is revoked from PUBLIC.
 #[pg_extern(

@@ -263,8 +263,123 @@ impl Reader<'_> {
     }
 }
 
+/// What quota.usage_totals reports (0.5.1): the database's tickets, all roles
+/// together, counted without reading the ledger's history.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UsageTotals {
+    /// Active tickets: unfinished, lease not run out.
+    pub active: i64,
+    /// Retained tickets at the caller's quota.retention, as quota.usage counts them.
+    pub retained: i64,
+    /// The ledger's rows: the retained tickets and the history the writer has not
+    /// purged yet (kept for a longer retention of another session, or not reached).
+    pub ledger_rows: i64,
+}
+
+impl UsageTotals {
+    /// From the ledger's rows (the summary's counts), those that no longer count as
+    /// retained at the caller's cutoff (`gone`), and the active ones. Every ledger row
+    /// is either retained or gone, so retained is the difference; the floor at `active`
+    /// only guards a summary that SQL-level writes left wrong until it is rebuilt (an
+    /// active ticket is always retained).
+    pub fn new(active: i64, ledger_rows: i64, gone: i64) -> UsageTotals {
+        UsageTotals {
+            active,
+            retained: ledger_rows.saturating_sub(gone).max(active),
+            ledger_rows: ledger_rows.max(active),
+        }
+    }
+}
+
+/// How many of `total` items lie before a cutoff, from two counters that each stop at
+/// a limit: `before(limit)` counts those before it and `since(limit)` those at or after
+/// it, each returning at most `limit`. Both sides are counted up to the same limit,
+/// which grows fourfold until one side comes out below it, so the work is a small
+/// multiple of the smaller side, however large the other (quota.usage_totals: the
+/// tickets ended before the caller's retention, or those ended since).
+pub fn smaller_side(
+    total: i64,
+    mut before: impl FnMut(i64) -> i64,
+    mut since: impl FnMut(i64) -> i64,
+) -> i64 {
+    let mut limit = 1024i64;
+    loop {
+        let b = before(limit);
+        if b < limit {
+            return b;
+        }
+        let s = since(limit);
+        if s < limit {
+            return total.saturating_sub(s).max(0);
+        }
+        limit = limit.saturating_mul(4);
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn smaller_side_counts_the_smaller_side_only() {
+        // 10 before, 1,000,000 since: the answer comes from the small side, and the
+        // large one is never counted past the first limit.
+        let mut read = 0i64;
+        let total = 1_000_010;
+        let n = smaller_side(
+            total,
+            |limit| {
+                read += 10.min(limit);
+                10.min(limit)
+            },
+            |_| unreachable!("the side before came out below the limit"),
+        );
+        assert_eq!((n, read), (10, 10));
+        // 1,000,000 before, 10 since: both sides read once up to 1024, then the small one
+        // answers.
+        let (mut b_read, mut s_read) = (0i64, 0i64);
+        let n = smaller_side(
+            total,
+            |limit| {
+                let c = 1_000_000.min(limit);
+                b_read += c;
+                c
+            },
+            |limit| {
+                let c = 10.min(limit);
+                s_read += c;
+                c
+            },
+        );
+        assert_eq!((n, b_read, s_read), (1_000_000, 1024, 10));
+        // Both large: the limit grows until one side fits; the reads stay within a
+        // small multiple of the smaller side (300,000).
+        let reads = std::cell::Cell::new(0i64);
+        let (before, since) = (300_000i64, 700_000i64);
+        let side = |n: i64| {
+            let reads = &reads;
+            move |limit: i64| {
+                reads.set(reads.get() + n.min(limit));
+                n.min(limit)
+            }
+        };
+        let n = smaller_side(before + since, side(before), side(since));
+        assert_eq!(n, before);
+        assert!(reads.get() < 4 * before, "{} entries read", reads.get());
+        // Exactly at a limit is not below it: both sides go on.
+        assert_eq!(smaller_side(2048, |l| 1024.min(l), |l| 1024.min(l)), 1024);
+    }
+    #[test]
+    fn usage_totals_retained_is_rows_less_gone() {
+        let t = UsageTotals::new(3, 1_000_000, 400_000);
+        assert_eq!(
+            (t.active, t.retained, t.ledger_rows),
+            (3, 600_000, 1_000_000)
+        );
+        // A summary that undercounts (SQL-level writes, until it is rebuilt) never
+        // reports fewer retained tickets or rows than the active ones.
+        let t = UsageTotals::new(5, 2, 0);
+        assert_eq!((t.retained, t.ledger_rows), (5, 5));
+        assert_eq!(UsageTotals::new(0, 0, 0).retained, 0);
+    }
     use super::*;
 
     fn sample() -> SavedStats {

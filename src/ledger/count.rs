@@ -489,3 +489,102 @@ pub fn key_in_progress(
     );
     found
 }
+
+/// How many ledger rows the database holds, all roles together (0.5.1, for
+/// quota.usage_totals), without reading the ledger's history: each role's summary row
+/// plus its transactional tickets not folded into it yet, or, for a role without a
+/// summary row (SQL-level writes to the ledger made the summary forget it, until the
+/// writer gives it back), its rows counted one by one. Costs a read of the summary, one
+/// index probe per role with ledger rows, and one per role with transactional tickets.
+pub fn db_rows(r: &Rels, snap: &Latest) -> i64 {
+    let mut summary = std::collections::HashMap::new();
+    scan(r.summary, r.summary_idx, snap, &[], |slot| {
+        if let (Some(role), Some(tickets)) = (attr(slot, 1), attr(slot, SUMMARY_COL_TICKETS as i32))
+        {
+            let folded = if r.v5() {
+                attr(slot, SUMMARY_COL_FOLDED as i32).map_or(0, |d| d.value() as u64)
+            } else {
+                0
+            };
+            summary.insert(role.value() as u32, (tickets.value() as i64, folded));
+        }
+        true
+    });
+    let mut txn_roles = std::collections::HashSet::new();
+    let mut after = pg_sys::InvalidOid;
+    while let Some(role) = next_txn_role(r, snap, after) {
+        txn_roles.insert(u32::from(role));
+        after = role;
+    }
+    let mut rows = 0i64;
+    let mut after = pg_sys::InvalidOid;
+    while let Some(role) = next_role(r, snap, after) {
+        rows += match summary.get(&u32::from(role)) {
+            Some(&(tickets, folded)) if txn_roles.contains(&u32::from(role)) => {
+                tickets + unfolded(r, snap, role, folded)
+            }
+            Some(&(tickets, _)) => tickets,
+            None => ledger_rows(r, snap, role),
+        };
+        after = role;
+    }
+    rows
+}
+
+/// The database's unfinished tickets (0.5.1, for quota.usage_totals), sorted as
+/// quota.usage sorts them at `now` for a caller whose retention starts at `cutoff`.
+pub struct Open {
+    /// Every unfinished ticket.
+    pub all: i64,
+    /// Those whose lease has not run out (or that have none).
+    pub active: i64,
+    /// Those whose lease ran out before `cutoff`: they count as ended at lease_until,
+    /// so no longer as retained.
+    pub gone: i64,
+}
+
+/// One walk of the database's unfinished tickets in ledger_open_idx (0.2.0's schema
+/// only): the active ones, and those whose lease the writer's sweep has not ended yet.
+pub fn db_open(
+    r: &Rels,
+    snap: &Latest,
+    now: pg_sys::TimestampTz,
+    cutoff: pg_sys::TimestampTz,
+) -> Open {
+    let mut open = Open {
+        all: 0,
+        active: 0,
+        gone: 0,
+    };
+    if !r.v2() {
+        return open;
+    }
+    scan_index(r.ledger, r.ledger_open_idx, snap, &[Key::IsNull], |slot| {
+        let lease_until = ts_attr(slot, COL_LEASE_UNTIL);
+        open.all += 1;
+        open.active += i64::from(lease_until.is_none_or(|l| l > now));
+        open.gone += i64::from(lease_until.is_some_and(|l| l < cutoff));
+        true
+    });
+    open
+}
+
+/// How many of the database's `ended` finished tickets ended before `cutoff` (0.2.0's
+/// schema only), reading the entries of ledger_open_idx on the smaller side of the
+/// cutoff (see core::stats::smaller_side): the history past retention where the
+/// writer has not purged it (a database without a writer for a while), otherwise the
+/// tickets that ended since.
+pub fn db_ended_before(r: &Rels, snap: &Latest, cutoff: pg_sys::TimestampTz, ended: i64) -> i64 {
+    if !r.v2() {
+        return 0;
+    }
+    let mut locks = crate::ledger::rels::Locks::new();
+    locks.take(r.ledger_open_idx, pg_sys::AccessShareLock);
+    let side =
+        |key: Key| move |limit: i64| count(r.ledger, r.ledger_open_idx, snap, &[key], Some(limit));
+    crate::core::stats::smaller_side(
+        ended,
+        side(Key::TsLess(cutoff)),
+        side(Key::TsAtLeast(cutoff)),
+    )
+}

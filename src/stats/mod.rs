@@ -31,11 +31,15 @@
 //! The writer table (`quota.writer_stats`) is a small array of per-database entries,
 //! written by each database's ledger writer; not kept across restarts.
 //!
-//! table.rs holds the table, file.rs the stats file, writers.rs quota.writer_stats.
+//! table.rs holds the table, file.rs the stats file, writers.rs quota.writer_stats,
+//! usage.rs quota.usage_totals (0.5.1, read from the ledger's summary and indexes).
 
 mod file;
 mod table;
+mod usage;
 mod writers;
+
+pub use usage::totals as usage_totals;
 
 use std::sync::atomic::Ordering;
 

@@ -355,8 +355,8 @@ expect_eq "the trigger functions are not executable by PUBLIC" "false false fals
   "$(sql -c "SELECT string_agg(has_function_privilege('ht_tenant', p.oid, 'EXECUTE')::text, ' ')
               FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace AND p.prorettype = 'trigger'::regtype")"
 refused "a tenant cannot call a trigger function" 42501 $T "SELECT quota.ledger_written()"
-FUNCTIONS="quota.current_retention(), quota.finish(uuid,text), quota.ledger_written(), quota.renew(uuid,interval), quota.repack_placeholder(), quota.start(text,interval,text,interval,text,boolean), quota.stats_info_row(), quota.stats_reset(regrole), quota.stats_rows(), quota.summary_written(), quota.try_start(text,interval,text,interval,text,boolean), quota.wait_histogram_rows(), quota.writer_stats_rows()"
-expect_eq "schema quota has exactly finish, renew, start, try_start, current_retention, the 0.3.0 statistics functions and the three trigger functions" \
+FUNCTIONS="quota.current_retention(), quota.finish(uuid,text), quota.ledger_written(), quota.renew(uuid,interval), quota.repack_placeholder(), quota.start(text,interval,text,interval,text,boolean), quota.stats_info_row(), quota.stats_reset(regrole), quota.stats_rows(), quota.summary_written(), quota.try_start(text,interval,text,interval,text,boolean), quota.usage_totals(), quota.wait_histogram_rows(), quota.writer_stats_rows()"
+expect_eq "schema quota has exactly finish, renew, start, try_start, current_retention, the 0.3.0 statistics functions, usage_totals (0.5.1) and the three trigger functions" \
   "$FUNCTIONS" \
   "$(sql -c "SELECT string_agg(p.oid::regprocedure::text, ', ' ORDER BY p.oid::regprocedure::text COLLATE \"C\") FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace")"
 expect_eq "stats_reset() is not executable by PUBLIC; the statistics readers are (they filter rows themselves)" \
@@ -365,6 +365,11 @@ expect_eq "stats_reset() is not executable by PUBLIC; the statistics readers are
               FROM unnest(ARRAY['quota.stats_reset(regrole)', 'quota.stats_info_row()', 'quota.stats_rows()',
                                 'quota.wait_histogram_rows()', 'quota.writer_stats_rows()']::regprocedure[]) p")"
 refused "a tenant cannot reset the statistics" 42501 $T "SELECT quota.stats_reset()"
+expect_eq "usage_totals() (0.5.1, every role's tickets) is executable by pg_read_all_stats, not by PUBLIC" \
+  "f t" \
+  "$(sql -c "SELECT has_function_privilege('ht_tenant', 'quota.usage_totals()', 'EXECUTE'),
+                     has_function_privilege('pg_read_all_stats', 'quota.usage_totals()', 'EXECUTE')" | tr '|' ' ')"
+refused "a tenant cannot read the database's usage totals" 42501 $T "SELECT * FROM quota.usage_totals()"
 expect_eq "the extension owns no other function anywhere" \
   "$FUNCTIONS" \
   "$(sql -c "SELECT string_agg(objid::regprocedure::text, ', ' ORDER BY objid::regprocedure::text COLLATE \"C\") FROM pg_depend

@@ -227,6 +227,7 @@ pg_quota_stats_evicted_total counter
 pg_quota_stats_log_suppressed_total counter
 pg_quota_stats_max gauge
 pg_quota_usage_active gauge
+pg_quota_usage_ledger_rows gauge
 pg_quota_usage_retained gauge
 pg_quota_wait_duration_seconds histogram
 pg_quota_wait_seconds_total counter
@@ -286,6 +287,8 @@ UNION ALL
 SELECT format('pg_quota_usage_active{datname="%s"}', current_database()) || E'\t' || coalesce(sum(active), 0) FROM quota.usage
 UNION ALL
 SELECT format('pg_quota_usage_retained{datname="%s"}', current_database()) || E'\t' || coalesce(sum(retained), 0) FROM quota.usage
+UNION ALL
+SELECT format('pg_quota_usage_ledger_rows{datname="%s"}', current_database()) || E'\t' || count(*) FROM quota.ledger
 UNION ALL
 SELECT format('pg_quota_wait_duration_seconds_bucket{datname="%s",le="%s"}', datname,
               CASE WHEN le = 'Infinity' THEN '+Inf' ELSE (le / 1000)::text END) || E'\t' || sum(waits)

@@ -1,0 +1,212 @@
+#!/usr/bin/env bash
+# Monitoring at 100,000 tenants and millions of retained tickets (0.5.1): the scrape
+# of contrib/prometheus/queries.yaml must not read the ledger's retained history, its
+# output must not grow with tenants or roles, and one tenant's numbers are one index
+# range away in SQL. Also the writer's purge of the history of roles that stopped
+# starting tickets (0.5.1), which before stayed in the ledger for good.
+#
+# The ledger gets, by SQL as a superuser (a documented path: the trigger empties the
+# summary and the writer rebuilds it), 2,000,000 finished tickets of role app spread
+# over 100,000 tenants within the last 6 days, 200,000 finished 9 days ago (past the
+# 7-day retention) of role idle, which never starts another ticket, and one ticket for
+# each of 10,000 roles; then, through quota.start(), active tickets of 1,000 tenants,
+# leases that run out, and transactional tickets. The exporter (Debian's
+# prometheus-postgres-exporter 0.11) runs as a member of pg_monitor with the shipped
+# file, as tests/scripts/prometheus_exporter.sh runs it.
+#
+# Checks, and how each can fail:
+# - the writer purges role idle's 200,000 tickets past retention within 120 s, with no
+#   start of idle's, and keeps its summary row in step: fails on 0.5.0, whose writer
+#   purged only the roles that start tickets (seen: idle kept its rows);
+# - quota.usage_totals() equals quota.usage summed and a count of the ledger, at this
+#   scale, before and after the purge (the missing-summary path included): fails if a
+#   role, a transactional ticket not folded, a lapsed lease or the history is counted
+#   wrong;
+# - quota.usage_totals() reads at most 1.5 ledger entries per role with rows, plus the
+#   unfinished tickets, plus the smaller side of the retention cutoff (table and index
+#   entries of quota.ledger returned in its transaction, pg_stat_get_xact_tuples_*):
+#   fails if it reads the retained history, as summing quota.usage does (that read is
+#   measured too, and must be over the bound, so the measure itself can fail);
+# - the exporter's pg_quota_usage_* gauges equal the SQL, and its scrape has as many
+#   pg_quota samples as before the tickets, tenants and roles came: fails if a metric
+#   gets a series per tenant or per role (the opt-in per-role block does: checked to
+#   fail so);
+# - one tenant's numbers from quota.tenant_usage, filtered by role and tenant, equal a
+#   count of its tickets and read only its entries: fails if the view's filter is not
+#   pushed down to ledger_tenant_idx (it would read every ticket of every tenant).
+# The scrape's duration and size, and the time of each query, are printed (# lines) and
+# recorded in USER_GUIDE.md, "Monitoring at scale"; they are not checked (timing is
+# for benchmarks).
+source "$(dirname "$0")/../../scripts/lib.sh"
+PORT="${PORT:-$((5772 + PORT_OFFSET))}"
+EXPORTER_PORT="${EXPORTER_PORT:-$((PORT + 3450))}"
+EXPORTER=/usr/bin/prometheus-postgres-exporter
+PY=/usr/bin/python3
+HELPER="$ROOT/tests/scripts/prometheus_scrape.py"
+TENANTS=100000 HISTORY=2000000 IDLE=200000 ROLES=10000 ACTIVE=1000
+
+# The exporter and its parser, installed as prometheus_exporter.sh installs them (that
+# script also checks that a fresh install leaves no service running).
+if ! dpkg-query -W -f='${Status}' prometheus-postgres-exporter 2>/dev/null | grep -q "install ok installed"; then
+  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod 755 /usr/sbin/policy-rc.d
+  apt_install prometheus-postgres-exporter >&2
+  rm -f /usr/sbin/policy-rc.d
+  systemctl disable --now prometheus-postgres-exporter.service >/dev/null 2>&1 || true
+  /etc/init.d/prometheus-postgres-exporter stop >/dev/null 2>&1 || true
+fi
+apt_install python3-prometheus-client python3-yaml >&2
+
+# The writer stays up while idle, so that its purge passes run while the test waits.
+with_cluster monitoring_scale "quota.writer_idle_timeout = 600" "quota.retention = '7d'" \
+  "quota.allow_transactional = on" "quota.max_active_per_role = 0" "quota.max_retained_per_role = 0" "max_wal_size = '4GB'" "checkpoint_timeout = '30min'"
+sql -c "CREATE EXTENSION pg_quota" >/dev/null
+sql >/dev/null <<SQL
+CREATE ROLE app LOGIN;
+CREATE ROLE idle LOGIN;
+CREATE ROLE exporter LOGIN IN ROLE pg_monitor;
+SELECT format('CREATE ROLE r%s', i) FROM generate_series(1, $ROLES) i \gexec
+SQL
+
+# --- the exporter, before any ticket -----------------------------------------------
+port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+start_exporter() {  # start_exporter FILE TAG
+  bg env DATA_SOURCE_NAME="host=$CL port=$PORT user=exporter dbname=postgres sslmode=disable" \
+    "$EXPORTER" --extend.query-path="$1" --web.listen-address="127.0.0.1:$EXPORTER_PORT" \
+    --disable-default-metrics --disable-settings-metrics --no-auto-discover-databases \
+    --no-collector.database --no-collector.bgwriter > "$CL/exporter.$2.log" 2>&1
+  EXPORTER_PID=$LAST_BG
+}
+stop_exporter() {
+  kill -- "-$EXPORTER_PID" 2>/dev/null || true
+  timeout 10 tail --pid="$EXPORTER_PID" -f /dev/null || true
+}
+scrape() {  # scrape TAG: $CL/raw.TAG, $CL/scrape.TAG
+  "$PY" "$HELPER" scrape "http://127.0.0.1:$EXPORTER_PORT/metrics" "$CL/raw.$1" > "$CL/scrape.$1"
+}
+quota_samples() { grep -c '^SAMPLE pg_quota_' "$CL/scrape.$1"; }
+value() { sed -n 's/^SAMPLE //p' "$CL/scrape.$1" | awk -F'\t' -v k="$2" '$1 == k { print $2 }'; }
+check "port $EXPORTER_PORT is free for the exporter" port_free "$EXPORTER_PORT"
+start_exporter "$ROOT/contrib/prometheus/queries.yaml" default
+# A few tickets first, so that every family has its row (the writer's, the stats').
+sql -c "SET ROLE app" -c "SELECT quota.finish(quota.start(tenant => 't0'))" >/dev/null
+scrape before
+BEFORE=$(quota_samples before)
+check "before: the scrape has pg_quota samples ($BEFORE)" test "$BEFORE" -gt 10
+
+# --- the tickets --------------------------------------------------------------------
+# Ids in time order (as uuid v7 are), so that the primary key grows at its end.
+t0=$SECONDS
+sql > "$CL/inserted" <<SQL
+SET synchronous_commit = off;
+SET maintenance_work_mem = '256MB';
+WITH w AS (INSERT INTO quota.ledger (id, role, label, started_at, ended_at, outcome, tenant)
+SELECT ('00000000-0000-7000-8000-' || lpad(to_hex(i), 12, '0'))::uuid, 'app', 'job',
+       now() - interval '6 days' + i * interval '200 ms',
+       now() - interval '6 days' + i * interval '200 ms' + interval '1 s', 'succeeded',
+       't' || (i % $TENANTS)
+  FROM generate_series(1, $HISTORY) i RETURNING 1) SELECT count(*) FROM w;
+WITH w AS (INSERT INTO quota.ledger (id, role, label, started_at, ended_at, outcome)
+SELECT ('00000000-0000-7000-9000-' || lpad(to_hex(i), 12, '0'))::uuid, 'idle', 'old',
+       now() - interval '9 days', now() - interval '9 days' + i * interval '1 ms', 'succeeded'
+  FROM generate_series(1, $IDLE) i RETURNING 1) SELECT count(*) FROM w;
+WITH w AS (INSERT INTO quota.ledger (id, role, label, started_at, ended_at, outcome)
+SELECT ('00000000-0000-7000-a000-' || lpad(to_hex(i), 12, '0'))::uuid, ('r' || i)::regrole, 'one',
+       now() - interval '1 day', now() - interval '1 day', 'succeeded'
+  FROM generate_series(1, $ROLES) i RETURNING 1) SELECT count(*) FROM w;
+SQL
+echo "# wrote $((HISTORY + IDLE + ROLES)) tickets by SQL in $((SECONDS - t0)) s"
+# Through pg_quota: 1,000 tenants hold a ticket each, 20 leases of tenant "short" run
+# out, 30 transactional tickets commit (not folded yet when first counted).
+sql >/dev/null <<SQL
+SET ROLE app;
+SELECT count(quota.start('held', lease => '1 h', tenant => 't' || i)) FROM generate_series(1, $ACTIVE) i;
+SELECT count(quota.start('short', lease => '1 ms', tenant => 'short')) FROM generate_series(1, 20);
+BEGIN;
+SELECT count(quota.start('txn', tenant => 't' || i, transactional => true)) FROM generate_series(1, 30) i;
+COMMIT;
+SQL
+sql -c "VACUUM ANALYZE quota.ledger" >/dev/null
+idle_rows() { sql -c "SELECT count(*) FROM quota.ledger WHERE role = 'idle'::regrole"; }
+expect_eq "the SQL wrote the history, the idle role's and one ticket per role" \
+  "$HISTORY $IDLE $ROLES" "$(paste -sd' ' "$CL/inserted")"
+
+# agree TAG: usage_totals() against quota.usage summed and a count of the ledger.
+agree() {
+  expect_eq "$1: quota.usage_totals() equals quota.usage summed and the ledger's rows" \
+    "$(sql -c "SELECT coalesce(sum(active), 0) || ' ' || coalesce(sum(retained), 0) FROM quota.usage") $(sql -c "SELECT count(*) FROM quota.ledger")" \
+    "$(sql -c "SELECT active || ' ' || retained || ' ' || ledger_rows FROM quota.usage_totals()")"
+}
+agree "with the summary emptied by the SQL writes"
+
+# --- the writer purges the idle role's history ----------------------------------------
+t0=$SECONDS
+for _ in $(seq 1 240); do [ "$(idle_rows)" = 0 ] && break; sleep 0.5; done
+expect_eq "the writer purged the idle role's $IDLE tickets past retention, without a start of idle's ($((SECONDS - t0)) s)" \
+  0 "$(idle_rows)"
+expect_eq "the idle role's summary row is in step (0 rows, or no row)" 0 \
+  "$(sql -c "SELECT coalesce(sum(tickets), 0) FROM quota.summary WHERE role = 'idle'::regrole")"
+expect_eq "the writer rebuilt the summary: a row for each role with tickets" \
+  "$(sql -c "SELECT count(DISTINCT role) FROM quota.ledger")" \
+  "$(sql -c "SELECT count(*) FROM quota.summary s WHERE EXISTS (SELECT FROM quota.ledger l WHERE l.role = s.role)")"
+agree "after the purge"
+
+# --- what a scrape's query reads ---------------------------------------------------------
+# read_entries SQL: the ledger's heap and index entries that SQL returned, in its own
+# transaction (pg_stat_get_xact_* count what this transaction did so far); and its time.
+read_entries() {
+  sql -c "BEGIN" -c "\\o /dev/null" -c "$1" -c "\\o" -c "SELECT sum(pg_stat_get_xact_tuples_returned(c) + pg_stat_get_xact_tuples_fetched(c))
+      FROM (SELECT 'quota.ledger'::regclass::oid UNION ALL
+            SELECT indexrelid FROM pg_index WHERE indrelid = 'quota.ledger'::regclass) r(c)" -c "COMMIT"
+}
+ms() {  # ms SQL: how long SQL took, in ms, as the exporter's role
+  local t
+  t=$(date +%s%N)
+  pgq "$CL" "$PORT" -U exporter -d postgres -At -c "$1" >/dev/null
+  echo $((($(date +%s%N) - t) / 1000000))
+}
+role_count=$(sql -c "SELECT count(DISTINCT role) FROM quota.ledger")
+open=$(sql -c "SELECT count(*) FROM quota.ledger WHERE ended_at IS NULL")
+retained=$(sql -c "SELECT retained FROM quota.usage_totals()")
+# Each entry an index scan returns counts twice (returned by the index, fetched from
+# the heap): 2 per role's probe, 2 per unfinished ticket, and the first limit (1024) of
+# the smaller side, with room for the transactional tickets' probes.
+BOUND=$((3 * role_count + 2 * open + 4 * 1024))
+read_totals=$(read_entries "SELECT * FROM quota.usage_totals()")
+read_view=$(read_entries "SELECT sum(active), sum(retained) FROM quota.usage")
+echo "# $role_count roles with tickets, $open unfinished, $retained retained; usage_totals() read $read_totals entries (bound $BOUND), quota.usage summed read $read_view"
+check "quota.usage_totals() read at most 1.5 entries per role + the unfinished + the smaller side ($read_totals <= $BOUND)" \
+  test "$read_totals" -le "$BOUND"
+check "summing quota.usage reads the retained history, over the bound ($read_view > $BOUND): the measure can fail" \
+  test "$read_view" -gt "$BOUND"
+echo "# time, as the exporter: usage_totals() $(ms "SELECT * FROM quota.usage_totals()") ms, $(ms "SELECT * FROM quota.usage_totals()") ms; quota.usage summed $(ms "SELECT sum(active), sum(retained) FROM quota.usage") ms"
+
+# --- the scrape ----------------------------------------------------------------------------
+scrape after
+AFTER=$(quota_samples after)
+echo "# scrape: $(wc -c < "$CL/raw.after") bytes in all, $(grep -c '^pg_quota_' "$CL/raw.after") pg_quota sample lines ($(grep '^pg_quota_' "$CL/raw.after" | wc -c) bytes), pg_exporter_last_scrape_duration_seconds $(value after 'pg_exporter_last_scrape_duration_seconds{}')"
+expect_eq "the exporter's last scrape had no error" 0 "$(value after 'pg_exporter_last_scrape_error{}')"
+expect_eq "the scrape has as many pg_quota samples as before the tickets, tenants and roles" "$BEFORE" "$AFTER"
+expect_eq "the exporter's usage gauges equal quota.usage_totals()" \
+  "$(sql -c "SELECT active || ' ' || retained || ' ' || ledger_rows FROM quota.usage_totals()")" \
+  "$(value after 'pg_quota_usage_active{datname="postgres"}') $(value after 'pg_quota_usage_retained{datname="postgres"}') $(value after 'pg_quota_usage_ledger_rows{datname="postgres"}')"
+# The same check fails with a series per role: the opt-in block, enabled.
+stop_exporter
+sed '/^## BEGIN PER-ROLE/,/^## END PER-ROLE/s/^# //' "$ROOT/contrib/prometheus/queries.yaml" > "$CL/per-role.yaml"
+start_exporter "$CL/per-role.yaml" per_role
+scrape per_role
+check "with the opt-in per-role block the samples grow with the roles ($(quota_samples per_role) > $BEFORE): the check can fail" \
+  test "$(quota_samples per_role)" -gt "$BEFORE"
+stop_exporter
+
+# --- one tenant's numbers ----------------------------------------------------------------
+# Tenant t42: its 20 finished tickets of the history and its held one.
+want=$(sql -c "SELECT count(*) FILTER (WHERE ended_at IS NULL) || ' ' || count(*) FROM quota.ledger
+                WHERE role = 'app'::regrole AND tenant = 't42'")
+ONE="SELECT active || ' ' || retained FROM quota.tenant_usage WHERE role = 'app'::regrole AND tenant = 't42'"
+expect_eq "quota.tenant_usage filtered to one tenant gives its numbers" "$want" "$(sql -c "$ONE")"
+read_one=$(read_entries "$ONE")
+echo "# one tenant: $want (active, retained); quota.tenant_usage read $read_one entries, in $(ms "$ONE") ms"
+check "quota.tenant_usage for one tenant reads only its entries ($read_one <= 3 x ${want#* })" \
+  test "$read_one" -le $((3 * ${want#* }))
+
+finish_checks

@@ -27,17 +27,13 @@
 # skipped.
 #
 # procrastinate and its dependencies, pinned, are installed with Debian's python3 (3.11)
-# into a venv in PQ_CACHE (default /var/cache/pg_quota-tests), reused when present.
+# into a venv in PQ_CACHE (default /var/cache/pg_quota-tests), reused when present
+# (tests/queues/procrastinate/venv.sh, shared with `scripts/bench --queue`).
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
 PORT="${PORT:-$((5770 + PORT_OFFSET))}"
 HERE="$ROOT/tests/queues/procrastinate"
-PQ_VERSION=3.10.0
-# Exactly what pip resolves for procrastinate 3.10.0 + psycopg[binary] 3.3.9 on 3.11.
-PINS=(procrastinate==3.10.0 "psycopg[binary]==3.3.9" psycopg-binary==3.3.9 psycopg-pool==3.3.3
-      asgiref==3.13.0 attrs==26.1.0 croniter==7.0.0 packaging==26.4 python-dateutil==4.0.0
-      typing_extensions==4.16.0 tzdata==2026.6)
-PQ_CACHE="${PQ_CACHE:-/var/cache/pg_quota-tests}"
-VENV="$PQ_CACHE/procrastinate-$PQ_VERSION-py3.11"
+source "$HERE/venv.sh"
+VENV="$PQ_VENV"
 NO_QUOTA=0
 case "${QUEUE_NO_QUOTA:-}" in ""|0) ;; *) NO_QUOTA=1 ;; esac
 LIMIT=2
@@ -46,23 +42,7 @@ QUEUE_LEASE='30 s' # an enqueued ticket's, until its job runs
 T_START=$SECONDS
 
 # --- install ----------------------------------------------------------------------------
-install_venv() {
-  [ -x /usr/bin/python3 ] || apt_install python3 >&2
-  /usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || apt_install python3-venv >&2
-  mkdir -p "$PQ_CACHE"
-  local lock
-  exec {lock}> "$PQ_CACHE/.procrastinate.lock"
-  flock "$lock"
-  if [ ! -e "$VENV/.complete" ]; then
-    log "installing procrastinate $PQ_VERSION into $VENV"
-    rm -rf "$VENV"
-    /usr/bin/python3 -m venv "$VENV" >&2
-    "$VENV/bin/pip" install -q --no-input "${PINS[@]}" >&2
-    printf '%s\n' "${PINS[@]}" > "$VENV/.complete"
-  fi
-  exec {lock}>&-
-}
-install_venv
+procrastinate_venv
 PY="$VENV/bin/python"
 export PYTHONDONTWRITEBYTECODE=1  # nothing generated in the repository
 expect_eq "procrastinate $PQ_VERSION and psycopg 3.3.9 are importable from $VENV" "$PQ_VERSION 3.3.9" \

@@ -6,7 +6,8 @@ use pgrx::pg_sys;
 use crate::core::lease::Lapsed;
 use crate::ledger::rels::Rels;
 use crate::ledger::scan::{
-    attr, count, scan, scan_any, scan_index, text_attr, text_datum, ts_attr, Key, Latest,
+    attr, count, distinct_oids, scan, scan_any, scan_index, text_attr, text_datum, ts_attr, Key,
+    Latest,
 };
 use crate::ledger::{
     COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_ROLE, COL_STARTED_AT, COL_TENANT, COL_TXID,
@@ -511,14 +512,13 @@ pub fn db_rows(r: &Rels, snap: &Latest) -> i64 {
         true
     });
     let mut txn_roles = std::collections::HashSet::new();
-    let mut after = pg_sys::InvalidOid;
-    while let Some(role) = next_txn_role(r, snap, after) {
-        txn_roles.insert(u32::from(role));
-        after = role;
+    if r.v5() {
+        distinct_oids(r.ledger, r.ledger_txid_idx, COL_ROLE, snap, |role| {
+            txn_roles.insert(u32::from(role));
+        });
     }
     let mut rows = 0i64;
-    let mut after = pg_sys::InvalidOid;
-    while let Some(role) = next_role(r, snap, after) {
+    distinct_oids(r.ledger, r.ledger_idx, COL_ROLE, snap, |role| {
         rows += match summary.get(&u32::from(role)) {
             Some(&(tickets, folded)) if txn_roles.contains(&u32::from(role)) => {
                 tickets + unfolded(r, snap, role, folded)
@@ -526,8 +526,7 @@ pub fn db_rows(r: &Rels, snap: &Latest) -> i64 {
             Some(&(tickets, _)) => tickets,
             None => ledger_rows(r, snap, role),
         };
-        after = role;
-    }
+    });
     rows
 }
 

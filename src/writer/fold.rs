@@ -23,14 +23,19 @@ use crate::ledger::count::{next_role, next_txn_role, summary_rows, unfolded};
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::Reader;
 use crate::ledger::scan::Latest;
-use crate::ledger::write::{fold_into_summary, horizon, purge_before};
+use crate::ledger::write::{fold_into_summary, horizon, purge_at_most};
 use crate::scopes::ScopeKey;
 use crate::timestamps::cutoff;
 
 use super::txn::try_in_transaction;
 
-/// The most roles one pass folds; the next pass goes on after the last one.
+/// The most roles one pass folds, and the most whose history it purges; the next pass
+/// goes on after the last one.
 const ROLES_PER_PASS: usize = 256;
+/// The most rows one pass purges from the histories of roles in turn (0.5.1): a few
+/// milliseconds of the writer's time, so 5,000 a second while there is a backlog (after
+/// the update to 0.5.1, say).
+const HISTORY_ROWS_PER_PASS: usize = 5000;
 
 thread_local! {
     /// The role the last pass stopped after, among the roles with transactional
@@ -88,19 +93,44 @@ fn fold() {
             }
             Some(_) => {}
         }
-        purge_role(&rels, &ledger, &summary, role, now, for_all, &mut changes);
+        purge_role(
+            &rels,
+            &ledger,
+            &summary,
+            role,
+            now,
+            for_all,
+            None,
+            &mut changes,
+        );
     }
     AFTER.set(after);
-    // Every role's history in turn, ROLES_PER_PASS per pass: one probe per role that
-    // has nothing past its retention.
+    // Every role's history in turn, ROLES_PER_PASS per pass (a few probes for a role
+    // with nothing past its retention) and at most HISTORY_ROWS_PER_PASS rows, so that
+    // the starts waiting for the writer meanwhile wait little; a role with more is
+    // taken up again by the next pass.
     let mut after = HISTORY_AFTER.get();
+    let mut budget = HISTORY_ROWS_PER_PASS;
     for _ in 0..ROLES_PER_PASS {
         let Some(role) = next_role(&rels, &snap, after) else {
             after = pg_sys::InvalidOid;
             break;
         };
+        let purged = purge_role(
+            &rels,
+            &ledger,
+            &summary,
+            role,
+            now,
+            for_all,
+            Some(budget),
+            &mut changes,
+        );
+        budget -= purged.min(budget as i64) as usize;
+        if budget == 0 {
+            break;
+        }
         after = role;
-        purge_role(&rels, &ledger, &summary, role, now, for_all, &mut changes);
     }
     HISTORY_AFTER.set(after);
     drop(snap);
@@ -111,10 +141,12 @@ fn fold() {
     OVERFLOW.with_borrow_mut(|o| *o = crate::scopes::publish(&changes));
 }
 
-/// Deletes `role`'s tickets that ended before every retention that could count them at
-/// `now`: `for_all` (seconds: the longest retention set for every role, the writer's
-/// own included) and the longest one configured for the role itself; and notes the
-/// rows it removed for the role's counter and summary row.
+/// Deletes `role`'s tickets (at most `max`, the oldest first, if given) that ended
+/// before every retention that could count them at `now`: `for_all` (seconds: the
+/// longest retention set for every role, the writer's own included) and the longest
+/// one configured for the role itself; and notes the rows it removed for the role's
+/// counter and summary row. Returns how many it removed.
+#[allow(clippy::too_many_arguments)]
 fn purge_role(
     rels: &crate::ledger::rels::Rels,
     ledger: &OpenRel,
@@ -122,13 +154,15 @@ fn purge_role(
     role: pg_sys::Oid,
     now: pg_sys::TimestampTz,
     for_all: i64,
+    max: Option<usize>,
     changes: &mut Vec<(ScopeKey, i64, i64)>,
-) {
+) -> i64 {
     let keep = for_all.max(super::batch::configured_retention(role));
-    let purged = purge_before(rels, ledger, role, cutoff(now, keep));
+    let purged = purge_at_most(rels, ledger, role, cutoff(now, keep), max);
     if purged.all > 0 {
         fold_into_summary(rels, summary, role, -purged.summarized, 0);
         // A role purged twice in one pass (it has transactional tickets) is one change.
         crate::scopes::add_change(changes, ScopeKey::role(role), 0, -purged.all);
     }
+    purged.all
 }

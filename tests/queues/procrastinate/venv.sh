@@ -5,7 +5,8 @@
 #
 # The venv lives in PQ_CACHE (default /var/cache/pg_quota-tests), outside the
 # repository, and is reused when present: it is built once, under a lock, and marked
-# complete only when pip has installed every pin.
+# complete only when pip has installed every pin; a venv built with other pins is
+# built again.
 PQ_VERSION=3.10.0
 # Exactly what pip resolves for procrastinate 3.10.0 + psycopg[binary] 3.3.9 on 3.11.
 PQ_PINS=(procrastinate==3.10.0 "psycopg[binary]==3.3.9" psycopg-binary==3.3.9 psycopg-pool==3.3.3
@@ -23,7 +24,8 @@ procrastinate_venv() {
   local lock
   exec {lock}> "$PQ_CACHE/.procrastinate.lock"
   flock "$lock"  # one install at a time; none while another run installs
-  if [ ! -e "$PQ_VENV/.complete" ]; then
+  # Built again when its pins changed (the marker holds the pins it was built with).
+  if ! printf '%s\n' "${PQ_PINS[@]}" | cmp -s - "$PQ_VENV/.complete"; then
     log "installing procrastinate $PQ_VERSION into $PQ_VENV"
     rm -rf "$PQ_VENV"
     /usr/bin/python3 -m venv "$PQ_VENV" >&2

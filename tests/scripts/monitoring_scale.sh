@@ -40,9 +40,8 @@
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-$((5772 + PORT_OFFSET))}"
 EXPORTER_PORT="${EXPORTER_PORT:-$((PORT + 3450))}"
-EXPORTER=/usr/bin/prometheus-postgres-exporter
-PY=/usr/bin/python3
-HELPER="$ROOT/tests/scripts/prometheus_scrape.py"
+# EXPORTER, PY, HELPER, port_free, start_exporter, stop_exporter, scrape
+source "$ROOT/tests/scripts/prometheus_lib.bash"
 TENANTS=100000 HISTORY=2000000 IDLE=200000 ROLES=10000 ACTIVE=1000
 
 # The exporter and its parser, installed as prometheus_exporter.sh installs them (that
@@ -68,21 +67,6 @@ SELECT format('CREATE ROLE r%s', i) FROM generate_series(1, $ROLES) i \gexec
 SQL
 
 # --- the exporter, before any ticket -----------------------------------------------
-port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-start_exporter() {  # start_exporter FILE TAG
-  bg env DATA_SOURCE_NAME="host=$CL port=$PORT user=exporter dbname=postgres sslmode=disable" \
-    "$EXPORTER" --extend.query-path="$1" --web.listen-address="127.0.0.1:$EXPORTER_PORT" \
-    --disable-default-metrics --disable-settings-metrics --no-auto-discover-databases \
-    --no-collector.database --no-collector.bgwriter > "$CL/exporter.$2.log" 2>&1
-  EXPORTER_PID=$LAST_BG
-}
-stop_exporter() {
-  kill -- "-$EXPORTER_PID" 2>/dev/null || true
-  timeout 10 tail --pid="$EXPORTER_PID" -f /dev/null || true
-}
-scrape() {  # scrape TAG: $CL/raw.TAG, $CL/scrape.TAG
-  "$PY" "$HELPER" scrape "http://127.0.0.1:$EXPORTER_PORT/metrics" "$CL/raw.$1" > "$CL/scrape.$1"
-}
 quota_samples() { grep -c '^SAMPLE pg_quota_' "$CL/scrape.$1"; }
 value() { sed -n 's/^SAMPLE //p' "$CL/scrape.$1" | awk -F'\t' -v k="$2" '$1 == k { print $2 }'; }
 check "port $EXPORTER_PORT is free for the exporter" port_free "$EXPORTER_PORT"

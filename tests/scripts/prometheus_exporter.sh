@@ -58,10 +58,9 @@
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-$((5740 + PORT_OFFSET))}"
 EXPORTER_PORT="${EXPORTER_PORT:-$((PORT + 3450))}"
+# EXPORTER, PY, HELPER, port_free, start_exporter, stop_exporter, scrape
+source "$ROOT/tests/scripts/prometheus_lib.bash"
 QUERIES="${PROMETHEUS_QUERIES:-$ROOT/contrib/prometheus/queries.yaml}"
-EXPORTER=/usr/bin/prometheus-postgres-exporter
-PY=/usr/bin/python3  # Debian's, which has python3-prometheus-client (not a pyenv one)
-HELPER="$ROOT/tests/scripts/prometheus_scrape.py"
 
 # --- install -------------------------------------------------------------------------
 fresh=0
@@ -180,24 +179,6 @@ same() {
   local name="$1" d
   if d=$(diff "$2" "$3"); then check "$name" true
   else check "$name" false; sed 's/^/#   /' <<<"$d" | head -n 40; fi
-}
-port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-# start_exporter FILE TAG: our own exporter with that queries file, as role exporter,
-# nothing but the file's metrics; its log in $CL/exporter.TAG.log. Stopped at exit (bg).
-start_exporter() {
-  bg env DATA_SOURCE_NAME="host=$CL port=$PORT user=exporter dbname=postgres sslmode=disable" \
-    "$EXPORTER" --extend.query-path="$1" --web.listen-address="127.0.0.1:$EXPORTER_PORT" \
-    --disable-default-metrics --disable-settings-metrics --no-auto-discover-databases \
-    --no-collector.database --no-collector.bgwriter > "$CL/exporter.$2.log" 2>&1
-  EXPORTER_PID=$LAST_BG
-}
-stop_exporter() {
-  kill -- "-$EXPORTER_PID" 2>/dev/null || true
-  timeout 10 tail --pid="$EXPORTER_PID" -f /dev/null || true
-}
-# scrape TAG: GET /metrics; $CL/raw.TAG is the text, $CL/scrape.TAG the helper's lines.
-scrape() {
-  "$PY" "$HELPER" scrape "http://127.0.0.1:$EXPORTER_PORT/metrics" "$CL/raw.$1" > "$CL/scrape.$1"
 }
 samples() { sed -n 's/^SAMPLE //p' "$CL/scrape.$1"; }
 value() { samples "$1" | awk -F'\t' -v k="$2" '$1 == k { print $2 }'; }

@@ -5,8 +5,8 @@
 -- quota.usage, which reads every retained ticket of the ledger: with two million, each
 -- scrape read two million rows. 0.5.1 adds quota.usage_totals(), which answers the same
 -- totals from the summary (one row per role), one index probe per role, the active
--- tickets and the tickets past the caller's retention not purged yet; never the
--- retained history (USER_GUIDE.md, "Monitoring at scale").
+-- tickets and the smaller side of the caller's retention cutoff, usually the few
+-- tickets past it not purged yet (USER_GUIDE.md, "Monitoring at scale").
 -- What it changes:
 -- 1. The function quota.usage_totals(OUT active bigint, OUT retained bigint,
 --    OUT ledger_rows bigint), on the library's symbol usage_totals_wrapper.
@@ -14,9 +14,11 @@
 --    pg_monitor): it reports every role's tickets together, which only those who see
 --    every role's statistics may see; quota.usage stays everyone's, showing each role
 --    the rows it may see.
+-- It is PARALLEL UNSAFE: it reads the latest committed state, which a parallel worker
+-- cannot take (it refuses there with 25000).
 -- Nothing else changes: other objects, their privileges and your tickets stay. The
--- shared memory layout is 0.5.0's; the library's writer now also purges the history of
--- roles that stopped starting tickets, which needs no SQL object.
+-- shared memory layout is 0.5.0's; the library's writer now also purges the oldest
+-- history of every role, which needs no SQL object.
 --
 -- The result must equal a fresh 0.5.1 install (sql/schema.sql, sql/stats.sql and
 -- src/api.rs); scripts/test-upgrade compares the catalogs, pg_init_privs included.
@@ -27,7 +29,7 @@
 CREATE FUNCTION quota.usage_totals(
 	OUT "active" bigint, OUT "retained" bigint, OUT "ledger_rows" bigint
 ) RETURNS SETOF record
-VOLATILE PARALLEL SAFE
+VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'usage_totals_wrapper';
 

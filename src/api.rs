@@ -417,15 +417,15 @@ fn writer_stats_rows() -> TableIterator<
 /// quota.usage_totals() (0.5.1): the database's active and retained tickets and its
 /// ledger rows, all roles together, without reading the ledger's history (see
 /// stats/usage.rs). EXECUTE is revoked from PUBLIC and granted to pg_read_all_stats
-/// (sql/stats.sql): the totals cover every role.
+/// (sql/stats.sql): the totals cover every role. PARALLEL UNSAFE: see below.
 #[pg_extern(
     volatile,
-    parallel_safe,
+    parallel_unsafe,
     sql = r#"
 CREATE FUNCTION "usage_totals"(
 	OUT "active" bigint, OUT "retained" bigint, OUT "ledger_rows" bigint
 ) RETURNS SETOF record
-VOLATILE PARALLEL SAFE
+VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'usage_totals_wrapper';
 "#
@@ -438,7 +438,9 @@ fn usage_totals() -> TableIterator<
         name!(ledger_rows, i64),
     ),
 > {
-    crate::shmem::require_preloaded();
+    // It reads the latest committed state, which a parallel worker (or a leader in
+    // parallel mode) cannot take: 25000, as start() refuses there, rather than XX000.
+    crate::shmem::require_callable(c"quota.usage_totals()");
     let t = crate::stats::usage_totals();
     TableIterator::once((t.active, t.retained, t.ledger_rows))
 }

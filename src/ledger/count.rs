@@ -495,9 +495,11 @@ pub fn key_in_progress(
 /// quota.usage_totals), without reading the ledger's history: each role's summary row
 /// plus its transactional tickets not folded into it yet, or, for a role without a
 /// summary row (SQL-level writes to the ledger made the summary forget it, until the
-/// writer gives it back), its rows counted one by one. Costs a read of the summary, one
-/// index probe per role with ledger rows, and one per role with transactional tickets.
-pub fn db_rows(r: &Rels, snap: &Latest) -> i64 {
+/// writer gives it back), its rows counted one by one; and whether any role had no
+/// summary row (the caller asks the writer to rebuild them). Costs a read of the
+/// summary, a step or a probe per role with ledger rows, and one per role with
+/// transactional tickets.
+pub fn db_rows(r: &Rels, snap: &Latest) -> (i64, bool) {
     let mut summary = std::collections::HashMap::new();
     scan(r.summary, r.summary_idx, snap, &[], |slot| {
         if let (Some(role), Some(tickets)) = (attr(slot, 1), attr(slot, SUMMARY_COL_TICKETS as i32))
@@ -518,16 +520,20 @@ pub fn db_rows(r: &Rels, snap: &Latest) -> i64 {
         });
     }
     let mut rows = 0i64;
+    let mut missing = false;
     distinct_oids(r.ledger, r.ledger_idx, COL_ROLE, snap, |role| {
         rows += match summary.get(&u32::from(role)) {
             Some(&(tickets, folded)) if txn_roles.contains(&u32::from(role)) => {
                 tickets + unfolded(r, snap, role, folded)
             }
             Some(&(tickets, _)) => tickets,
-            None => ledger_rows(r, snap, role),
+            None => {
+                missing = true;
+                ledger_rows(r, snap, role)
+            }
         };
     });
-    rows
+    (rows, missing)
 }
 
 /// The database's unfinished tickets (0.5.1, for quota.usage_totals), sorted as

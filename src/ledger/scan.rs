@@ -270,6 +270,7 @@ pub fn distinct_oids(
             pg_sys::index_rescan(desc, sk.as_mut_ptr(), 1, std::ptr::null_mut(), 0);
             let mut steps = 0;
             loop {
+                pgrx::check_for_interrupts!();
                 if !pg_sys::index_getnext_slot(
                     desc,
                     pg_sys::ScanDirection::ForwardScanDirection,
@@ -277,23 +278,27 @@ pub fn distinct_oids(
                 ) {
                     break 'descend;
                 }
-                let oid = if filter && !visible_to(slot, snap) {
-                    None
-                } else {
-                    attr(slot, col as i32).map(|d| pg_sys::Oid::from(d.value() as u32))
+                // An entry invisible to `snap` (SERIALIZABLE's SnapshotAny scan) says
+                // nothing: stepping on over it is how the scan passes it. Only visible
+                // entries of the current value count as steps, so a descent, which
+                // starts past that value, always gets further than the last one.
+                if filter && !visible_to(slot, snap) {
+                    continue;
+                }
+                let Some(oid) = attr(slot, col as i32).map(|d| pg_sys::Oid::from(d.value() as u32))
+                else {
+                    continue;
                 };
-                if oid.is_some() && oid != current {
-                    current = oid;
-                    visit(oid.expect("checked"));
+                if current != Some(oid) {
+                    current = Some(oid);
+                    visit(oid);
                     steps = 0;
                     continue;
                 }
                 steps += 1;
                 if steps >= STEPS {
-                    if let Some(c) = current {
-                        after = c;
-                        continue 'descend;
-                    }
+                    after = oid;
+                    continue 'descend;
                 }
             }
         }

@@ -27,18 +27,17 @@ pub fn delete_where(
     keys: &[Key],
     wanted: impl Fn(*mut pg_sys::TupleTableSlot) -> bool,
 ) -> i64 {
-    delete_counting(rel, index, keys, |slot| wanted(slot).then_some(false), None).0
+    delete_counting(rel, index, keys, |slot| wanted(slot).then_some(false)).0
 }
 
 /// `delete_where`, where `class` says of each row whether to delete it (Some) and
-/// whether to count it apart (Some(true)), deleting at most `max` rows if given.
-/// Returns how many it deleted, and how many of those it counted apart.
+/// whether to count it apart (Some(true)). Returns how many it deleted, and how many of
+/// those it counted apart.
 pub fn delete_counting(
     rel: &OpenRel,
     index: pg_sys::Oid,
     keys: &[Key],
     class: impl Fn(*mut pg_sys::TupleTableSlot) -> Option<bool>,
-    max: Option<usize>,
 ) -> (i64, i64) {
     // SAFETY: makes our earlier writes in this transaction visible to the snapshot.
     unsafe { pg_sys::CommandCounterIncrement() };
@@ -49,7 +48,7 @@ pub fn delete_counting(
             // SAFETY: the slot holds a visible tuple of `rel`.
             tids.push((unsafe { (*slot).tts_tid }, apart));
         }
-        max.is_none_or(|m| tids.len() < m)
+        true
     });
     drop(snap);
     let (mut n, mut apart_n) = (0, 0);
@@ -85,18 +84,6 @@ pub fn purge_before(
     role: pg_sys::Oid,
     cutoff: pg_sys::TimestampTz,
 ) -> Purged {
-    purge_at_most(rels, ledger, role, cutoff, None)
-}
-
-/// `purge_before`, deleting at most `max` tickets (the oldest first) if given: for a
-/// purge that must not hold the writer up for long (writer/fold.rs).
-pub fn purge_at_most(
-    rels: &Rels,
-    ledger: &OpenRel,
-    role: pg_sys::Oid,
-    cutoff: pg_sys::TimestampTz,
-    max: Option<usize>,
-) -> Purged {
     // SAFETY: makes our earlier writes in this transaction (a fold of this role's
     // summary row) visible to the snapshot.
     unsafe { pg_sys::CommandCounterIncrement() };
@@ -114,7 +101,6 @@ pub fn purge_at_most(
             };
             Some(txid.is_none_or(|t| t < folded))
         },
-        max,
     );
     Purged { all, summarized }
 }

@@ -23,7 +23,11 @@ pub fn totals() -> UsageTotals {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let snap = Latest::take();
     let cutoff = cutoff(now, crate::gucs::retention_secs());
-    let rows = db_rows(&rels, &snap);
+    let (rows, missing) = db_rows(&rels, &snap);
+    if missing {
+        // Counting those roles row by row is what the summary spares the next call.
+        crate::workers::request_summary_rebuild();
+    }
     let open = db_open(&rels, &snap, now, cutoff);
     let ended_gone = db_ended_before(&rels, &snap, cutoff, rows - open.all);
     UsageTotals::new(open.active, rows, open.gone + ended_gone)

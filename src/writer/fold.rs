@@ -8,41 +8,29 @@
 //! short; and it purges what is past retention in those roles, as a batch does for the
 //! roles it admits, since their starts may never reach the writer.
 //!
-//! From 0.5.1 each pass also purges the history of ROLES_PER_PASS other roles, in turn:
-//! a role that stopped starting tickets is purged by no batch, and its history would
-//! stay for good, growing the ledger and what quota.usage_totals subtracts (it reads
-//! the tickets past the caller's retention).
-//!
 //! Neither changes what a scope counts: a fold moves tickets from the index's count to
 //! the row's, in one commit; a purge removes rows past every retention that could count
 //! them, and publishes that to the counters as a batch does.
 
 use pgrx::pg_sys;
 
-use crate::ledger::count::{next_role, next_txn_role, summary_rows, unfolded};
+use crate::ledger::count::{next_txn_role, summary_rows, unfolded};
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::Reader;
 use crate::ledger::scan::Latest;
-use crate::ledger::write::{fold_into_summary, horizon, purge_at_most};
+use crate::ledger::write::{fold_into_summary, horizon, purge_before};
 use crate::scopes::ScopeKey;
 use crate::timestamps::cutoff;
 
 use super::txn::try_in_transaction;
 
-/// The most roles one pass folds, and the most whose history it purges; the next pass
-/// goes on after the last one.
+/// The most roles one pass folds; the next pass goes on after the last one.
 const ROLES_PER_PASS: usize = 256;
-/// The most rows one pass purges from the histories of roles in turn (0.5.1): a few
-/// milliseconds of the writer's time, so 5,000 a second while there is a backlog (after
-/// the update to 0.5.1, say).
-const HISTORY_ROWS_PER_PASS: usize = 5000;
 
 thread_local! {
-    /// The role the last pass stopped after, among the roles with transactional
-    /// tickets and (HISTORY_AFTER) among all roles; and the scopes whose purges did not
-    /// fit when published.
+    /// The role the last pass stopped after, and the scopes whose purges did not fit
+    /// when published.
     static AFTER: std::cell::Cell<pg_sys::Oid> = const { std::cell::Cell::new(pg_sys::InvalidOid) };
-    static HISTORY_AFTER: std::cell::Cell<pg_sys::Oid> = const { std::cell::Cell::new(pg_sys::InvalidOid) };
     static OVERFLOW: std::cell::RefCell<Vec<ScopeKey>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -93,76 +81,18 @@ fn fold() {
             }
             Some(_) => {}
         }
-        purge_role(
-            &rels,
-            &ledger,
-            &summary,
-            role,
-            now,
-            for_all,
-            None,
-            &mut changes,
-        );
+        let keep = for_all.max(super::batch::configured_retention(role));
+        let purged = purge_before(&rels, &ledger, role, cutoff(now, keep));
+        if purged.all > 0 {
+            fold_into_summary(&rels, &summary, role, -purged.summarized, 0);
+            changes.push((ScopeKey::role(role), 0, -purged.all));
+        }
     }
     AFTER.set(after);
-    // Every role's history in turn, ROLES_PER_PASS per pass (a few probes for a role
-    // with nothing past its retention) and at most HISTORY_ROWS_PER_PASS rows, so that
-    // the starts waiting for the writer meanwhile wait little; a role with more is
-    // taken up again by the next pass.
-    let mut after = HISTORY_AFTER.get();
-    let mut budget = HISTORY_ROWS_PER_PASS;
-    for _ in 0..ROLES_PER_PASS {
-        let Some(role) = next_role(&rels, &snap, after) else {
-            after = pg_sys::InvalidOid;
-            break;
-        };
-        let purged = purge_role(
-            &rels,
-            &ledger,
-            &summary,
-            role,
-            now,
-            for_all,
-            Some(budget),
-            &mut changes,
-        );
-        budget -= purged.min(budget as i64) as usize;
-        if budget == 0 {
-            break;
-        }
-        after = role;
-    }
-    HISTORY_AFTER.set(after);
     drop(snap);
     drop(summary);
     drop(ledger);
     drop(reader);
     // Published before the commit, applied after it (see scopes/).
     OVERFLOW.with_borrow_mut(|o| *o = crate::scopes::publish(&changes));
-}
-
-/// Deletes `role`'s tickets (at most `max`, the oldest first, if given) that ended
-/// before every retention that could count them at `now`: `for_all` (seconds: the
-/// longest retention set for every role, the writer's own included) and the longest
-/// one configured for the role itself; and notes the rows it removed for the role's
-/// counter and summary row. Returns how many it removed.
-#[allow(clippy::too_many_arguments)]
-fn purge_role(
-    rels: &crate::ledger::rels::Rels,
-    ledger: &OpenRel,
-    summary: &OpenRel,
-    role: pg_sys::Oid,
-    now: pg_sys::TimestampTz,
-    for_all: i64,
-    max: Option<usize>,
-    changes: &mut Vec<(ScopeKey, i64, i64)>,
-) -> i64 {
-    let keep = for_all.max(super::batch::configured_retention(role));
-    let purged = purge_at_most(rels, ledger, role, cutoff(now, keep), max);
-    if purged.all > 0 {
-        fold_into_summary(rels, summary, role, -purged.summarized, 0);
-        // A role purged twice in one pass (it has transactional tickets) is one change.
-        crate::scopes::add_change(changes, ScopeKey::role(role), 0, -purged.all);
-    }
-    purged.all
 }

@@ -17,7 +17,8 @@
 # Checks, and how each can fail:
 # - the writer purges role idle's 200,000 tickets past retention within 120 s, with no
 #   start of idle's, and keeps its summary row in step: fails on 0.5.0, whose writer
-#   purged only the roles that start tickets (seen: idle kept its rows);
+#   purged only the roles that start tickets (seen with the purge of history turned
+#   off: idle kept its rows, and usage_totals() then read 770,226 entries);
 # - quota.usage_totals() equals quota.usage summed and a count of the ledger, at this
 #   scale, before and after the purge (the missing-summary path included): fails if a
 #   role, a transactional ticket not folded, a lapsed lease or the history is counted
@@ -120,7 +121,11 @@ agree() {
     "$(sql -c "SELECT coalesce(sum(active), 0) || ' ' || coalesce(sum(retained), 0) FROM quota.usage") $(sql -c "SELECT count(*) FROM quota.ledger")" \
     "$(sql -c "SELECT active || ' ' || retained || ' ' || ledger_rows FROM quota.usage_totals()")"
 }
-agree "with the summary emptied by the SQL writes"
+# While the writer purges the idle role's history, the ledger's rows change between
+# any two statements; what is active and retained does not (that history is neither).
+expect_eq "with the summary emptied by the SQL writes: quota.usage_totals() equals quota.usage summed" \
+  "$(sql -c "SELECT coalesce(sum(active), 0) || ' ' || coalesce(sum(retained), 0) FROM quota.usage")" \
+  "$(sql -c "SELECT active || ' ' || retained FROM quota.usage_totals()")"
 
 # --- the writer purges the idle role's history ----------------------------------------
 t0=$SECONDS

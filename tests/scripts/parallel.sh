@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# pg_quota's functions refuse to run during a parallel operation, as nextval() does:
+# pg_quota's functions refuse to run during a parallel operation, as nextval() does
+# (quota.usage_totals() too, 0.5.1):
 # SQLSTATE 25000, "cannot execute quota.start() during a parallel operation". They are
 # declared PARALLEL UNSAFE, but a user's own wrapper marked PARALLEL SAFE still brings
 # them into parallel workers; there they must neither charge nor end a ticket, for a
@@ -20,6 +21,8 @@ CREATE FUNCTION pq_try_start() RETURNS uuid LANGUAGE plpgsql PARALLEL SAFE
   AS $$ BEGIN RETURN quota.try_start('from a parallel worker'); END $$;
 CREATE FUNCTION pq_finish(t uuid) RETURNS boolean LANGUAGE plpgsql PARALLEL SAFE
   AS $$ BEGIN RETURN quota.finish(t, 'failed'); END $$;
+CREATE FUNCTION pq_totals() RETURNS bigint LANGUAGE plpgsql PARALLEL SAFE
+  AS $$ BEGIN RETURN (SELECT ledger_rows FROM quota.usage_totals()); END $$;
 SQL
 
 # Every session below plans for parallel workers, with the leader only gathering.
@@ -68,6 +71,15 @@ for user in pq_tenant postgres; do
   expect_eq "$user: the ticket given to finish() in a worker is still active" 1 \
     "$(sql -c "SELECT count(*) FROM quota.ledger WHERE id = '$t' AND ended_at IS NULL")"
 done
+
+# quota.usage_totals() (0.5.1) reads the latest committed state, which a worker cannot
+# take: in a worker it refuses with 25000 too (not XX000, "cannot update
+# SecondarySnapshot during a parallel operation"); called directly in a session that
+# plans for workers, it is PARALLEL UNSAFE, so the query runs without them and answers.
+refused_in_worker postgres "quota.usage_totals()" "SELECT pq_totals() FROM pq_rows WHERE id = 1"
+expect_eq "usage_totals() called directly in a parallel-minded session answers (its query gets no workers)" \
+  "$(sql -c "SELECT count(*) FROM quota.ledger")" \
+  "$(run postgres "SELECT ledger_rows FROM quota.usage_totals()" | grep -v '^SQLSTATE')"
 
 # Outside parallel mode the same wrappers work.
 expect_eq "the tenant's wrapper works in a plain query" "t|t" \

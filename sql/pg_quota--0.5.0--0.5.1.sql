@@ -17,8 +17,7 @@
 -- It is PARALLEL UNSAFE: it reads the latest committed state, which a parallel worker
 -- cannot take (it refuses there with 25000).
 -- Nothing else changes: other objects, their privileges and your tickets stay. The
--- shared memory layout is 0.5.0's; the library's writer now also purges the oldest
--- history of every role, which needs no SQL object.
+-- shared memory layout is 0.5.0's.
 --
 -- The result must equal a fresh 0.5.1 install (sql/schema.sql, sql/stats.sql and
 -- src/api.rs); scripts/test-upgrade compares the catalogs, pg_init_privs included.

@@ -278,17 +278,25 @@ pub fn distinct_oids(
                 ) {
                     break 'descend;
                 }
-                // An entry invisible to `snap` (SERIALIZABLE's SnapshotAny scan) says
-                // nothing: stepping on over it is how the scan passes it. Only visible
-                // entries of the current value count as steps, so a descent, which
-                // starts past that value, always gets further than the last one.
-                if filter && !visible_to(slot, snap) {
-                    continue;
-                }
                 let Some(oid) = attr(slot, col as i32).map(|d| pg_sys::Oid::from(d.value() as u32))
                 else {
                     continue;
                 };
+                // A version invisible to `snap` (SERIALIZABLE's SnapshotAny scan) is
+                // never a new value; it counts as a step only if it is of the current
+                // value, already visited: a descent starts past that value, so it always
+                // gets further than the last one (counting other invisible versions as
+                // steps descended past the current value again and again, for good).
+                if filter && !visible_to(slot, snap) {
+                    if current == Some(oid) {
+                        steps += 1;
+                        if steps >= STEPS {
+                            after = oid;
+                            continue 'descend;
+                        }
+                    }
+                    continue;
+                }
                 if current != Some(oid) {
                     current = Some(oid);
                     visit(oid);

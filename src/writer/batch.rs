@@ -460,7 +460,7 @@ fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
     // Values set for every role (the database's and the cluster's) once, then the own
     // values of each role that purges: a few index probes, however many roles have
     // settings, and none for a role of the batch that admitted nothing.
-    let for_all = configured_retention(pg_sys::InvalidOid).max(crate::gucs::retention_secs());
+    let for_all = retention_floor();
     let mut delta: Vec<(pg_sys::Oid, i64)> = Vec::new();
     let mut changes = Vec::new();
     for (&key, &n) in &pending {
@@ -486,6 +486,19 @@ fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
     drop(summary);
     drop(reader);
     changes
+}
+
+/// The longest quota.retention that every role's sessions may run with, whatever their
+/// own settings: the server's value (postgresql.conf, ALTER SYSTEM, the command line),
+/// the values set for every role in this database, and the writer's own. The writer's
+/// own alone is not enough (0.5.1): it runs as the bootstrap superuser, so an `ALTER
+/// ROLE postgres SET quota.retention` shorter than the server's made it purge tickets
+/// that every other role's sessions still counted.
+pub(super) fn retention_floor() -> i64 {
+    let server = i64::from(crate::gucs::server_value(crate::gucs::Setting::Retention));
+    configured_retention(pg_sys::InvalidOid)
+        .max(crate::gucs::retention_secs())
+        .max(server)
 }
 
 /// The longest quota.retention configured in pg_db_role_setting for `role` (InvalidOid:

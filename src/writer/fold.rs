@@ -55,8 +55,7 @@ fn fold() {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let snap = Latest::take();
     let h = horizon(&snap);
-    let for_all =
-        super::batch::configured_retention(pg_sys::InvalidOid).max(crate::gucs::retention_secs());
+    let for_all = super::batch::retention_floor();
     let mut changes = Vec::new();
     let mut after = AFTER.get();
     for _ in 0..ROLES_PER_PASS {

@@ -16,13 +16,11 @@
 //! failed) is retried, or handed back as PENDING to the next writer.
 //!
 //! This file holds the worker's lifecycle and its loop; the batch (batch.rs), the
-//! expiry sweep (sweep.rs), the purge of dropped roles (purge.rs), of old history
-//! (history.rs, 0.5.1) and the summary
+//! expiry sweep (sweep.rs), the purge of dropped roles (purge.rs) and the summary
 //! rebuild (summary.rs) each have a file, and txn.rs the transaction bracket they share.
 
 mod batch;
 mod fold;
-mod history;
 mod purge;
 mod summary;
 mod sweep;
@@ -45,7 +43,7 @@ const MAX_BATCH: usize = 256;
 /// How often the writer writes down the leases that ran out (see sweep.rs).
 const SWEEP_EVERY: Duration = Duration::from_millis(250);
 /// How often the writer folds transactional tickets into their roles' summary rows
-/// and purges those roles (see fold.rs), and purges old history (history.rs).
+/// and purges those roles (see fold.rs).
 const FOLD_EVERY: Duration = Duration::from_secs(1);
 /// How long a new writer waits for its predecessor to release the twin guard.
 const TWIN_GUARD_WAIT: Duration = Duration::from_secs(5);
@@ -271,7 +269,6 @@ fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64, mut purge_due:
         if last_fold.elapsed() >= FOLD_EVERY {
             last_fold = Instant::now();
             fold::fold_and_purge();
-            history::purge_history();
         }
         let batch = serve::claim(db, MAX_BATCH, crate::scopes::PENDING_PER_SLOT);
         if !batch.is_empty() {

@@ -69,6 +69,17 @@ pub fn unfolded(r: &Rels, snap: &Latest, role: pg_sys::Oid, from: u64) -> i64 {
 /// one) asks for nothing: the writer's first admission gives it its row.
 const REBUILD_ABOVE: i64 = 0;
 
+/// A summary row's tickets, and (0.5.0) the txid below which its role's transactional
+/// tickets are counted in it (0 where none are).
+fn summary_entry(r: &Rels, slot: *mut pg_sys::TupleTableSlot) -> Option<(i64, u64)> {
+    let folded = if r.v5() {
+        attr(slot, SUMMARY_COL_FOLDED as i32).map_or(0, |d| d.value() as u64)
+    } else {
+        0
+    };
+    attr(slot, SUMMARY_COL_TICKETS as i32).map(|d| (d.value() as i64, folded))
+}
+
 /// `role`'s summary row, if it has one: its tickets, and (0.5.0) the txid below which
 /// its transactional tickets are counted in it (0 where none are).
 pub fn summary_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> Option<(i64, u64)> {
@@ -79,12 +90,7 @@ pub fn summary_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> Option<(i64, 
         snap,
         &[Key::OidEq(role)],
         |slot| {
-            let folded = if r.v5() {
-                attr(slot, SUMMARY_COL_FOLDED as i32).map_or(0, |d| d.value() as u64)
-            } else {
-                0
-            };
-            rows = attr(slot, SUMMARY_COL_TICKETS as i32).map(|d| (d.value() as i64, folded));
+            rows = summary_entry(r, slot);
             false
         },
     );
@@ -374,23 +380,6 @@ pub fn with_key(r: &Rels, snap: &Latest, role: pg_sys::Oid, key: pg_sys::Datum) 
     out
 }
 
-/// The smallest role above `after` that has a ledger row visible to `snap`: one
-/// index probe per role, so walking every role of the ledger costs one probe each.
-pub fn next_role(r: &Rels, snap: &Latest, after: pg_sys::Oid) -> Option<pg_sys::Oid> {
-    let mut found = None;
-    scan(
-        r.ledger,
-        r.ledger_idx,
-        snap,
-        &[Key::OidGreater(after)],
-        |slot| {
-            found = attr(slot, COL_ROLE as i32).map(|d| pg_sys::Oid::from(d.value() as u32));
-            false
-        },
-    );
-    found
-}
-
 /// The smallest role above `after` that has a transactional ticket (0.5.0) visible to
 /// `snap`: one probe of ledger_txid_idx.
 pub fn next_txn_role(r: &Rels, snap: &Latest, after: pg_sys::Oid) -> Option<pg_sys::Oid> {
@@ -411,20 +400,18 @@ pub fn next_txn_role(r: &Rels, snap: &Latest, after: pg_sys::Oid) -> Option<pg_s
 }
 
 /// The roles with ledger rows visible to `snap` that `keep` accepts, walking the
-/// ledger with `next_role` (one index probe per role).
+/// ledger with one loose index scan (`distinct_oids`).
 pub fn roles_where(
     r: &Rels,
     snap: &Latest,
     mut keep: impl FnMut(pg_sys::Oid) -> bool,
 ) -> Vec<pg_sys::Oid> {
     let mut out = Vec::new();
-    let mut after = pg_sys::InvalidOid;
-    while let Some(role) = next_role(r, snap, after) {
+    distinct_oids(r.ledger, r.ledger_idx, COL_ROLE, snap, |role| {
         if keep(role) {
             out.push(role);
         }
-        after = role;
-    }
+    });
     out
 }
 
@@ -502,14 +489,8 @@ pub fn key_in_progress(
 pub fn db_rows(r: &Rels, snap: &Latest) -> (i64, bool) {
     let mut summary = std::collections::HashMap::new();
     scan(r.summary, r.summary_idx, snap, &[], |slot| {
-        if let (Some(role), Some(tickets)) = (attr(slot, 1), attr(slot, SUMMARY_COL_TICKETS as i32))
-        {
-            let folded = if r.v5() {
-                attr(slot, SUMMARY_COL_FOLDED as i32).map_or(0, |d| d.value() as u64)
-            } else {
-                0
-            };
-            summary.insert(role.value() as u32, (tickets.value() as i64, folded));
+        if let (Some(role), Some(entry)) = (attr(slot, 1), summary_entry(r, slot)) {
+            summary.insert(role.value() as u32, entry);
         }
         true
     });

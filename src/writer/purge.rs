@@ -36,7 +36,7 @@ pub fn purge_dropped_roles_and_counters() -> bool {
 
 /// Deletes the tickets and summary rows of roles that no longer exist, so that they
 /// count for nobody: not for a future role that gets the same OID, and not, after a
-/// dump, for whatever role has that OID in another cluster. One index probe per role.
+/// dump, for whatever role has that OID in another cluster. One loose index scan.
 fn purge_dropped_roles() {
     let reader = Reader::open();
     let rels = reader.rels;

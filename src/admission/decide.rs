@@ -26,9 +26,13 @@ const INFLIGHT_POLL_MS: i64 = 1;
 
 /// What admission needs to count for the caller's limits: the role's (and its
 /// tenant's) counts where a limit needs them, open charges included, and the database's
-/// active tickets if it is capped (under `snap`, plus `open_db`, the database's open
-/// charges read before `snap` was taken). An upper bound where `fits` accepts it (see
-/// counts::usage), the exact counts otherwise.
+/// active tickets if it is capped: the committed ones under `snap`, plus `open_db`, the
+/// database's open charges. `snap` is a `scopes::others_view()`: this transaction's own
+/// transactional tickets are among the open charges until it commits, and a snapshot
+/// that saw their rows too (0.5.1 counted under the latest snapshot at the current
+/// command) counted each of them twice, so that a transaction enqueueing several jobs
+/// got half the room the cap left (0.5.2, R1). An upper bound where `fits` accepts it
+/// (see counts::usage), the exact counts otherwise.
 pub(crate) fn usage_for(
     r: &Reader,
     snap: &Latest,
@@ -231,7 +235,7 @@ pub(crate) fn under_lock<T>(
     if !caller.exempt {
         let ahead = crate::waiters::ahead(role, tenant, seq);
         let reader = Reader::open();
-        let snap = Latest::take();
+        let snap = scopes::others_view();
         // After the snapshot: a charge that commits in between is missed here, which
         // only lets the locked path below count again; counted twice, it could refuse
         // a start that fits.
@@ -303,7 +307,9 @@ pub(crate) fn under_lock<T>(
                 return Err(Repeat::InFlight);
             }
         }
-        let snap = Latest::take();
+        // As every other backend sees the ledger (see usage_for); a ticket this
+        // transaction charged with our key is found by charges::own_with_key first.
+        let snap = scopes::others_view();
         if let Some(key) = key {
             // A start with our key committed while we waited for in-flight ones.
             if let Some(id) = retained_with_key(

@@ -97,3 +97,34 @@ RESET ROLE;
 SELECT count(*) FILTER (WHERE txid IS NOT NULL) AS transactional_rows,
        count(*) FILTER (WHERE txid IS NULL) AS writer_rows
   FROM quota.ledger WHERE role = 'tx_app'::regrole;
+
+-- 0.5.2 (R1): the database cap counts this transaction's own transactional tickets
+-- once (0.5.1 counted them as rows and again as open charges, and refused the third
+-- start of a transaction with room for three). The cap leaves room for three tickets
+-- beside the ones earlier tests left active.
+SET quota.max_active_per_role = 10;
+SELECT set_config('quota.max_active_per_database', (count(*) + 3)::text, false) AS cap
+  FROM quota.ledger WHERE ended_at IS NULL \gset
+SET ROLE tx_app;
+BEGIN;
+SELECT quota.start('cap 1', transactional => true) IS NOT NULL AS admitted;
+SELECT quota.start('cap 2', transactional => true) IS NOT NULL AS admitted;
+SELECT quota.start('cap 3', transactional => true) IS NOT NULL AS admitted;
+SELECT quota.try_start('cap 4', transactional => true) IS NULL AS refused_at_cap;
+SELECT quota.try_start('cap 4') IS NULL AS writer_start_refused_at_cap;
+ROLLBACK;
+-- With room for two: a transactional start, then one the writer commits, in the same
+-- transaction (the writer's ticket outlives the rollback).
+RESET ROLE;
+SELECT set_config('quota.max_active_per_database', (count(*) + 2)::text, false) AS cap
+  FROM quota.ledger WHERE ended_at IS NULL \gset
+SET ROLE tx_app;
+BEGIN;
+SELECT quota.start('mixed 1', transactional => true) IS NOT NULL AS admitted;
+SELECT quota.start('mixed 2') AS mixed \gset
+SELECT quota.try_start('mixed 3', transactional => true) IS NULL AS refused_at_cap;
+ROLLBACK;
+SELECT quota.finish(:'mixed') AS finished;
+RESET ROLE;
+RESET quota.max_active_per_database;
+RESET quota.max_active_per_role;

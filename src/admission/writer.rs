@@ -57,9 +57,14 @@ pub(crate) fn attempt(
         queue::enqueue(tenant, fill);
         queue::wait(crate::waiters::leave)
     };
-    let answer = if caller.exempt || !limits.any() || repeat {
+    let answer = if repeat || ((caller.exempt || !limits.any()) && args.key.is_none()) {
         // I7: superusers are never refused; the writer still records their ticket.
-        // With every limit off there is nothing to count either.
+        // With every limit off there is nothing to count either. A start with a key
+        // still takes the scope lock (0.5.2): its key is looked for, and its request
+        // published, under the lock that a transactional start with the same key
+        // holds from its own look to its insert. Without it, such a start could insert
+        // its row (uncommitted, so invisible to the writer) after our look and before
+        // our request reached the writer, and the key got two tickets.
         through_writer()
     } else {
         // Kept across the tries below, so that writers that keep failing to start

@@ -167,6 +167,23 @@ expect_eq "the stored limits are unchanged" "$settings_before" "$(settings)"
 expect_eq "a new tenant session still has its limit after RESET ALL" "$LIMIT" \
   "$(as ht_tenant "RESET ALL" "SHOW quota.max_active_per_role")"
 expect_eq "the tenant's own database still limits it" "$LIMIT" "$(DB=ht_owned as ht_tenant "SHOW quota.max_active_per_role")"
+# A pooler that logs in as a superuser, SETs a lower limit in the session and runs SET
+# ROLE (0.5.2, R4): PostgreSQL's RESET ALL resets superuser settings without a
+# privilege check and keeps the role, so the tenant's own RESET ALL drops the
+# superuser's value. What holds: the charged role's configured policy applies then
+# (ALTER ROLE ht_pooled: 4, over the database's $LIMIT), never the server's 100.
+sql -c "CREATE ROLE ht_pooled" -c "ALTER ROLE ht_pooled SET quota.max_active_per_role = 4" \
+    -c "ALTER ROLE ht_pooled SET quota.max_retained_per_role = 0" >/dev/null
+pooled() {  # pooled [SQL...]: the pooler's session as ht_pooled: admitted of 6 starts
+  sql -c "SET quota.max_active_per_role = 2" -c "SET ROLE ht_pooled" "$@" \
+      -c "SELECT current_user || ':' || count(quota.try_start('pooled')) FROM generate_series(1, 6)"
+}
+ended_pooled() { sql -c "SELECT count(quota.finish(id)) FROM quota.ledger WHERE role = 'ht_pooled'::regrole AND ended_at IS NULL" >/dev/null; }
+expect_eq "a superuser's session value (2) applies to the role it SET ROLE to" "ht_pooled:2" "$(pooled)"
+ended_pooled
+expect_eq "after the role's own RESET ALL, its configured 4 applies, no more" "ht_pooled:4" \
+  "$(pooled -c "RESET ALL")"
+ended_pooled
 # A function's SET clause is checked when it is created or altered.
 refused "CREATE FUNCTION ... SET quota.max_active_per_role is refused" 42501 $T \
   "CREATE FUNCTION ht_evil.boost() RETURNS uuid LANGUAGE sql SET quota.max_active_per_role = 1000 AS 'SELECT quota.start(''boost'')'"

@@ -62,6 +62,54 @@ pub fn unfolded(r: &Rels, snap: &Latest, role: pg_sys::Oid, from: u64) -> i64 {
     )
 }
 
+/// How many of `role`'s transactional tickets have a txid from `from` up to, not
+/// including, `to` (0.5.2): what a fold moves into its summary row. 0.5.1 counted
+/// everything from `from` on twice and took the difference, walking every ticket
+/// committed since the horizon on each pass while the horizon crept, and every ticket
+/// restored from an older cluster (see `foreign`) on every pass.
+pub fn unfolded_below(r: &Rels, snap: &Latest, role: pg_sys::Oid, from: u64, to: u64) -> i64 {
+    if !r.v5() || from >= to {
+        return 0;
+    }
+    count(
+        r.ledger,
+        r.ledger_txid_idx,
+        snap,
+        &[Key::OidEq(role), Key::Xid8AtLeast(from), Key::Xid8Below(to)],
+        None,
+    )
+}
+
+/// At most `at_most` of `role`'s transactional tickets whose txid this cluster has not
+/// issued yet, `next` being its next full transaction id read after `snap` was taken
+/// (0.5.2): tickets restored from a dump of a cluster further on (or written so by a
+/// superuser's SQL). Every transaction `snap` sees committed has an id below `next`, so
+/// none of them is this cluster's own. Their locations, lowest txid first.
+pub fn foreign(
+    r: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    next: u64,
+    at_most: usize,
+) -> Vec<pg_sys::ItemPointerData> {
+    let mut out = Vec::new();
+    if !r.v5() || at_most == 0 {
+        return out;
+    }
+    scan_index(
+        r.ledger,
+        r.ledger_txid_idx,
+        snap,
+        &[Key::OidEq(role), Key::Xid8AtLeast(next)],
+        |slot| {
+            // SAFETY: the slot holds a visible ledger tuple.
+            out.push(unsafe { (*slot).tts_tid });
+            out.len() < at_most
+        },
+    );
+    out
+}
+
 /// A role without a summary row and more ledger rows than this makes the writer
 /// rebuild the missing summary rows. 0.4.0 waited for 100: a role at its limit with
 /// fewer rows (never admitted, so never given its row back by the writer) then went

@@ -47,6 +47,9 @@ pub enum Key {
     TextEq(pg_sys::Datum),
     /// An xid8 (a full transaction id) at least this (0.5.0's ledger_txid_idx).
     Xid8AtLeast(u64),
+    /// An xid8 below this, on the same column as the key before it (after an
+    /// Xid8AtLeast, a range; 0.5.2).
+    Xid8Below(u64),
 }
 
 /// Scan keys on the leading columns of `index_rel`, each with that column's collation
@@ -54,19 +57,34 @@ pub enum Key {
 /// from the index).
 fn scankeys(index_rel: pg_sys::Relation, keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
     let mut sks = scankeys_c(keys);
-    for (i, sk) in sks.iter_mut().enumerate() {
-        // SAFETY: an open index has one collation per key column; i is below the
-        // number of keys, which find_index checked against the index's key columns.
-        sk.sk_collation = unsafe { *(*index_rel).rd_indcollation.add(i) };
+    for sk in sks.iter_mut() {
+        let column = (sk.sk_attno - 1) as usize;
+        // SAFETY: an open index has one collation per key column; the key's column is
+        // among the leading ones, which find_index checked against the index's key
+        // columns.
+        sk.sk_collation = unsafe { *(*index_rel).rd_indcollation.add(column) };
     }
     sks
 }
 
+/// The index column (1-based) each key is on: the next one, but for a key that bounds
+/// the column of the key before it.
+fn columns(keys: &[Key]) -> Vec<pg_sys::AttrNumber> {
+    let mut attno = 0;
+    keys.iter()
+        .map(|k| {
+            if !matches!(k, Key::Xid8Below(_)) || attno == 0 {
+                attno += 1;
+            }
+            attno
+        })
+        .collect()
+}
+
 fn scankeys_c(keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
     keys.iter()
-        .enumerate()
-        .map(|(i, k)| {
-            let attno = (i + 1) as pg_sys::AttrNumber;
+        .zip(columns(keys))
+        .map(|(k, attno)| {
             // SAFETY: ScanKeyData is plain data; the init functions fill every field.
             unsafe {
                 let mut sk: pg_sys::ScanKeyData = std::mem::zeroed();
@@ -91,6 +109,11 @@ fn scankeys_c(keys: &[Key]) -> Vec<pg_sys::ScanKeyData> {
                     Key::Xid8AtLeast(x) => (
                         pg_sys::BTGreaterEqualStrategyNumber,
                         pg_sys::F_XID8GE,
+                        pg_sys::Datum::from(x),
+                    ),
+                    Key::Xid8Below(x) => (
+                        pg_sys::BTLessStrategyNumber,
+                        pg_sys::F_XID8LT,
                         pg_sys::Datum::from(x),
                     ),
                     Key::IsNull => {

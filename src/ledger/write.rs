@@ -279,6 +279,53 @@ pub fn expired_version(
     tid: pg_sys::ItemPointerData,
     until: pg_sys::TimestampTz,
 ) -> Option<pg_sys::HeapTuple> {
+    changed_version(ledger, ncols, tid, |values, nulls| {
+        let unfinished = nulls[COL_ENDED_AT - 1];
+        if unfinished {
+            values[COL_ENDED_AT - 1] = until.into();
+            nulls[COL_ENDED_AT - 1] = false;
+            values[COL_OUTCOME - 1] = "expired".into_datum().unwrap();
+            nulls[COL_OUTCOME - 1] = false;
+        }
+        unfinished
+    })
+}
+
+/// The txid a transactional ticket from another cluster's history gets (0.5.2, see
+/// `adopted_version`): FrozenTransactionId of epoch 0, "committed before anything this
+/// cluster ran", below every horizon and so below every `folded` a summary row has.
+pub const ADOPTED_TXID: u64 = pg_sys::FrozenTransactionId.into_inner() as u64;
+
+/// The version of the transactional ticket at `tid` whose txid is ADOPTED_TXID, formed
+/// from the row as it is now; None if its txid is below `next` meanwhile (or gone).
+/// A ticket restored from a cluster further on carries a txid this cluster has not
+/// issued yet, which its own transactions would reach later: counted as unfolded
+/// until then, it would be walked by every count of its role, and counted twice once
+/// this cluster's horizon passed it. It committed in its own cluster, so it belongs
+/// below every fold (0.5.2, R2).
+pub fn adopted_version(
+    ledger: &OpenRel,
+    ncols: usize,
+    tid: pg_sys::ItemPointerData,
+    next: u64,
+) -> Option<pg_sys::HeapTuple> {
+    changed_version(ledger, ncols, tid, |values, nulls| {
+        let foreign = !nulls[COL_TXID - 1] && values[COL_TXID - 1].value() as u64 >= next;
+        if foreign {
+            values[COL_TXID - 1] = pg_sys::Datum::from(ADOPTED_TXID);
+        }
+        foreign
+    })
+}
+
+/// A new version of the row at `tid`, its columns as they are now changed by
+/// `change`, which returns false to leave the row alone (then None, as for a row gone).
+fn changed_version(
+    ledger: &OpenRel,
+    ncols: usize,
+    tid: pg_sys::ItemPointerData,
+    change: impl FnOnce(&mut [pg_sys::Datum], &mut [bool]) -> bool,
+) -> Option<pg_sys::HeapTuple> {
     // SAFETY: fetches the version at `tid` under SnapshotAny into a palloc'd copy that
     // we deform at once; the row is then replaced under heap_update's own checks.
     unsafe {
@@ -302,14 +349,7 @@ pub fn expired_version(
             values.as_mut_ptr(),
             nulls.as_mut_ptr(),
         );
-        let unfinished = nulls[COL_ENDED_AT - 1];
-        let out = unfinished.then(|| {
-            values[COL_ENDED_AT - 1] = until.into();
-            nulls[COL_ENDED_AT - 1] = false;
-            values[COL_OUTCOME - 1] = "expired".into_datum().unwrap();
-            nulls[COL_OUTCOME - 1] = false;
-            ledger.form(&mut values, &mut nulls)
-        });
+        let out = change(&mut values, &mut nulls).then(|| ledger.form(&mut values, &mut nulls));
         pg_sys::ReleaseBuffer(buffer);
         out
     }

@@ -8,17 +8,23 @@
 //! short; and it purges what is past retention in those roles, as a batch does for the
 //! roles it admits, since their starts may never reach the writer.
 //!
-//! Neither changes what a scope counts: a fold moves tickets from the index's count to
-//! the row's, in one commit; a purge removes rows past every retention that could count
-//! them, and publishes that to the counters as a batch does.
+//! From 0.5.2 it reads only the range it folds, and it adopts the tickets restored
+//! from a cluster further on, whose txids this cluster has not issued yet (see
+//! ledger::write::adopted_version): they get a txid below every fold, in bounded steps,
+//! and their summary row counts them from the same commit.
+//!
+//! None of this changes what a scope counts: a fold or an adoption moves tickets from
+//! the index's count to the row's, in one commit; a purge removes rows past every
+//! retention that could count them, and publishes that to the counters as a batch does.
 
 use pgrx::pg_sys;
 
-use crate::ledger::count::{next_txn_role, summary_rows, unfolded};
+use crate::ledger::count::{foreign, next_txn_role, summary_rows, unfolded_below};
 use crate::ledger::heap::OpenRel;
-use crate::ledger::rels::Reader;
+use crate::ledger::rels::{Reader, Rels};
 use crate::ledger::scan::Latest;
-use crate::ledger::write::{fold_into_summary, horizon, purge_before};
+use crate::ledger::write::{adopted_version, fold_into_summary, horizon, purge_before};
+use crate::ledger::COL_TXID;
 use crate::scopes::ScopeKey;
 use crate::timestamps::cutoff;
 
@@ -26,21 +32,30 @@ use super::txn::try_in_transaction;
 
 /// The most roles one pass folds; the next pass goes on after the last one.
 const ROLES_PER_PASS: usize = 256;
+/// The most restored tickets one pass adopts (see the module's comment); the next
+/// pass, which then comes at once, takes the rest.
+const ADOPT_PER_PASS: usize = 5_000;
 
 thread_local! {
     /// The role the last pass stopped after, and the scopes whose purges did not fit
     /// when published.
     static AFTER: std::cell::Cell<pg_sys::Oid> = const { std::cell::Cell::new(pg_sys::InvalidOid) };
+    /// Whether the last pass left restored tickets to adopt.
+    static MORE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     static OVERFLOW: std::cell::RefCell<Vec<ScopeKey>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `fold` in a transaction of its own, then its purges applied to the scope counters.
-pub fn fold_and_purge() {
+/// Returns whether restored tickets are left to adopt: the writer then folds again at
+/// once, rather than a second later.
+pub fn fold_and_purge() -> bool {
+    MORE.set(false);
     let committed = try_in_transaction("fold transactional tickets", fold);
     crate::scopes::apply_mine();
     if committed {
         crate::scopes::invalidate(&OVERFLOW.with_borrow_mut(std::mem::take));
     }
+    committed && MORE.get()
 }
 
 fn fold() {
@@ -55,7 +70,11 @@ fn fold() {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let snap = Latest::take();
     let h = horizon(&snap);
+    // After the snapshot: every transaction it sees committed has an id below this.
+    // SAFETY: a plain read of shared state.
+    let next = unsafe { pg_sys::ReadNextFullTransactionId().value };
     let for_all = super::batch::retention_floor();
+    let mut adopt_left = ADOPT_PER_PASS;
     let mut changes = Vec::new();
     let mut after = AFTER.get();
     for _ in 0..ROLES_PER_PASS {
@@ -64,27 +83,36 @@ fn fold() {
             break;
         };
         after = role;
+        let adopted = adopt(&rels, &ledger, &snap, role, next, &mut adopt_left);
+        if adopt_left == 0 {
+            // The role may have more: the next pass starts with it again.
+            MORE.set(true);
+            after = pg_sys::Oid::from(u32::from(role) - 1);
+        }
         // A role without a summary row is counted from the ledger meanwhile, and gets
         // its row from the summary rebuild asked for here (a role limited only per
         // tenant never counts its own rows, which is what asks for it elsewhere); its
-        // history is purged all the same.
+        // history is purged all the same. Adopted tickets are among the rows that
+        // rebuild counts, below its `folded`.
         match summary_rows(&rels, &snap, role) {
             None => crate::workers::request_summary_rebuild(),
-            Some((_, folded)) if folded < h => {
-                let added = unfolded(&rels, &snap, role, folded) - unfolded(&rels, &snap, role, h);
+            Some((_, folded)) => {
+                let added = adopted + unfolded_below(&rels, &snap, role, folded, h);
                 // Nothing to fold, nothing to write: the row is not rewritten on every
                 // pass just because transaction ids moved on.
                 if added != 0 {
                     fold_into_summary(&rels, &summary, role, added, h);
                 }
             }
-            Some(_) => {}
         }
         let keep = for_all.max(super::batch::configured_retention(role));
         let purged = purge_before(&rels, &ledger, role, cutoff(now, keep));
         if purged.all > 0 {
             fold_into_summary(&rels, &summary, role, -purged.summarized, 0);
             changes.push((ScopeKey::role(role), 0, -purged.all));
+        }
+        if adopt_left == 0 {
+            break;
         }
     }
     AFTER.set(after);
@@ -94,4 +122,33 @@ fn fold() {
     drop(reader);
     // Published before the commit, applied after it (see scopes/).
     OVERFLOW.with_borrow_mut(|o| *o = crate::scopes::publish(&changes));
+}
+
+/// Gives `role`'s tickets whose txid this cluster has not issued yet (`next` read after
+/// `snap`; see ledger::count::foreign) a txid below every fold, at most `left` of them,
+/// and takes those from `left`. A ticket a finish() or renew() is changing right now
+/// is left for a later pass: the writer never waits for a caller's transaction.
+/// Returns how many it adopted.
+fn adopt(
+    rels: &Rels,
+    ledger: &OpenRel,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    next: u64,
+    left: &mut usize,
+) -> i64 {
+    let mut adopted = 0;
+    for tid in foreign(rels, snap, role, next, *left) {
+        *left -= 1;
+        if !ledger.lock_nowait(tid) {
+            continue;
+        }
+        let Some(tuple) = adopted_version(ledger, rels.ncols, tid, next) else {
+            continue;
+        };
+        if ledger.update(tid, tuple, &[COL_TXID]) == pg_sys::TM_Result::TM_Ok {
+            adopted += 1;
+        }
+    }
+    adopted
 }

@@ -220,6 +220,8 @@ fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64, mut purge_due:
     let mut last_work = Instant::now();
     let mut last_sweep = Instant::now() - SWEEP_EVERY;
     let mut last_fold = Instant::now();
+    // The last fold left restored tickets to adopt (see fold.rs): fold again at once.
+    let mut fold_again = false;
     // A role drop is purged twice: at once, and a second later. The dropping backend
     // wakes us before it sends its catalog invalidations, so the first purge may still
     // see the role in our syscache. A purge that fails is tried again every
@@ -266,13 +268,15 @@ fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64, mut purge_due:
             last_sweep = Instant::now();
             sweep::sweep_expired_and_wake();
         }
-        if last_fold.elapsed() >= FOLD_EVERY {
+        if fold_again || last_fold.elapsed() >= FOLD_EVERY {
             last_fold = Instant::now();
-            fold::fold_and_purge();
+            fold_again = fold::fold_and_purge();
         }
         let batch = serve::claim(db, MAX_BATCH, crate::scopes::PENDING_PER_SLOT);
-        if !batch.is_empty() {
-            batch::process(batch);
+        if !batch.is_empty() || fold_again {
+            if !batch.is_empty() {
+                batch::process(batch);
+            }
             report_stats();
             last_work = Instant::now();
             continue;

@@ -1,9 +1,9 @@
 //! Layer 6, the SQL surface: the functions SQL calls. They check arguments and call
 //! into the paths (layer 5) and the statistics (layer 4); nothing else.
 //!
-//! They return `Result<_, ErrorReport>` because that is how pgrx raises an error with
-//! our SQLSTATE, DETAIL and HINT intact; the report is large, but it is built only on
-//! the error path.
+//! The ones that start, finish and renew tickets run inside `error::boundary`, which
+//! raises their errors with our SQLSTATE, DETAIL and HINT intact and their names in the
+//! server encoding (0.5.2, see error.rs).
 //!
 //! Text arguments arrive as `&[u8]`: the bytes of a text datum in the server encoding.
 //! pgrx's `&str` would insist on UTF-8 and fail in LATIN1 or SQL_ASCII databases. The
@@ -24,38 +24,34 @@
 //!   resolves to them unchanged.
 #![allow(clippy::result_large_err)]
 
-use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 
 use crate::admission::{self, OnRefusal, StartArgs};
 use crate::core::QuotaError;
+use crate::error::boundary;
 use crate::finish;
 
 /// start(): a refusal raises 53400.
-fn raising(args: &StartArgs) -> Result<pgrx::Uuid, ErrorReport> {
+fn raising(args: &StartArgs) -> Result<pgrx::Uuid, QuotaError> {
     let id = admission::start(args, c"quota.start()", OnRefusal::Raise)?;
     Ok(id.expect("a refusal raises"))
 }
 
 /// try_start(): a refusal is NULL.
-fn refused_as_null(args: &StartArgs) -> Result<Option<pgrx::Uuid>, ErrorReport> {
-    Ok(admission::start(
-        args,
-        c"quota.try_start()",
-        OnRefusal::Null,
-    )?)
+fn refused_as_null(args: &StartArgs) -> Result<Option<pgrx::Uuid>, QuotaError> {
+    admission::start(args, c"quota.try_start()", OnRefusal::Null)
 }
 
 /// 0.1.x's start(label), for databases not yet updated.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
-fn start(label: Option<&[u8]>) -> Result<pgrx::Uuid, ErrorReport> {
-    raising(&StartArgs::label_only(label))
+fn start(label: Option<&[u8]>) -> pgrx::Uuid {
+    boundary(|| raising(&StartArgs::label_only(label)))
 }
 
 /// 0.1.x's try_start(label), for databases not yet updated.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
-fn try_start(label: Option<&[u8]>) -> Result<Option<pgrx::Uuid>, ErrorReport> {
-    refused_as_null(&StartArgs::label_only(label))
+fn try_start(label: Option<&[u8]>) -> Option<pgrx::Uuid> {
+    boundary(|| refused_as_null(&StartArgs::label_only(label)))
 }
 
 fn args<'a>(
@@ -87,9 +83,17 @@ fn start_v2(
     lease: Option<Interval>,
     idempotency_key: Option<&[u8]>,
     wait: Option<Interval>,
-) -> Result<pgrx::Uuid, ErrorReport> {
-    let a = args(label, lease, idempotency_key, wait, None, Some(false))?;
-    raising(&a)
+) -> pgrx::Uuid {
+    boundary(|| {
+        raising(&args(
+            label,
+            lease,
+            idempotency_key,
+            wait,
+            None,
+            Some(false),
+        )?)
+    })
 }
 
 /// 0.2.0's try_start(label, lease, idempotency_key, wait), for databases not yet
@@ -100,9 +104,17 @@ fn try_start_v2(
     lease: Option<Interval>,
     idempotency_key: Option<&[u8]>,
     wait: Option<Interval>,
-) -> Result<Option<pgrx::Uuid>, ErrorReport> {
-    let a = args(label, lease, idempotency_key, wait, None, Some(false))?;
-    refused_as_null(&a)
+) -> Option<pgrx::Uuid> {
+    boundary(|| {
+        refused_as_null(&args(
+            label,
+            lease,
+            idempotency_key,
+            wait,
+            None,
+            Some(false),
+        )?)
+    })
 }
 
 /// Admits one unit of work for `current_user` (and its `tenant`, if given), or raises
@@ -132,9 +144,17 @@ fn start_v5(
     wait: Option<Interval>,
     tenant: Option<&[u8]>,
     transactional: Option<bool>,
-) -> Result<pgrx::Uuid, ErrorReport> {
-    let a = args(label, lease, idempotency_key, wait, tenant, transactional)?;
-    raising(&a)
+) -> pgrx::Uuid {
+    boundary(|| {
+        raising(&args(
+            label,
+            lease,
+            idempotency_key,
+            wait,
+            tenant,
+            transactional,
+        )?)
+    })
 }
 
 /// Like start(), but returns NULL where start() would raise 53400.
@@ -162,9 +182,17 @@ fn try_start_v5(
     wait: Option<Interval>,
     tenant: Option<&[u8]>,
     transactional: Option<bool>,
-) -> Result<Option<pgrx::Uuid>, ErrorReport> {
-    let a = args(label, lease, idempotency_key, wait, tenant, transactional)?;
-    refused_as_null(&a)
+) -> Option<pgrx::Uuid> {
+    boundary(|| {
+        refused_as_null(&args(
+            label,
+            lease,
+            idempotency_key,
+            wait,
+            tenant,
+            transactional,
+        )?)
+    })
 }
 
 /// Ends a ticket. True if this call ended it, false if it had already ended (or its
@@ -182,8 +210,8 @@ LANGUAGE c
 AS 'MODULE_PATHNAME', 'finish_wrapper';
 "#
 )]
-fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool, ErrorReport> {
-    Ok(finish::finish(ticket, outcome)?)
+fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> bool {
+    boundary(|| finish::finish(ticket, outcome))
 }
 
 /// The session's quota.retention as an interval, for quota.usage (declared by hand in
@@ -216,10 +244,12 @@ AS 'MODULE_PATHNAME', 'renew_wrapper';
 fn renew(
     ticket: Option<pgrx::Uuid>,
     lease: Option<Interval>,
-) -> Result<pgrx::datum::TimestampWithTimeZone, ErrorReport> {
-    let lease = lease.ok_or(QuotaError::NullArgument("lease"))?;
-    let until = finish::renew(ticket, lease.into_datum().expect("an interval datum"))?;
-    Ok(tstz(until))
+) -> pgrx::datum::TimestampWithTimeZone {
+    boundary(|| {
+        let lease = lease.ok_or(QuotaError::NullArgument("lease"))?;
+        let until = finish::renew(ticket, lease.into_datum().expect("an interval datum"))?;
+        Ok(tstz(until))
+    })
 }
 
 // ---------------------------------------------------------------------------------
@@ -384,7 +414,10 @@ fn writer_stats_rows() -> TableIterator<
         name!(mean_batch_size, Option<f64>),
         name!(commit_time, f64),
         name!(restarts, i64),
-        name!(last_error, Option<String>),
+        // Text in this database's encoding (0.5.2): the writers' messages are kept as
+        // UTF-8, and a writer of another database may have written it. The varlena
+        // of bytes is the declared text column's.
+        name!(last_error, Option<Vec<u8>>),
         name!(last_error_at, Option<pgrx::datum::TimestampWithTimeZone>),
     ),
 > {
@@ -396,7 +429,7 @@ fn writer_stats_rows() -> TableIterator<
     };
     TableIterator::new(rows.into_iter().map(|w| {
         let (last_error, last_error_at) = match w.last_error {
-            Some((msg, at)) => (Some(msg), Some(tstz(at))),
+            Some((msg, at)) => (Some(crate::encoding::to_server(&msg)), Some(tstz(at))),
             None => (None, None),
         };
         (

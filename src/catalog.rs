@@ -1,4 +1,5 @@
-//! Layer 1: names from the catalogs, for messages and log lines.
+//! Layer 1: names from the catalogs, for messages and log lines, read from the server
+//! encoding (encoding.rs).
 
 use pgrx::pg_sys;
 
@@ -10,7 +11,7 @@ pub fn database_name(db: pg_sys::Oid) -> String {
         if p.is_null() {
             u32::from(db).to_string()
         } else {
-            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+            name_text(p)
         }
     }
 }
@@ -23,7 +24,17 @@ pub fn role_name(role: pg_sys::Oid) -> String {
         if p.is_null() {
             u32::from(role).to_string()
         } else {
-            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+            name_text(p)
         }
     }
+}
+
+/// A name PostgreSQL hands over as a C string (a relation's, a trigger's, a type's), in
+/// the server encoding, for a message.
+///
+/// # Safety
+/// `p` points at a NUL-terminated string.
+pub unsafe fn name_text(p: *const std::ffi::c_char) -> String {
+    // SAFETY: the caller's promise.
+    crate::encoding::server_text(unsafe { std::ffi::CStr::from_ptr(p) }.to_bytes())
 }

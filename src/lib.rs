@@ -13,6 +13,7 @@ pub mod core;
 // over the server's catalogs, clock and transactions.
 mod catalog;
 mod compat;
+mod encoding;
 mod error;
 mod gucs;
 mod policy;

@@ -17,6 +17,7 @@ use crate::core::stats::Counter;
 use crate::core::{
     check_key, check_label, check_tenant, Limits, QuotaError, Refusal, RefusalKind, Usage,
 };
+use crate::encoding::server_text;
 use crate::ledger::count::{key_in_progress, next_expiry, retained_with_key};
 use crate::ledger::rels::{rels, Reader};
 use crate::ledger::scan::{text_datum, Latest};
@@ -79,10 +80,7 @@ impl Caller<'_> {
         let (usage, next) = r.numbers(self);
         QuotaError::Refused {
             role: role_name(self.role),
-            tenant: self
-                .args
-                .tenant
-                .map(|t| String::from_utf8_lossy(t).into_owned()),
+            tenant: self.args.tenant.map(server_text),
             database: database_name(shmem::my_db()),
             refusal: Refusal {
                 kind: r.kind,
@@ -362,10 +360,7 @@ fn count_refusal(caller: &Caller, r: &Refused) {
     let log = gucs::log_refusals();
     if let Some(suppressed) = stats::refused(caller.role, Counter::refused(r.kind), log) {
         let (usage, _) = r.numbers(caller);
-        let tenant = caller
-            .args
-            .tenant
-            .map(|t| String::from_utf8_lossy(t).into_owned());
+        let tenant = caller.args.tenant.map(server_text);
         let line = crate::core::stats::refusal_log_line(
             &role_name(caller.role),
             tenant.as_deref(),
@@ -375,14 +370,9 @@ fn count_refusal(caller: &Caller, r: &Refused) {
             caller.limits,
             suppressed,
         );
-        pgrx::pg_sys::panic::ErrorReport::new(
-            pgrx::PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
-            line,
-            "pg_quota",
-        )
         // The server log only: the refused client gets its own error, and a tenant
         // with client_min_messages = log must not read other details from here.
-        .report(pgrx::PgLogLevel::LOG_SERVER_ONLY);
+        crate::error::log_server_only(&line);
     }
 }
 

@@ -34,11 +34,19 @@ pub enum Sqlstate {
     /// 40003: the writer committed a charge but stopped before synchronous replication
     /// confirmed it.
     StatementCompletionUnknown,
+    /// The SQLSTATE of an error PostgreSQL raised in the ledger writer, relayed to the
+    /// caller, as PostgreSQL packs it (MAKE_SQLSTATE: six bits a character).
+    Raised(i32),
 }
 
 impl Sqlstate {
-    pub fn code(self) -> &'static str {
-        match self {
+    pub fn code(self) -> String {
+        let code = match self {
+            Sqlstate::Raised(packed) => {
+                return (0..5)
+                    .map(|i| char::from(b'0' + ((packed >> (6 * i)) & 0x3F) as u8))
+                    .collect()
+            }
             Sqlstate::ConfigurationLimitExceeded => "53400",
             Sqlstate::StringDataRightTruncation => "22001",
             Sqlstate::NullValueNotAllowed => "22004",
@@ -52,7 +60,8 @@ impl Sqlstate {
             Sqlstate::DependentObjectsStillExist => "2BP01",
             Sqlstate::DuplicateSchema => "42P06",
             Sqlstate::StatementCompletionUnknown => "40003",
-        }
+        };
+        code.to_string()
     }
 }
 
@@ -123,6 +132,9 @@ pub enum QuotaError {
     NoWorkerSlot { waited_ms: u64 },
     #[error("the pg_quota ledger writer exited before it answered")]
     WriterGone,
+    /// The writer's transaction failed for this request: PostgreSQL's error, relayed.
+    #[error("pg_quota ledger writer failed: {message}")]
+    WriterFailed { code: i32, message: String },
     /// The writer committed the charge on this server, but was stopped (terminated, or
     /// its postmaster died) while its commit waited for the synchronous standby, so
     /// the standby may not have it. PostgreSQL does not acknowledge its own commits in
@@ -286,6 +298,7 @@ impl QuotaError {
             QuotaError::NotPreloaded => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::NoWorkerSlot { .. } => Sqlstate::InsufficientResources,
             QuotaError::WriterGone => Sqlstate::OperatorIntervention,
+            QuotaError::WriterFailed { code, .. } => Sqlstate::Raised(*code),
             QuotaError::CommitUnconfirmed => Sqlstate::StatementCompletionUnknown,
             QuotaError::WriterDidNotStart { .. }
             | QuotaError::NotExtensionMember { .. }
@@ -455,6 +468,9 @@ impl QuotaError {
             QuotaError::NoWorkerSlot { .. } => Some(
                 "Raise max_worker_processes, or wait for other background workers to exit.".to_string(),
             ),
+            QuotaError::WriterFailed { .. } => {
+                Some("No charge was recorded for this call.".to_string())
+            }
             QuotaError::WriterGone => Some(
                 "Try again: the next call starts a new writer. A charge the writer committed stays counted until it is finished.".to_string(),
             ),
@@ -840,6 +856,33 @@ mod tests {
         let held = QuotaError::KeyHeldUncommitted;
         assert_eq!(held.sqlstate().code(), "55000");
         assert!(held.hint().unwrap().contains("transactional => true"));
+    }
+
+    /// MAKE_SQLSTATE of PostgreSQL's errcodes.h: six bits a character, first in the
+    /// lowest bits.
+    fn packed(code: &str) -> i32 {
+        code.bytes()
+            .enumerate()
+            .map(|(i, c)| (i32::from(c - b'0') & 0x3F) << (6 * i))
+            .sum()
+    }
+
+    #[test]
+    fn a_relayed_writer_error_keeps_its_sqlstate() {
+        for code in ["23514", "0A000", "55P03", "XX000", "40001"] {
+            let e = QuotaError::WriterFailed {
+                code: packed(code),
+                message: "new row violates check constraint \"nö\"".into(),
+            };
+            assert_eq!(e.sqlstate().code(), code);
+            assert!(e
+                .to_string()
+                .starts_with("pg_quota ledger writer failed: new row"));
+            assert_eq!(
+                e.hint().as_deref(),
+                Some("No charge was recorded for this call.")
+            );
+        }
     }
 
     /// Holding a ticket's uuid must not reveal which role owns it (item 9 of 0.1.1).

@@ -145,7 +145,8 @@ fn trigger_of(trigoid: pg_sys::Oid) -> Option<(pg_sys::Oid, String)> {
             let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_trigger>(tup);
             (
                 (*form).tgrelid,
-                pg_sys::name_data_to_str(&(*form).tgname).to_string(),
+                // Not name_data_to_str, which panics on a name that is not UTF-8.
+                crate::catalog::name_text((*form).tgname.data.as_ptr()),
             )
         },
     )
@@ -160,7 +161,7 @@ fn extension_name(extoid: pg_sys::Oid) -> Option<String> {
         // SAFETY: a pg_extension tuple, whose fixed part is FormData_pg_extension.
         |tup| unsafe {
             let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_extension>(tup);
-            pg_sys::name_data_to_str(&(*form).extname).to_string()
+            crate::catalog::name_text((*form).extname.data.as_ptr())
         },
     )
 }
@@ -285,7 +286,7 @@ pub unsafe fn before_utility(node: *mut pg_sys::Node) {
                     continue;
                 }
                 let last = (*(*names).elements.add(n - 1)).ptr_value as *mut pg_sys::String;
-                let trigger = CStr::from_ptr((*last).sval).to_string_lossy().into_owned();
+                let trigger = crate::catalog::name_text((*last).sval);
                 let table = pg_sys::list_truncate(names, (n - 1) as i32);
                 targets.push((relation_of(table), trigger, "drop"));
             }
@@ -304,9 +305,7 @@ pub unsafe fn before_utility(node: *mut pg_sys::Node) {
                 None,
                 std::ptr::null_mut(),
             );
-            let trigger = CStr::from_ptr((*stmt).subname)
-                .to_string_lossy()
-                .into_owned();
+            let trigger = crate::catalog::name_text((*stmt).subname);
             targets.push((rel, trigger, "rename"));
         }
         for (rel, trigger, action) in targets {

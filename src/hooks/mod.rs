@@ -53,13 +53,18 @@ unsafe extern "C-unwind" fn object_access(
         }
         if class_id == pg_sys::TriggerRelationId {
             // CREATE TRIGGER on pg_quota's tables is refused; a change to its own
-            // triggers' state is acted on after the command (see guard.rs).
-            if access == pg_sys::ObjectAccessType::OAT_POST_CREATE {
-                guard::trigger_created(object_id);
-            } else if access == pg_sys::ObjectAccessType::OAT_POST_ALTER {
-                ensure_callbacks();
-                guard::trigger_altered(object_id);
-            }
+            // triggers' state is acted on after the command (see guard.rs). Inside
+            // error::boundary, so that the refusal names the trigger in the server
+            // encoding.
+            crate::error::boundary(|| {
+                if access == pg_sys::ObjectAccessType::OAT_POST_CREATE {
+                    guard::trigger_created(object_id);
+                } else if access == pg_sys::ObjectAccessType::OAT_POST_ALTER {
+                    ensure_callbacks();
+                    guard::trigger_altered(object_id);
+                }
+                Ok(())
+            });
             return;
         }
         if access == pg_sys::ObjectAccessType::OAT_POST_CREATE
@@ -298,7 +303,11 @@ unsafe extern "C-unwind" fn before_utility(pstmt: *mut pg_sys::PlannedStmt) {
         if let Some(db) = database_needed_alone(node) {
             crate::workers::request_exit(db, false);
         }
-        guard::before_utility(node);
+        // Its refusals name triggers and roles in the server encoding (error.rs).
+        crate::error::boundary(|| {
+            guard::before_utility(node);
+            Ok(())
+        });
     }
 }
 

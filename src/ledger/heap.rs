@@ -57,9 +57,7 @@ impl OpenRel {
                 if let Err(e) = predicate {
                     pg_sys::index_close(idx, pg_sys::NoLock as i32);
                     let table = format!("quota.{name}");
-                    let index = std::ffi::CStr::from_ptr(pg_sys::get_rel_name(oid))
-                        .to_string_lossy()
-                        .into_owned();
+                    let index = crate::catalog::name_text(pg_sys::get_rel_name(oid));
                     crate::error::raise(crate::core::QuotaError::UnsupportedIndex {
                         table,
                         index,

@@ -141,7 +141,7 @@ pub fn lock_bounded(relid: pg_sys::Oid, mode: u32) {
         if p.is_null() {
             u32::from(relid).to_string()
         } else {
-            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+            crate::catalog::name_text(p)
         }
     };
     struct Restore(i32);
@@ -268,8 +268,7 @@ fn check_shape(
                 bad(format!(
                     "Column {} ({col}) has type {}",
                     i + 1,
-                    std::ffi::CStr::from_ptr(pg_sys::format_type_be((*att).atttypid))
-                        .to_string_lossy()
+                    crate::catalog::name_text(pg_sys::format_type_be((*att).atttypid))
                 ));
             }
         }

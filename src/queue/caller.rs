@@ -514,14 +514,7 @@ fn take_reply(slot: &'static Slot, admitted: impl FnOnce()) -> Answer {
         Err((-1, _)) => raise(QuotaError::CommitUnconfirmed),
         Err(e) => e,
     };
-    pg_sys::panic::ErrorReport::new(
-        PgSqlErrorCode::from(code),
-        format!("pg_quota ledger writer failed: {msg}"),
-        "pg_quota",
-    )
-    .set_hint("No charge was recorded for this call.")
-    .report(PgLogLevel::ERROR);
-    unreachable!("ERROR does not return")
+    raise(QuotaError::WriterFailed { code, message: msg })
 }
 
 impl Default for Patience {

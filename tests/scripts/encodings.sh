@@ -4,6 +4,13 @@
 # the client's UTF-8 where the database has a real encoding), a label is limited to 200
 # characters as that encoding counts them (as length() does), and a non-ASCII or
 # non-UTF-8 outcome is an invalid outcome (22023), never an internal error (XX000).
+#
+# 0.5.2 (R5): names in refusals, as PostgreSQL's own messages put them: in the server
+# encoding, converted for the client. In LATIN1, EUC_JP (multibyte) and SQL_ASCII
+# databases a UTF-8 client reads a tenant's name, its role's and its database's as it
+# wrote them (0.5.1 sent `caf\u{FFFD}` as UTF-8 bytes that PostgreSQL then took for
+# LATIN1: `cafï¿½`), in the error and in the server log's refusal line; an error the
+# ledger writer relays reaches the client in its encoding, with no mojibake.
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-$((5624 + PORT_OFFSET))}"
 with_cluster encodings
@@ -11,7 +18,8 @@ export PGCLIENTENCODING=UTF8
 
 sql -c "CREATE ROLE enc_tenant LOGIN" \
     -c "CREATE DATABASE enc_latin1 ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0" \
-    -c "CREATE DATABASE enc_ascii ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
+    -c "CREATE DATABASE enc_ascii ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0" \
+    -c "CREATE DATABASE enc_eucjp ENCODING 'EUC_JP' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
 
 NIL=00000000-0000-0000-0000-000000000000
 # label_hex DB TICKET: the stored label's bytes in the server encoding, as hex.
@@ -58,5 +66,69 @@ for db in enc_latin1 enc_ascii; do
   expect_eq "$enc: the tenant's quota.usage counts its tickets" "$(sql -d "$db" -c "SELECT count(*) FILTER (WHERE ended_at IS NULL) || '|' || count(*) FROM quota.ledger")" \
     "$(as $T "$db" "SELECT active || '|' || retained FROM quota.usage")"
 done
+# --- Names in refusals (0.5.2) ---------------------------------------------------------
+# A role and a database whose names are not ASCII (stored as the UTF-8 client sent
+# them: role and database names are shared by every database, whatever its encoding).
+sql -c "CREATE ROLE \"rôle\" LOGIN" \
+    -c "ALTER ROLE \"rôle\" SET quota.max_active_per_tenant = 1" \
+    -c "ALTER ROLE \"rôle\" SET quota.max_active_per_database = 2" \
+    -c "ALTER ROLE \"rôle\" SET quota.log_refusals = on" \
+    -c "CREATE DATABASE \"bäse_latin1\" ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0" >/dev/null
+# refusal_of ROLE DB SQL: the message the statement failed with.
+refusal_of() {
+  timeout 20 "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U "$1" -d "$2" -v ON_ERROR_STOP=0 \
+    -c "$3" 2>&1 >/dev/null | sed -n 's/^ERROR:  //p' || true
+}
+for db in enc_latin1 enc_eucjp enc_ascii "bäse_latin1"; do
+  sql -d "$db" -c "SET client_min_messages = warning" -c "CREATE EXTENSION IF NOT EXISTS pg_quota" >/dev/null
+  sql -d "$db" -c "SELECT count(quota.finish(id)) FROM quota.ledger WHERE ended_at IS NULL" >/dev/null
+  enc=$(sql -d "$db" -c "SHOW server_encoding")
+  case "$enc" in
+    EUC_JP) tenant="東京の会社" ;;
+    *) tenant="café" ;;
+  esac
+  # How PostgreSQL itself shows the role's and the database's names in this database.
+  shown_role=$(as "rôle" "$db" "SELECT current_user")
+  shown_db=$(as "rôle" "$db" "SELECT current_database()")
+  as "rôle" "$db" "SELECT quota.start('first', tenant => '$tenant')" >/dev/null
+  msg=$(refusal_of "rôle" "$db" "SELECT quota.start('second', tenant => '$tenant')")
+  expect_eq "$db ($enc): the tenant's refusal names the tenant and its role as PostgreSQL shows them" \
+    "tenant \"$tenant\" of role \"$shown_role\" has 1 active ticket, the limit set by quota.max_active_per_tenant" "$msg"
+  as "rôle" "$db" "SELECT quota.start('other', tenant => 'other')" >/dev/null
+  msg=$(refusal_of "rôle" "$db" "SELECT quota.start('third', tenant => 'third')")
+  expect_eq "$db ($enc): the database cap's refusal names the database as PostgreSQL shows it" \
+    "database \"$shown_db\" has 2 active tickets, the limit set by quota.max_active_per_database" "$msg"
+  sql -d "$db" -c "SELECT quota.finish(id) FROM quota.ledger WHERE ended_at IS NULL" >/dev/null
+done
+# The server log's refusal lines (quota.log_refusals) are in each database's encoding,
+# as PostgreSQL writes every message of a backend: LATIN1's é is the byte E9, EUC_JP's
+# 東 the bytes C5 EC.
+check "the LATIN1 refusal line holds the tenant in LATIN1" grep -aq $'tenant "caf\xe9"' "$CL/server.log"
+check "the EUC_JP refusal line holds the tenant in EUC_JP" grep -aq $'tenant "\xc5\xec' "$CL/server.log"
+check "no refusal line holds the UTF-8 replacement character" bash -c "! grep -a 'refused' '$CL/server.log' | grep -aq $'\xef\xbf\xbd'"
+
+# Errors that name an index or a trigger a DBA created with a non-ASCII name: one the
+# ledger writer raises and the caller relays, the same one raised by finish() itself,
+# the writer's last error in quota.writer_stats, and a refused trigger (which 0.5.1
+# answered with an internal error, XX000: it read the name as UTF-8).
+t=$(as enc_tenant enc_latin1 "SELECT quota.start('before the index')")
+sql -d enc_latin1 -c "CREATE INDEX \"ledger_löwer\" ON quota.ledger (lower(label))" >/dev/null
+expect_eq "the writer's refusal of the index, relayed, names it as the client wrote it" \
+  'pg_quota ledger writer failed: pg_quota cannot maintain the expression index "ledger_löwer" on quota.ledger' \
+  "$(refusal_of enc_tenant enc_latin1 "SELECT quota.start('with the index')")"
+expect_eq "... and keeps its SQLSTATE (0A000)" 0A000 "$(state enc_tenant enc_latin1 "SELECT quota.start('with the index')")"
+expect_eq "finish() names the index as the client wrote it" \
+  'pg_quota cannot maintain the expression index "ledger_löwer" on quota.ledger' \
+  "$(refusal_of enc_tenant enc_latin1 "SELECT quota.finish('${t:-$NIL}')")"
+expect_eq "quota.writer_stats shows the writer's last error in the reader's encoding" \
+  'pg_quota cannot maintain the expression index "ledger_löwer" on quota.ledger' \
+  "$(sql -d enc_latin1 -c "SELECT last_error FROM quota.writer_stats WHERE datname = current_database()")"
+sql -d enc_latin1 -c "DROP INDEX quota.\"ledger_löwer\"" >/dev/null
+sql -d enc_latin1 -c "CREATE FUNCTION public.noop() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN RETURN NULL; END'" >/dev/null
+expect_eq "a trigger on the ledger is refused with 0A000, not an internal error" 0A000 \
+  "$(state postgres enc_latin1 "CREATE TRIGGER \"trïgger\" AFTER INSERT ON quota.ledger FOR EACH ROW EXECUTE FUNCTION public.noop()")"
+expect_eq "... naming it as the client wrote it" 'trïgger' \
+  "$(refusal_of postgres enc_latin1 "CREATE TRIGGER \"trïgger\" AFTER INSERT ON quota.ledger FOR EACH ROW EXECUTE FUNCTION public.noop()" | grep -o 'trïgger' | head -n1)"
+
 check "no server process was terminated by a signal" test "$(grep -c 'terminated by signal' "$CL/server.log" || true)" = 0
 finish_checks

@@ -8,11 +8,12 @@
 //! reported with the server's bytes by `report` once the Rust frames between have
 //! unwound. Elsewhere (hooks, the ledger writer) pgrx reports it as before.
 
+use std::any::Any;
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, CStr};
 
 use pgrx::pg_sys;
-use pgrx::pg_sys::panic::ErrorReport;
+use pgrx::pg_sys::panic::{CaughtError, ErrorReport};
 use pgrx::PgSqlErrorCode;
 
 use crate::core::{QuotaError, Sqlstate};
@@ -75,9 +76,9 @@ pub fn raise(e: QuotaError) -> ! {
     unreachable!("ERROR does not return")
 }
 
-/// Runs `f`, the body of an SQL function, and raises what it fails with (its Err, or a
-/// `raise` anywhere below it) with the server's bytes. Every other panic, a PostgreSQL
-/// error caught by pgrx among them, goes on to pgrx's guard unchanged.
+/// Runs `f`, the body of an SQL function, and raises what it fails with (its Err, a
+/// `raise` anywhere below it, or an ERROR of PostgreSQL's that pgrx caught there) with
+/// the server's bytes. Every other panic goes on to pgrx's guard unchanged.
 pub fn boundary<T>(f: impl FnOnce() -> Result<T, QuotaError>) -> T {
     struct Inside;
     impl Drop for Inside {
@@ -90,40 +91,108 @@ pub fn boundary<T>(f: impl FnOnce() -> Result<T, QuotaError>) -> T {
         let _inside = Inside;
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
     };
-    let e = match outcome {
+    let out = match outcome {
         Ok(Ok(v)) => return v,
-        Ok(Err(e)) => e,
-        Err(payload) => match payload.downcast::<Raised>() {
-            Ok(raised) => raised.0,
+        Ok(Err(e)) => Outgoing::from(e),
+        Err(payload) => match outgoing(payload) {
+            Ok(out) => out,
             Err(other) => std::panic::resume_unwind(other),
         },
     };
-    let sqlstate = errcode(e.sqlstate()) as c_int;
-    let message = palloc_server(&e.to_string());
-    let detail = e.detail().map(|d| palloc_server(&d));
-    let hint = e.hint().map(|h| palloc_server(&h));
-    drop(e);
+    let texts = out.palloc();
+    drop(out);
     // SAFETY: every Rust value of this call and of `f` is dropped by now (the texts are
     // palloc'd, and the aborting transaction frees them); the frames the ERROR's
     // longjmp leaves are this one's and pgrx's guard's, as pgrx's own ereport leaves.
-    unsafe { report(pg_sys::PGERROR as c_int, sqlstate, message, detail, hint) };
+    unsafe { report(pg_sys::PGERROR as c_int, texts) };
     unreachable!("ERROR does not return")
 }
 
-/// Writes `line` to the server log only, in the server encoding. A LOG does not
-/// return through a longjmp, so this may be called anywhere.
-pub fn log_server_only(line: &str) {
-    let line = palloc_server(line);
-    // SAFETY: LOG_SERVER_ONLY returns normally; `report` frees the text.
-    unsafe {
-        report(
-            pg_sys::LOG_SERVER_ONLY as c_int,
-            PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED as c_int,
-            line,
-            None,
-            None,
-        )
+/// An ERROR as `boundary` raises it.
+struct Outgoing {
+    sqlstate: c_int,
+    message: String,
+    detail: Option<String>,
+    hint: Option<String>,
+}
+
+impl From<QuotaError> for Outgoing {
+    fn from(e: QuotaError) -> Self {
+        Outgoing {
+            sqlstate: errcode(e.sqlstate()) as c_int,
+            message: e.to_string(),
+            detail: e.detail(),
+            hint: e.hint(),
+        }
+    }
+}
+
+impl Outgoing {
+    /// Its texts in the server encoding, palloc'd (see `report`).
+    fn palloc(&self) -> Texts {
+        Texts {
+            sqlstate: self.sqlstate,
+            message: palloc_server(&self.message),
+            detail: self.detail.as_deref().map(palloc_server),
+            hint: self.hint.as_deref().map(palloc_server),
+        }
+    }
+}
+
+/// What `boundary` raises for a panic: the QuotaError a `raise` unwound with, as it
+/// was raised or as pgrx's PgTryBuilder passes on a panic it did not handle (or one its
+/// handler raised), wrapped in CaughtError::RustPanic; or an ERROR that pgrx caught
+/// (PostgreSQL's, whose text pgrx keeps only where it is valid UTF-8, or its own) whose
+/// text is not the same in the server encoding: pgrx would send its UTF-8 bytes for the
+/// server's. Anything else (a Rust panic, an ERROR pgrx reports as it is, with its
+/// source location) is given back to unwind on.
+fn outgoing(payload: Box<dyn Any + Send>) -> Result<Outgoing, Box<dyn Any + Send>> {
+    let payload = match payload.downcast::<Raised>() {
+        Ok(r) => return Ok(Outgoing::from(r.0)),
+        Err(p) => p,
     };
+    let caught = *payload.downcast::<CaughtError>()?;
+    match caught {
+        CaughtError::RustPanic { ereport, payload } => match payload.downcast::<Raised>() {
+            Ok(r) => Ok(Outgoing::from(r.0)),
+            Err(payload) => Err(Box::new(CaughtError::RustPanic { ereport, payload })),
+        },
+        CaughtError::PostgresError(ref r) | CaughtError::ErrorReport(ref r)
+            if r.level() == pgrx::PgLogLevel::ERROR
+                && [Some(r.message()), r.detail(), r.hint()]
+                    .into_iter()
+                    .flatten()
+                    .any(|t| to_server(t) != t.as_bytes()) =>
+        {
+            Ok(Outgoing {
+                sqlstate: r.sql_error_code() as c_int,
+                message: r.message().to_string(),
+                detail: r.detail().map(str::to_string),
+                hint: r.hint().map(str::to_string),
+            })
+        }
+        other => Err(Box::new(other)),
+    }
+}
+
+/// Writes `line` to the server log only, in the server encoding. May be called
+/// anywhere: a LOG does not longjmp, and interrupts are held while it is written
+/// (errfinish checks for them at the end of a LOG, and a cancel there would raise an
+/// ERROR straight over the Rust frames below us).
+pub fn log_server_only(line: &str) {
+    let texts = Texts {
+        sqlstate: PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED as c_int,
+        message: palloc_server(line),
+        detail: None,
+        hint: None,
+    };
+    // SAFETY: HOLD_INTERRUPTS/RESUME_INTERRUPTS, as PostgreSQL's macros do it; a pending
+    // interrupt is served at the next CHECK_FOR_INTERRUPTS. LOG_SERVER_ONLY returns.
+    unsafe {
+        pg_sys::InterruptHoldoffCount += 1;
+        report(pg_sys::LOG_SERVER_ONLY as c_int, texts);
+        pg_sys::InterruptHoldoffCount -= 1;
+    }
 }
 
 /// `text` in the server encoding, as a C string in the current memory context (a NUL
@@ -153,40 +222,45 @@ unsafe extern "C-unwind" {
     fn errhint(fmt: *const c_char, ...) -> c_int;
 }
 
-/// ereport(`level`, errcode(`sqlstate`), errmsg("%s", `message`), …) with the bytes
-/// as they are; the texts (from `palloc_server`) are freed once copied.
-///
-/// # Safety
-/// The texts are palloc'd C strings. At ERROR and above it does not return: nothing
-/// may be left on the Rust frames it jumps over that needs dropping.
-unsafe fn report(
-    level: c_int,
+/// An error's texts in the server encoding, palloc'd C strings.
+struct Texts {
     sqlstate: c_int,
     message: *mut c_char,
     detail: Option<*mut c_char>,
     hint: Option<*mut c_char>,
-) {
+}
+
+/// ereport(`level`, errcode(…), errmsg_internal("%s", …), …) with the bytes as they are;
+/// the texts are freed once copied.
+///
+/// # Safety
+/// At ERROR and above it does not return: nothing may be left on the Rust frames it
+/// jumps over that needs dropping.
+unsafe fn report(level: c_int, t: Texts) {
     const PERCENT_S: &CStr = c"%s";
     // SAFETY: the caller's promise; each err*() call copies its text into the error
     // being built, so it may be freed right after.
     unsafe {
         if !errstart(level, std::ptr::null()) {
-            for p in [Some(message), detail, hint].into_iter().flatten() {
+            for p in [Some(t.message), t.detail, t.hint].into_iter().flatten() {
                 pg_sys::pfree(p.cast());
             }
             return;
         }
-        pg_errcode(sqlstate);
-        errmsg_internal(PERCENT_S.as_ptr(), message);
-        pg_sys::pfree(message.cast());
-        if let Some(d) = detail {
+        pg_errcode(t.sqlstate);
+        errmsg_internal(PERCENT_S.as_ptr(), t.message);
+        pg_sys::pfree(t.message.cast());
+        if let Some(d) = t.detail {
             errdetail_internal(PERCENT_S.as_ptr(), d);
             pg_sys::pfree(d.cast());
         }
-        if let Some(h) = hint {
+        if let Some(h) = t.hint {
             errhint(PERCENT_S.as_ptr(), h);
             pg_sys::pfree(h.cast());
         }
-        errfinish(c"error.rs".as_ptr(), line!() as c_int, c"pg_quota".as_ptr());
+        // No source location (PG_FUNCNAME_MACRO may be NULL too): it would name this
+        // function every time, and VERBOSE clients would see a line number that moves
+        // with each edit.
+        errfinish(std::ptr::null(), 0, std::ptr::null());
     }
 }

@@ -872,7 +872,7 @@ mod tests {
         for code in ["23514", "0A000", "55P03", "XX000", "40001"] {
             let e = QuotaError::WriterFailed {
                 code: packed(code),
-                message: "new row violates check constraint \"nö\"".into(),
+                message: "new row violates check constraint \"c\"".into(),
             };
             assert_eq!(e.sqlstate().code(), code);
             assert!(e

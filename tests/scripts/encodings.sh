@@ -120,9 +120,11 @@ expect_eq "... and keeps its SQLSTATE (0A000)" 0A000 "$(state enc_tenant enc_lat
 expect_eq "finish() names the index as the client wrote it" \
   'pg_quota cannot maintain the expression index "ledger_löwer" on quota.ledger' \
   "$(refusal_of enc_tenant enc_latin1 "SELECT quota.finish('${t:-$NIL}')")"
-expect_eq "quota.writer_stats shows the writer's last error in the reader's encoding" \
-  'pg_quota cannot maintain the expression index "ledger_löwer" on quota.ledger' \
-  "$(sql -d enc_latin1 -c "SELECT last_error FROM quota.writer_stats WHERE datname = current_database()")"
+# (The writer's fold pass fails on the index too, a second apart, and its error may be
+# the last one: either names the index.)
+last_error=$(sql -d enc_latin1 -c "SELECT last_error FROM quota.writer_stats WHERE datname = current_database()")
+check "quota.writer_stats shows the writer's last error in the reader's encoding ($last_error)" \
+  grep -q 'pg_quota cannot maintain the expression index "ledger_löwer" on quota.ledger' <<<"$last_error"
 sql -d enc_latin1 -c "DROP INDEX quota.\"ledger_löwer\"" >/dev/null
 sql -d enc_latin1 -c "CREATE FUNCTION public.noop() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN RETURN NULL; END'" >/dev/null
 expect_eq "a trigger on the ledger is refused with 0A000, not an internal error" 0A000 \

@@ -38,31 +38,37 @@ waits_for() {
 
 round() {
   local who="$1" key="key-$1"
+  # Every session is open before the window: the writer of other waits at most 5 s
+  # (its lock_timeout) for L's lock, and B must insert within that time.
+  open_session "A_$who" "$who"
+  open_session "B_$who" "$who"
+  open_session "C_$who" postgres
+  say "C_$who" '\c other'
   # The writer of database other takes the only worker slot and waits, in a batch, for
   # a lock on its summary that L holds (it gives the slot up only after the batch).
   open_session "L_$who" postgres
   say "L_$who" '\c other'
   say "L_$who" "BEGIN; LOCK TABLE quota.summary IN SHARE MODE; SELECT 'locked';"
   wait_out "L_$who" locked
-  open_session "C_$who" postgres
-  say "C_$who" '\c other'
   say "C_$who" "SELECT 'other:' || (quota.start('other') IS NOT NULL);"
   waits_for "the writer of other to wait for L's lock" \
     "SELECT count(*) > 0 FROM pg_locks l JOIN pg_database d ON d.oid = l.database
       WHERE d.datname = 'other' AND l.relation IS NOT NULL AND NOT l.granted"
   # A: the keyed start that no limit can refuse, in line for a writer slot.
-  open_session "A_$who" "$who"
   say "A_$who" "SELECT 'A:' || quota.start('a', idempotency_key => '$key');"
   waits_for "A to wait in line for a writer slot" \
     "SELECT count(*) > 0 FROM pg_stat_activity
       WHERE usename = '$who' AND query LIKE '%''a'', idempotency_key%' AND wait_event_type = 'Extension'"
   # B: a transactional start with the same key, left open.
-  open_session "B_$who" "$who"
   say "B_$who" "BEGIN; SELECT 'B:' || quota.start('b', idempotency_key => '$key', transactional => true);"
   wait_out "B_$who" "B:"
+  # The race was set up as meant only if B inserted while A still waited in line and
+  # the writer of other still held the slot: otherwise this round proves nothing.
+  expect_eq "$who: B inserted its row while A and the other database's start still waited" \
+    "0 0" "$(grep -c '^A:' "$CL/A_$who.out") $(grep -c 'other:\|ERROR' "$CL/C_$who.out")"
   # The lock goes: the other writer ends its batch and gives its slot up to A's database.
   say "L_$who" "COMMIT;"
-  wait_out "C_$who" "other:" 20
+  wait_out "C_$who" "other:\\|ERROR" 20 || true
   # A is answered (a new ticket: the old code), or waits for B's transaction to end.
   local i
   for i in $(seq 1 300); do

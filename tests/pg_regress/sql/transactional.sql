@@ -101,8 +101,11 @@ SELECT count(*) FILTER (WHERE txid IS NOT NULL) AS transactional_rows,
 -- 0.5.2 (R1): the database cap counts this transaction's own transactional tickets
 -- once (0.5.1 counted them as rows and again as open charges, and refused the third
 -- start of a transaction with room for three). The cap leaves room for three tickets
--- beside the ones earlier tests left active.
+-- beside the ones earlier tests left active, none of which has a lease that could run
+-- out meanwhile (and give the cap a slot more).
 SET quota.max_active_per_role = 10;
+SELECT count(*) FILTER (WHERE lease_until < now() + interval '1 hour') AS leases_ending_soon
+  FROM quota.ledger WHERE ended_at IS NULL;
 SELECT set_config('quota.max_active_per_database', (count(*) + 3)::text, false) AS cap
   FROM quota.ledger WHERE ended_at IS NULL \gset
 SET ROLE tx_app;

@@ -49,8 +49,16 @@ pub fn to_server(text: &str) -> Vec<u8> {
 /// `src` converted from encoding `from` to `to` with PostgreSQL's default conversion,
 /// each character that has no equivalent (or is not valid in `from`) as `?`.
 fn convert(src: &[u8], from: i32, to: i32) -> Vec<u8> {
-    // SAFETY: a catalog lookup (pg_conversion's syscache); InvalidOid if none.
-    let proc_ = unsafe { pg_sys::FindDefaultConversionProc(from, to) };
+    // SAFETY: a catalog lookup (pg_conversion's syscache), made only inside a
+    // transaction (the writer logs some lines between its transactions): elsewhere
+    // every non-ASCII character becomes '?'. InvalidOid if there is no conversion.
+    let proc_ = unsafe {
+        if pg_sys::IsTransactionState() {
+            pg_sys::FindDefaultConversionProc(from, to)
+        } else {
+            pg_sys::InvalidOid
+        }
+    };
     let mut out = Vec::with_capacity(src.len());
     let mut rest = src;
     while !rest.is_empty() {
@@ -81,8 +89,9 @@ fn convert(src: &[u8], from: i32, to: i32) -> Vec<u8> {
         };
         rest = &rest[done..];
         if let Some(&first) = rest.first() {
-            // The character at `rest` could not be converted: skip it whole.
-            out.push(b'?');
+            // The character at `rest` could not be converted (or there is no
+            // conversion: ASCII is the same in every server encoding): skip it whole.
+            out.push(if first.is_ascii() { first } else { b'?' });
             let len = if first.is_ascii() {
                 1
             } else {

@@ -175,22 +175,33 @@ fn outgoing(payload: Box<dyn Any + Send>) -> Result<Outgoing, Box<dyn Any + Send
     }
 }
 
-/// Writes `line` to the server log only, in the server encoding. May be called
-/// anywhere: a LOG does not longjmp, and interrupts are held while it is written
-/// (errfinish checks for them at the end of a LOG, and a cancel there would raise an
-/// ERROR straight over the Rust frames below us).
+/// Writes `line` to the server log only, in the server encoding: a refusal's line.
 pub fn log_server_only(line: &str) {
+    log_line(
+        pg_sys::LOG_SERVER_ONLY,
+        PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+        line,
+    );
+}
+
+/// Writes `line` at `level` (below ERROR: LOG, WARNING, …) with `sqlstate`, in the
+/// server encoding. May be called anywhere: a message below ERROR does not longjmp,
+/// and interrupts are held while it is written (errfinish checks for them at the end,
+/// and a cancel or terminate there would raise straight over the Rust frames below
+/// us; it is served at the next CHECK_FOR_INTERRUPTS instead).
+pub fn log_line(level: u32, sqlstate: PgSqlErrorCode, line: &str) {
+    debug_assert!(level < pg_sys::PGERROR);
     let texts = Texts {
-        sqlstate: PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED as c_int,
+        sqlstate: sqlstate as c_int,
         message: palloc_server(line),
         detail: None,
         hint: None,
     };
-    // SAFETY: HOLD_INTERRUPTS/RESUME_INTERRUPTS, as PostgreSQL's macros do it; a pending
-    // interrupt is served at the next CHECK_FOR_INTERRUPTS. LOG_SERVER_ONLY returns.
+    // SAFETY: HOLD_INTERRUPTS/RESUME_INTERRUPTS, as PostgreSQL's macros do it; below
+    // ERROR, report returns.
     unsafe {
         pg_sys::InterruptHoldoffCount += 1;
-        report(pg_sys::LOG_SERVER_ONLY as c_int, texts);
+        report(level as c_int, texts);
         pg_sys::InterruptHoldoffCount -= 1;
     }
 }

@@ -70,7 +70,11 @@ unsafe extern "C-unwind" fn object_access(
         if access == pg_sys::ObjectAccessType::OAT_POST_CREATE
             && class_id == pg_sys::ExtensionRelationId
         {
-            guard::extension_created(object_id);
+            // Its refusals name roles: in the server encoding (error.rs).
+            crate::error::boundary(|| {
+                guard::extension_created(object_id);
+                Ok(())
+            });
             return;
         }
         if access == pg_sys::ObjectAccessType::OAT_POST_ALTER

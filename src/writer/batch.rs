@@ -144,9 +144,13 @@ pub fn process(batch: Vec<usize>) {
                     QUEUED.with_borrow_mut(|q| q.extend(&group));
                     groups.extend(group.iter().map(|&i| (vec![i], retries)));
                 } else {
-                    log!(
-                        "pg_quota ledger writer: {} request(s) failed: {msg}",
-                        group.len()
+                    crate::error::log_line(
+                        pg_sys::LOG,
+                        PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
+                        &format!(
+                            "pg_quota ledger writer: {} request(s) failed: {msg}",
+                            group.len()
+                        ),
                     );
                     for &i in &group {
                         serve::set_error(i, code, &msg);

@@ -63,7 +63,11 @@ pub fn try_in_transaction(what: &str, f: fn()) -> bool {
         // SAFETY: pgrx flushed the error state; abort the failed transaction.
         unsafe { pg_sys::AbortCurrentTransaction() };
         crate::stats::writer_error(&format!("could not {what}: {msg}"));
-        pgrx::warning!("pg_quota ledger writer: could not {what}: {msg}");
+        crate::error::log_line(
+            pg_sys::WARNING,
+            pgrx::PgSqlErrorCode::ERRCODE_WARNING,
+            &format!("pg_quota ledger writer: could not {what}: {msg}"),
+        );
         return false;
     }
     true

@@ -69,6 +69,14 @@ expect_eq "the old cluster holds the tickets" "postgres|1|1 t1|2|4 t2|1|3" "$(co
 expect_eq "t1 is at its active limit in the old cluster" 53400 "$(state t1 app "SELECT quota.start('over')")"
 expect_eq "t2 is at its retained limit in the old cluster" 53400 "$(state t2 app "SELECT quota.start('over')")"
 check "the old summary equals its ledger" summary_matches_ledger
+# Transactional tickets (0.5.0) carry the full id of the transaction that charged them;
+# pg_upgrade keeps the cluster's transaction ids, epoch and commit log, so after it none
+# is an id the new cluster has not issued yet (none for the writer to adopt, 0.5.2).
+sql -c "CREATE DATABASE txdb" -c "CREATE ROLE tx LOGIN" -c "ALTER ROLE tx SET quota.allow_transactional = on" >/dev/null
+sql -d txdb -c "CREATE EXTENSION pg_quota" >/dev/null
+as tx txdb "BEGIN" "SELECT count(quota.start('tx', transactional => true)) FROM generate_series(1, 3)" "COMMIT" >/dev/null
+txids_of() { sql -d txdb -c "SELECT string_agg(txid::text, ',' ORDER BY id) FROM quota.ledger"; }
+TXIDS_BEFORE="$(txids_of)"
 OIDS_BEFORE="$(role_oids)"
 LEDGER_BEFORE="$(ledger_of)"
 COUNTS_BEFORE="$(counts_of)"
@@ -126,6 +134,11 @@ CL="$NEW" PORT="$NEW_PORT"
 expect_eq "the extension is still pg_quota $VERSION_BEFORE" "$VERSION_BEFORE" \
   "$(sql -d app -c "SELECT extversion FROM pg_extension WHERE extname = 'pg_quota'")"
 expect_eq "pg_upgrade kept the roles' OIDs" "$OIDS_BEFORE" "$(role_oids)"
+check "three transactional tickets were charged before the upgrade ($TXIDS_BEFORE)" \
+  test "$(tr ',' '\n' <<<"$TXIDS_BEFORE" | grep -c .)" = 3
+expect_eq "the transactional tickets keep their txids" "$TXIDS_BEFORE" "$(txids_of)"
+expect_eq "... all below the new cluster's next transaction id" 0 \
+  "$(sql -d txdb -c "SELECT count(*) FROM quota.ledger WHERE txid >= pg_snapshot_xmax(pg_current_snapshot())::text::xid8")"
 expect_eq "every ticket keeps its id, role name, label, state and times" "$LEDGER_BEFORE" "$(ledger_of)"
 check "the ledger is not empty" test -n "$LEDGER_BEFORE"
 expect_eq "the counts per role match" "$COUNTS_BEFORE" "$(counts_of)"

@@ -29,6 +29,21 @@ pub fn role_name(role: pg_sys::Oid) -> String {
     }
 }
 
+/// The name of role `role` as an SQL identifier (quoted where it must be), or its OID
+/// if it was dropped: for a hint's command to be copied as it is.
+pub fn role_ident(role: pg_sys::Oid) -> String {
+    // SAFETY: GetUserNameFromId returns a palloc'd copy (NULL for a dropped role, with
+    // noerr); quote_identifier returns it or a palloc'd quoted copy.
+    unsafe {
+        let p = pg_sys::GetUserNameFromId(role, true);
+        if p.is_null() {
+            u32::from(role).to_string()
+        } else {
+            name_text(pg_sys::quote_identifier(p))
+        }
+    }
+}
+
 /// A name PostgreSQL hands over as a C string (a relation's, a trigger's, a type's), in
 /// the server encoding, for a message.
 ///

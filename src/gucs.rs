@@ -200,19 +200,30 @@ unsafe extern "C-unwind" fn hook_allow_transactional(
 /// process reloads after the library was loaded, no mark is set (a setting defined by a
 /// library starts without it), and the captured value stands.
 pub fn server_value(s: Setting) -> i32 {
+    server_layer(s).0
+}
+
+/// Whether the server's value of `s` is its boot value: neither the postmaster's
+/// command line nor the configuration files set it (see `server_value`).
+pub fn server_is_default(s: Setting) -> bool {
+    server_layer(s).1
+}
+
+/// The server's value of `s`, and whether it is the boot value (see `server_value`).
+fn server_layer(s: Setting) -> (i32, bool) {
     let i = s as usize;
     // SAFETY: single-threaded backend state; a plain read of PgReloadTime and of GUC
     // records' status bits (a record, once defined, is never freed).
     unsafe {
         let layers = &mut *std::ptr::addr_of_mut!(SERVER);
         if let Some(v) = layers.argv[i] {
-            return v;
+            return (v, false);
         }
         let Some(v) = layers.file[i] else {
-            return layers.base[i];
+            return (layers.base[i], true);
         };
         if pg_sys::PgReloadTime == layers.loaded_at {
-            return v;
+            return (v, false);
         }
         if layers.marks_at != pg_sys::PgReloadTime {
             for (k, (setting, _, _)) in POLICY.iter().enumerate() {
@@ -223,9 +234,9 @@ pub fn server_value(s: Setting) -> i32 {
             layers.marks_at = pg_sys::PgReloadTime;
         }
         if layers.in_file[i] {
-            v
+            (v, false)
         } else {
-            layers.base[i]
+            (layers.base[i], true)
         }
     }
 }

@@ -25,6 +25,10 @@ pub struct Policy {
     pub retention_secs: i64,
     pub default_lease_secs: i64,
     pub allow_transactional: bool,
+    /// Whether quota.max_retained_per_role is its boot value (10,000) because nothing
+    /// sets it for this role: no layer above, no configuration file, no command line
+    /// (0.6.0: a refusal at it says so, and how to turn it off).
+    pub retained_is_default: bool,
 }
 
 /// The value of each policy setting (in POLICY's order) in one row of
@@ -86,20 +90,20 @@ fn configured(role: pg_sys::Oid) -> Configured {
 /// The policy of `role` in this database.
 pub fn of(role: pg_sys::Oid) -> Policy {
     let c = configured(role);
-    let value = |s: Setting| -> i64 {
+    let layers = |s: Setting| {
         let i = s as usize;
-        i64::from(
-            Layers {
-                session: gucs::set_in_session(s).then(|| gucs::session_value(s)),
-                database_role: c[0][i],
-                role: c[1][i],
-                database: c[2][i],
-                all_roles: c[3][i],
-                server: gucs::server_value(s),
-            }
-            .resolve(),
-        )
+        Layers {
+            session: gucs::set_in_session(s).then(|| gucs::session_value(s)),
+            database_role: c[0][i],
+            role: c[1][i],
+            database: c[2][i],
+            all_roles: c[3][i],
+            server: gucs::server_value(s),
+        }
     };
+    let value = |s: Setting| -> i64 { i64::from(layers(s).resolve()) };
+    let retained_is_default = layers(Setting::MaxRetainedPerRole).configured().is_none()
+        && gucs::server_is_default(Setting::MaxRetainedPerRole);
     Policy {
         limits: Limits {
             max_active: value(Setting::MaxActivePerRole),
@@ -112,6 +116,7 @@ pub fn of(role: pg_sys::Oid) -> Policy {
         retention_secs: value(Setting::Retention),
         default_lease_secs: value(Setting::DefaultLease),
         allow_transactional: value(Setting::AllowTransactional) != 0,
+        retained_is_default,
     }
 }
 

@@ -10,7 +10,7 @@ mod writer;
 
 use pgrx::pg_sys;
 
-use crate::catalog::{database_name, role_name};
+use crate::catalog::{database_name, role_ident, role_name};
 use crate::compat::{self, nap};
 use crate::core::lease::earliest;
 use crate::core::stats::Counter;
@@ -88,6 +88,9 @@ impl Caller<'_> {
                 limits: self.limits,
             },
             next_ageout: next.map(format_ts),
+            default_retained_for: (r.kind == RefusalKind::Retained
+                && self.policy.retained_is_default)
+                .then(|| role_ident(self.role)),
         }
     }
 }

@@ -79,6 +79,10 @@ pub enum QuotaError {
         refusal: Refusal,
         /// When the oldest retained, ended ticket ages out, already formatted, if any.
         next_ageout: Option<String>,
+        /// At quota.max_retained_per_role, where the limit is its default because
+        /// nothing sets it for the role: the role as an SQL identifier, for the hint
+        /// (0.6.0: a queue's jobs stopped after a week's 10,000 with no word of why).
+        default_retained_for: Option<String>,
     },
     /// A label of `chars` characters, of at most `max` (core::ticket says how many).
     #[error("label is too long")]
@@ -425,10 +429,20 @@ impl QuotaError {
             QuotaError::Refused {
                 refusal,
                 next_ageout,
+                default_retained_for,
                 ..
             } => Some(match (refusal.kind, next_ageout) {
                 (RefusalKind::Database, _) => "Capacity returns when any role of the database finishes a ticket or a lease expires; a superuser can raise quota.max_active_per_database.".to_string(),
                 (RefusalKind::Active, _) => "Finish a ticket with quota.finish(), or ask a superuser to raise quota.max_active_per_role.".to_string(),
+                (RefusalKind::Retained, _) if default_retained_for.is_some() => format!(
+                    "{} quota.max_retained_per_role is at its default of {}, which no setting for this role chose: a superuser can turn it off with ALTER ROLE {} SET quota.max_retained_per_role = 0, or set a limit it means.",
+                    match next_ageout {
+                        Some(at) => format!("Capacity returns at {at}, when the oldest retained ticket ages out."),
+                        None => "Every retained ticket is still active: tickets age out quota.retention after they finish.".to_string(),
+                    },
+                    refusal.limits.max_retained,
+                    default_retained_for.as_deref().unwrap_or_default()
+                ),
                 (RefusalKind::Retained, Some(at)) => format!(
                     "Capacity returns at {at}, when the oldest retained ticket ages out; a superuser can raise quota.max_retained_per_role or shorten quota.retention."
                 ),
@@ -578,6 +592,7 @@ mod tests {
             database: "app".into(),
             refusal: refusal(RefusalKind::Active),
             next_ageout: None,
+            default_retained_for: None,
         };
         assert_eq!(e.sqlstate().code(), "53400");
         let msg = e.to_string();
@@ -601,6 +616,7 @@ mod tests {
             database: "app".into(),
             refusal: r,
             next_ageout: None,
+            default_retained_for: None,
         };
         assert!(e.to_string().contains("has 1 active ticket,"), "{e}");
     }
@@ -613,6 +629,7 @@ mod tests {
             database: "app".into(),
             refusal: refusal(RefusalKind::Retained),
             next_ageout: Some("2026-12-01 10:00:00+00".into()),
+            default_retained_for: None,
         };
         assert!(e.to_string().contains("quota.max_retained_per_role"));
         assert!(e.hint().unwrap().contains("2026-12-01 10:00:00+00"));
@@ -626,6 +643,7 @@ mod tests {
             database: "app".into(),
             refusal: refusal(RefusalKind::Database),
             next_ageout: None,
+            default_retained_for: None,
         };
         assert_eq!(e.sqlstate().code(), "53400");
         assert_eq!(
@@ -650,6 +668,7 @@ mod tests {
             database: "app".into(),
             refusal: r,
             next_ageout: None,
+            default_retained_for: None,
         };
         assert_eq!(
             e.to_string(),
@@ -668,6 +687,7 @@ mod tests {
             database: "app".into(),
             refusal: r,
             next_ageout: None,
+            default_retained_for: None,
         };
         assert!(e
             .detail()
@@ -688,6 +708,7 @@ mod tests {
             database: "app".into(),
             refusal: r,
             next_ageout: None,
+            default_retained_for: None,
         };
         assert_eq!(
             e.to_string(),
@@ -814,6 +835,57 @@ mod tests {
                 assert!(h.ends_with('.'), "{h}");
             }
         }
+    }
+
+    #[test]
+    fn a_default_retained_limit_says_so_and_how_to_turn_it_off() {
+        let refused = |default_retained_for: Option<String>, next: Option<&str>| {
+            QuotaError::Refused {
+                role: "tn".into(),
+                tenant: None,
+                database: "app".into(),
+                refusal: Refusal {
+                    kind: RefusalKind::Retained,
+                    usage: Usage {
+                        active: 16,
+                        retained: 10_000,
+                        ..Usage::default()
+                    },
+                    limits: Limits {
+                        max_active: 0,
+                        max_retained: 10_000,
+                        ..Limits::default()
+                    },
+                },
+                next_ageout: next.map(str::to_string),
+                default_retained_for,
+            }
+            .hint()
+            .unwrap()
+        };
+        let hint = refused(Some("tn".into()), Some("2026-12-11 10:00:00+00"));
+        assert!(
+            hint.starts_with("Capacity returns at 2026-12-11 10:00:00+00"),
+            "{hint}"
+        );
+        assert!(
+            hint.contains("quota.max_retained_per_role is at its default of 10000"),
+            "{hint}"
+        );
+        assert!(
+            hint.contains("ALTER ROLE tn SET quota.max_retained_per_role = 0"),
+            "{hint}"
+        );
+        let hint = refused(Some("\"Tn\"".into()), None);
+        assert!(
+            hint.starts_with("Every retained ticket is still active"),
+            "{hint}"
+        );
+        assert!(hint.contains("ALTER ROLE \"Tn\" SET"), "{hint}");
+        // A limit someone set: the hint of 0.5.x.
+        let hint = refused(None, None);
+        assert!(!hint.contains("default"), "{hint}");
+        assert!(hint.contains("raise quota.max_retained_per_role"), "{hint}");
     }
 
     #[test]

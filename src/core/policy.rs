@@ -40,12 +40,16 @@ pub struct Layers<T: Copy> {
 impl<T: Copy> Layers<T> {
     /// The value that applies: the first layer that has one, in the order above.
     pub fn resolve(&self) -> T {
+        self.configured().unwrap_or(self.server)
+    }
+
+    /// The value of the first layer above the server's that has one.
+    pub fn configured(&self) -> Option<T> {
         self.session
             .or(self.database_role)
             .or(self.role)
             .or(self.database)
             .or(self.all_roles)
-            .unwrap_or(self.server)
     }
 }
 

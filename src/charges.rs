@@ -40,6 +40,9 @@ struct Charge {
     /// transaction gets that ticket (see `own_with_key`).
     key: Option<Vec<u8>>,
     id: Option<[u8; 16]>,
+    /// When its ticket's lease ends (None: never): its scopes' counters' `earliest`
+    /// goes down to it when it commits (see scopes::Counter).
+    lease_until: Option<i64>,
 }
 
 // Single-threaded backend state: the open charges of the current transaction, with
@@ -83,6 +86,7 @@ pub fn take(
                 pins: [Some(role_pin), tenant_pin],
                 key: key.map(<[u8]>::to_vec),
                 id: None,
+                lease_until: None,
             },
             level,
         ));
@@ -93,11 +97,12 @@ pub fn take(
     Ok(())
 }
 
-/// Names the ticket of the charge `take` took last.
-pub fn identify(id: [u8; 16]) {
+/// Names the ticket of the charge `take` took last, and when its lease ends.
+pub fn identify(id: [u8; 16], lease_until: Option<i64>) {
     // SAFETY: single-threaded backend state.
     if let Some((c, _)) = unsafe { (*std::ptr::addr_of_mut!(OPEN)).last_mut() } {
         c.id = Some(id);
+        c.lease_until = lease_until;
     }
 }
 
@@ -171,13 +176,13 @@ unsafe extern "C-unwind" fn xact_event(
             pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT => {
                 // One change per scope: each charge is one more active ticket and one
                 // more row of its role, and one more active ticket of its tenant.
-                let mut changes: Vec<(ScopeKey, i64, i64)> = Vec::new();
+                let mut changes = Vec::new();
                 for (c, _) in open.iter() {
                     let key = ScopeKey {
                         role: c.role,
                         tenant: c.tenant,
                     };
-                    scopes::add_change(&mut changes, key, 1, 1);
+                    scopes::add_change(&mut changes, key, 1, 1, c.lease_until);
                 }
                 *overflow = scopes::publish(&changes);
             }

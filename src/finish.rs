@@ -152,6 +152,15 @@ pub fn renew(
             // Raising aborts the update with the rest of the (sub)transaction.
             return ended(true);
         }
+        // A scope counter's `earliest` may refuse without probing for lapsed leases
+        // (0.6.0): it must be no later than the lease this may shorten, from now on.
+        crate::scopes::lower_earliest(
+            ScopeKey {
+                role: found.holder,
+                tenant: found.tenant,
+            },
+            until,
+        );
         // quota.stats counts the renewal when this transaction commits.
         note_renew(found.holder);
         return Ok(until);
@@ -299,9 +308,9 @@ unsafe extern "C-unwind" fn xact_event(
         match event {
             pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT if !finished.is_empty() => {
                 // One change per scope: its role's, and its tenant's if it has one.
-                let mut per_scope: Vec<(ScopeKey, i64, i64)> = Vec::new();
+                let mut per_scope = Vec::new();
                 for &((role, tenant), _) in finished.iter() {
-                    scopes::add_change(&mut per_scope, ScopeKey { role, tenant }, -1, 0);
+                    scopes::add_change(&mut per_scope, ScopeKey { role, tenant }, -1, 0, None);
                 }
                 *overflow = scopes::publish(&per_scope);
             }

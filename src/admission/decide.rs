@@ -10,7 +10,7 @@ use pgrx::pg_sys;
 
 use super::{Caller, Numbers, Refused};
 use crate::compat::{self, nap};
-use crate::core::{decide, Decision, RefusalKind, Usage};
+use crate::core::{decide, refuse_on_active, Decision, RefusalKind, Usage};
 use crate::ledger::count::{db_active, key_in_progress, retained_with_key};
 use crate::ledger::rels::Reader;
 use crate::ledger::scan::Latest;
@@ -140,6 +140,54 @@ fn with_top_owner<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// A refusal at an active limit (the tenant's, or the role's) read from the scope
+/// counters alone, without opening, locking or scanning any of pg_quota's relations
+/// (0.6.0): where each counter it needs is live (built for the relations as they are,
+/// see rels::current_tags) and no ticket it counts can have lapsed (its `earliest`
+/// lease end is still to come), its count plus the open charges and the starts waiting
+/// ahead is exact, or above (a finish not applied yet), as the lock-free refusal below
+/// counts it; and no limit that `decide` checks first could refuse instead (see
+/// core::refuse_on_active). None sends the start down the path that counts. Its
+/// numbers are counted again from the ledger only where someone reads them (start()'s
+/// error, a LOG line).
+fn refuse_from_counters(
+    caller: &Caller,
+    ahead: Ahead,
+    now: pg_sys::TimestampTz,
+) -> Option<Refused> {
+    let limits = caller.limits;
+    if limits.max_active == 0 && limits.tenant_active == 0 {
+        return None;
+    }
+    let tags = crate::ledger::rels::current_tags()?;
+    let live = |key: scopes::ScopeKey| {
+        scopes::peek(key, tags)
+            .filter(|p| p.earliest > now)
+            .map(|p| p.active + p.open)
+    };
+    let mut counted = Usage::default();
+    if let (Some(t), true) = (caller.tenant, limits.tenant_active > 0) {
+        counted.tenant_active = live(scopes::ScopeKey {
+            role: caller.role,
+            tenant: t.key,
+        })?;
+    }
+    let mut refusal = refuse_on_active(limits, with_ahead(counted, ahead));
+    if refusal.is_none() && limits.max_active > 0 {
+        counted.active = live(scopes::ScopeKey::role(caller.role))?;
+        refusal = refuse_on_active(limits, with_ahead(counted, ahead));
+    }
+    let kind = refusal?.kind;
+    counted.ahead = match kind {
+        RefusalKind::TenantActive => ahead.of_tenant,
+        _ => ahead.of_role,
+    };
+    Some(Refused {
+        kind,
+        numbers: Numbers::ActiveOnly(counted, now),
+    })
+}
+
 /// What the limited path found instead of a decision.
 pub(crate) enum Repeat {
     /// The key's ticket, committed and retained.
@@ -234,6 +282,13 @@ pub(crate) fn under_lock<T>(
     // queueing on its own scope lock. The Reader's table locks end with the reads.
     if !caller.exempt {
         let ahead = crate::waiters::ahead(role, tenant, seq);
+        // At an active limit, the scope counters may refuse alone (0.6.0). A key is
+        // looked for in the ledger before any refusal (see `refuse`).
+        if key.is_none() {
+            if let Some(r) = refuse_from_counters(caller, ahead, now) {
+                return Ok(Err(r));
+            }
+        }
         let reader = Reader::open();
         let snap = scopes::others_view();
         // After the snapshot: a charge that commits in between is missed here, which
@@ -247,6 +302,8 @@ pub(crate) fn under_lock<T>(
         let admits = |u: Usage| decide(limits, with_ahead(u, ahead), false) == Decision::Admit;
         let usage = usage_for(&reader, &snap, open_db, caller, now, cutoff, admits);
         if let Decision::Refuse(r) = decide(limits, with_ahead(usage, ahead), false) {
+            // So that the next refusals of the scope read its counter alone.
+            counts::refresh_earliest(&reader, role, caller.tenant, r.kind, now);
             return refuse(&reader, r.kind, ahead, usage);
         }
     }

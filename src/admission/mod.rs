@@ -117,6 +117,9 @@ pub(crate) enum Numbers {
     /// included), which hold the full numbers only where both role limits are set and
     /// the active one refused.
     Counted(Usage, pg_sys::TimestampTz),
+    /// The active counts a refusal read from the scope counters at `now` (the waiters
+    /// ahead apart; 0.6.0): the rest is counted from the ledger where it is read.
+    ActiveOnly(Usage, pg_sys::TimestampTz),
 }
 
 impl Refused {
@@ -125,13 +128,17 @@ impl Refused {
     fn numbers(&self, caller: &Caller) -> (Usage, Option<pg_sys::TimestampTz>) {
         let (counted, now) = match self.numbers {
             Numbers::Full(usage, next) => return (usage, next),
-            Numbers::Counted(counted, now) => (counted, now),
+            Numbers::Counted(counted, now) => {
+                let limits = caller.limits;
+                let complete =
+                    limits.max_active > 0 && limits.max_retained > 0 && caller.tenant.is_none();
+                if complete && self.kind == RefusalKind::Active {
+                    return (counted, None);
+                }
+                (counted, now)
+            }
+            Numbers::ActiveOnly(counted, now) => (counted, now),
         };
-        let limits = caller.limits;
-        let complete = limits.max_active > 0 && limits.max_retained > 0 && caller.tenant.is_none();
-        if complete && self.kind == RefusalKind::Active {
-            return (counted, None);
-        }
         let retention = caller.policy.retention_secs;
         let reader = Reader::open();
         let (mut usage, next) = crate::scopes::counts::refusal_numbers(

@@ -104,6 +104,7 @@ fn insert(caller: &Caller, ledger: &OpenRel, lease_us: Option<i64>) -> pgrx::Uui
         )
     };
     let id = pgrx::Uuid::from_bytes(new_ticket_id(now));
+    let lease_until = lease_us.map(|us| crate::core::lease::ends(now, us));
     record(
         ledger,
         rels().ncols,
@@ -113,12 +114,12 @@ fn insert(caller: &Caller, ledger: &OpenRel, lease_us: Option<i64>) -> pgrx::Uui
             role: caller.role,
             label: caller.args.label,
             key: caller.args.key,
-            lease_until: lease_us.map(|us| crate::core::lease::ends(now, us)),
+            lease_until,
             pid,
             tenant: caller.args.tenant,
             txid: Some(txid),
         }],
     );
-    crate::charges::identify(*id.as_bytes());
+    crate::charges::identify(*id.as_bytes(), lease_until);
     id
 }

@@ -132,10 +132,58 @@ pub fn decide(limits: Limits, usage: Usage, exempt: bool) -> Decision {
     })
 }
 
+/// The refusal `decide` gives whatever the counts that `usage` leaves out are (the
+/// retained ones and the database's, which need the ledger), from its active counts
+/// alone (0.6.0: a refusal read from the scope counters). Some only where an active
+/// limit is reached and no limit that `decide` checks before that one could be: a
+/// tenant's active limit (checked first), or the role's where the tenant has no
+/// retained limit.
+pub fn refuse_on_active(limits: Limits, usage: Usage) -> Option<Refusal> {
+    let kind = if at_limit(usage.tenant_active, limits.tenant_active) {
+        RefusalKind::TenantActive
+    } else if limits.tenant_retained == 0 && at_limit(usage.active, limits.max_active) {
+        RefusalKind::Active
+    } else {
+        return None;
+    };
+    Some(Refusal {
+        kind,
+        usage,
+        limits,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    proptest! {
+        /// A refusal from the active counts alone is the one `decide` gives with every
+        /// other count at any value.
+        #[test]
+        fn a_refusal_on_active_counts_holds_whatever_the_rest(
+            max_active in 0i64..5, max_retained in 0i64..5, max_db in 0i64..5,
+            tenant_active in 0i64..5, tenant_retained in 0i64..5,
+            active in 0i64..7, t_active in 0i64..7,
+            retained in 0i64..9, t_retained in 0i64..9, db in 0i64..9,
+        ) {
+            let limits = Limits { max_active, max_retained, max_db, tenant_active, tenant_retained };
+            let known = Usage { active, tenant_active: t_active, ..Usage::default() };
+            if let Some(r) = refuse_on_active(limits, known) {
+                let full = Usage {
+                    retained: retained.max(active),
+                    tenant_retained: t_retained.max(t_active),
+                    db_active: db,
+                    ..known
+                };
+                match decide(limits, full, false) {
+                    Decision::Refuse(f) => prop_assert_eq!(f.kind, r.kind),
+                    Decision::Admit => prop_assert!(false, "decide admitted {:?}", full),
+                }
+            }
+        }
+    }
 
     const LIMITS: Limits = Limits {
         max_active: 3,

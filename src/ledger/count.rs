@@ -25,6 +25,51 @@ pub fn active(r: &Rels, snap: &Latest, role: pg_sys::Oid, stop_at: Option<i64>) 
     )
 }
 
+/// How many unfinished tickets `role` holds, and the earliest end of their leases
+/// (i64::MAX where none ends; 0.6.0, for a scope counter's `earliest`). A ticket that
+/// an open transaction is changing (a renew() that may shorten its lease, prepared
+/// perhaps, or a finish) makes it i64::MIN, unknown: its lease may be another one
+/// once that transaction commits.
+pub fn active_and_earliest(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> (i64, i64) {
+    active_and_earliest_on(r, r.ledger_idx, snap, &[Key::OidEq(role), Key::IsNull])
+}
+
+/// The same for tenant `tenant` (a text datum) of `role` (0.5.0's schema).
+pub fn tenant_active_and_earliest(
+    r: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    tenant: pg_sys::Datum,
+) -> (i64, i64) {
+    if !r.v5() {
+        return (0, i64::MAX);
+    }
+    active_and_earliest_on(
+        r,
+        r.ledger_tenant_idx,
+        snap,
+        &[Key::OidEq(role), Key::TextEq(tenant), Key::IsNull],
+    )
+}
+
+fn active_and_earliest_on(r: &Rels, index: pg_sys::Oid, snap: &Latest, keys: &[Key]) -> (i64, i64) {
+    let (mut n, mut earliest) = (0i64, i64::MAX);
+    let v2 = r.v2();
+    scan(r.ledger, index, snap, keys, |slot| {
+        n += 1;
+        if v2 {
+            if let Some(l) = ts_attr(slot, COL_LEASE_UNTIL) {
+                earliest = earliest.min(l);
+            }
+            if being_changed(slot) {
+                earliest = i64::MIN;
+            }
+        }
+        true
+    });
+    (n, earliest)
+}
+
 /// How many ledger rows `role` has: from its summary row (plus its transactional
 /// tickets not folded into it yet, 0.5.0), or, where SQL-level writes to the ledger
 /// made the summary forget it (see sql/schema.sql), by counting, if `count_if_missing`

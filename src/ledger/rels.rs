@@ -97,9 +97,11 @@ impl Rels {
     }
 }
 
-// Backend-local cache of `Rels`, cleared by relcache invalidations of any of them.
-// A backend runs one thread, so plain statics suffice.
+// Backend-local cache of `Rels`, cleared by relcache invalidations of any of them,
+// and (0.6.0) of the tags a Reader found for them. A backend runs one thread, so plain
+// statics suffice.
 static mut CACHED: Option<Rels> = None;
+static mut CACHED_TAGS: Option<Tags> = None;
 static mut CALLBACK_REGISTERED: bool = false;
 
 #[pgrx::pg_guard]
@@ -120,6 +122,7 @@ unsafe extern "C-unwind" fn relcache_changed(_arg: pg_sys::Datum, relid: pg_sys:
             ];
             if relid == pg_sys::InvalidOid || ours.contains(&relid) {
                 CACHED = None;
+                CACHED_TAGS = None;
             }
         }
     }
@@ -586,10 +589,33 @@ impl Reader {
             locks.take(rels.ledger_txid_idx, pg_sys::AccessShareLock);
             locks.take(rels.ledger_tenant_idx, pg_sys::AccessShareLock);
         }
+        let tags = tags_of(&rels);
+        // SAFETY: single-threaded backend state. Found under the tables' locks, so
+        // with every invalidation processed: current until the next one.
+        unsafe { CACHED_TAGS = tags };
         Reader {
             rels,
-            tags: tags_of(&rels),
+            tags,
             _locks: locks,
         }
+    }
+}
+
+/// The tags scope counters must carry (see `Reader::tags`) as the last Reader of this
+/// backend found them, where nothing has invalidated pg_quota's relations since, with
+/// the invalidations other sessions sent processed first, but without opening or
+/// locking a relation (0.6.0: a refusal read from the counters). A change committed
+/// between that processing and its invalidation message (a TRUNCATE commits before it
+/// sends it) can leave them one change behind for that moment: a refusal made on them
+/// is one that the counters would have made a moment before, never an admission.
+pub fn current_tags() -> Option<Tags> {
+    // SAFETY: processes the shared invalidation queue, as any lock acquisition does
+    // (nothing to do in the common case); then a plain read of backend state.
+    unsafe {
+        pg_sys::AcceptInvalidationMessages();
+        if (*std::ptr::addr_of!(CACHED)).is_none() {
+            return None;
+        }
+        CACHED_TAGS
     }
 }

@@ -8,12 +8,12 @@
 
 use pgrx::pg_sys;
 
-use super::{get, others_view, ScopeKey};
+use super::{get, others_view, Counted, ScopeKey};
 use crate::core::lease::{earliest, Lapsed};
 use crate::core::{Limits, RefusalKind, Usage};
 use crate::ledger::count::{
-    active, expired, lapsed, oldest_ended, rows, summary_rows, tenant_active, tenant_ended_since,
-    tenant_lapsed, tenant_oldest_ended,
+    active, active_and_earliest, expired, lapsed, oldest_ended, rows, summary_rows, tenant_active,
+    tenant_active_and_earliest, tenant_ended_since, tenant_lapsed, tenant_oldest_ended,
 };
 use crate::ledger::rels::Reader;
 use crate::ledger::scan::Latest;
@@ -42,7 +42,12 @@ pub fn role_counts(reader: &Reader, role: pg_sys::Oid) -> (i64, i64, i64) {
             // under it. Without a summary row, count this once without a
             // counter; the writer rebuilds the summary row meanwhile.
             let (rows, _) = rows(r, s, role, false)?;
-            Some((active(r, s, role, None), rows))
+            let (active, earliest) = active_and_earliest(r, s, role);
+            Some(Counted {
+                active,
+                rows,
+                earliest,
+            })
         })
     });
     if reader.tags.is_none() {
@@ -78,7 +83,14 @@ pub fn tenant_counts(reader: &Reader, role: pg_sys::Oid, t: Tenant) -> (i64, i64
             tags,
             &mut open,
             || true,
-            |s| Some((tenant_active(r, s, role, t.text, None), 0)),
+            |s| {
+                let (active, earliest) = tenant_active_and_earliest(r, s, role, t.text);
+                Some(Counted {
+                    active,
+                    rows: 0,
+                    earliest,
+                })
+            },
         )
     });
     if reader.tags.is_none() {
@@ -266,4 +278,46 @@ pub fn refusal_numbers(
     }
     let next = next.map(|t| t.saturating_add(retention_secs.saturating_mul(1_000_000)));
     (usage, next)
+}
+
+/// After a refusal at `kind`, an active limit, that had to probe for lapsed leases
+/// because the scope's counter knew of none still to come (0.6.0): finds the earliest
+/// lease end among the scope's active tickets, and gives it to the counter, so that the
+/// next refusals read the counter alone again. Nothing where the counter is not live,
+/// already knows a lease end still to come, or a ticket lapsed or is being changed.
+pub fn refresh_earliest(
+    reader: &Reader,
+    role: pg_sys::Oid,
+    tenant: Option<Tenant>,
+    kind: RefusalKind,
+    now: pg_sys::TimestampTz,
+) {
+    let r = &reader.rels;
+    let Some(tags) = reader.tags else { return };
+    let (key, text) = match (kind, tenant) {
+        (RefusalKind::TenantActive, Some(t)) => (
+            ScopeKey {
+                role,
+                tenant: t.key,
+            },
+            Some(t.text),
+        ),
+        (RefusalKind::Active, _) => (ScopeKey::role(role), None),
+        _ => return,
+    };
+    let Some(p) = super::peek(key, tags) else {
+        return;
+    };
+    if p.earliest > now {
+        return;
+    }
+    // Under a snapshot taken after the version was read (see scopes::refresh_earliest).
+    let snap = others_view();
+    let (_, earliest) = match text {
+        Some(text) => tenant_active_and_earliest(r, &snap, role, text),
+        None => active_and_earliest(r, &snap, role),
+    };
+    if earliest > now {
+        super::refresh_earliest(key, p.version, earliest);
+    }
 }

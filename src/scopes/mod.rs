@@ -86,16 +86,52 @@ impl ScopeKey {
     }
 }
 
+/// What a transaction changes in one scope's counter: its active tickets, its rows (a
+/// role's; a tenant has none), and the earliest lease end among the tickets it adds or
+/// renews (LEASE_NONE if none; see Counter::earliest).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Change {
+    pub key: ScopeKey,
+    pub active: i64,
+    pub rows: i64,
+    pub lease_floor: i64,
+}
+
+impl Change {
+    pub fn new(key: ScopeKey, active: i64, rows: i64) -> Change {
+        Change {
+            key,
+            active,
+            rows,
+            lease_floor: LEASE_NONE,
+        }
+    }
+}
+
 /// Adds to `changes` (one per scope, as `publish` takes them) what one ticket of scope
 /// `key` changes: `active` active tickets and `rows` rows of its role, and the same
-/// active tickets of its tenant if it has one (a tenant has no rows of its own).
-pub fn add_change(changes: &mut Vec<(ScopeKey, i64, i64)>, key: ScopeKey, active: i64, rows: i64) {
-    let mut add = |k: ScopeKey, rows: i64| match changes.iter_mut().find(|c| c.0 == k) {
+/// active tickets of its tenant if it has one (a tenant has no rows of its own); a
+/// ticket whose lease ends at `lease` (added, or renewed) lowers their `earliest`.
+pub fn add_change(
+    changes: &mut Vec<Change>,
+    key: ScopeKey,
+    active: i64,
+    rows: i64,
+    lease: Option<i64>,
+) {
+    let floor = lease.unwrap_or(LEASE_NONE);
+    let mut add = |k: ScopeKey, rows: i64| match changes.iter_mut().find(|c| c.key == k) {
         Some(c) => {
-            c.1 += active;
-            c.2 += rows;
+            c.active += active;
+            c.rows += rows;
+            c.lease_floor = c.lease_floor.min(floor);
         }
-        None => changes.push((k, active, rows)),
+        None => changes.push(Change {
+            key: k,
+            active,
+            rows,
+            lease_floor: floor,
+        }),
     };
     add(ScopeKey::role(key.role), rows);
     if key.is_tenant() {
@@ -134,12 +170,25 @@ pub struct Counter {
     /// Uncommitted transactional charges of the scope (0.5.0): the counter is pinned
     /// while they are above 0.
     open: AtomicI64,
+    /// (0.6.0) No ticket `active` counts has a lease that ends before this (a
+    /// TimestampTz; LEASE_UNKNOWN when nothing is known, LEASE_NONE when none ends): a
+    /// refusal at the active limit needs no probe for lapsed leases while it is in the
+    /// future. A lower bound, so it may only go down, but where it is found anew:
+    /// a rebuild, or a probe that nothing changed meanwhile (`version`).
+    earliest: AtomicI64,
+    /// Moves on with every change applied to the counter (see `refresh_earliest`).
+    version: AtomicU64,
 }
 
 const _: () = assert!(
-    std::mem::size_of::<Counter>() == 64,
-    "USER_GUIDE.md gives 64 bytes"
+    std::mem::size_of::<Counter>() == 80,
+    "USER_GUIDE.md gives 80 bytes"
 );
+
+/// `Counter::earliest` when nothing is known: every refusal probes.
+const LEASE_UNKNOWN: i64 = i64::MIN;
+/// `Counter::earliest` when no counted ticket has a lease that ends.
+pub const LEASE_NONE: i64 = i64::MAX;
 
 const PENDING_FREE: u32 = 0;
 const PENDING_SET: u32 = 1;
@@ -154,6 +203,9 @@ pub struct Pending {
     tenant: [AtomicU64; 2],
     d_active: AtomicI64,
     d_rows: AtomicI64,
+    /// The earliest lease end among the tickets the change adds (or renews), LEASE_NONE
+    /// if none: the counter's `earliest` goes down to it (0.6.0).
+    lease_floor: AtomicI64,
 }
 
 /// Holds the scope lock. Lock order: never take it while holding the writer-table
@@ -315,7 +367,7 @@ pub fn get(
     tags: Tags,
     open: &mut i64,
     has_numbers: impl FnOnce() -> bool,
-    count: impl FnOnce(&Latest) -> Option<(i64, i64)>,
+    count: impl FnOnce(&Latest) -> Option<Counted>,
 ) -> Option<(i64, i64)> {
     let k = key.shared();
     {
@@ -364,6 +416,81 @@ pub fn get(
 pub fn open(key: ScopeKey) -> i64 {
     let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
     find(key.shared()).map_or(0, |e| e.open.load(Ordering::Acquire))
+}
+
+/// What a rebuild counts from the ledger: a scope's active tickets, its rows (a role's),
+/// and the earliest lease end among those tickets (LEASE_NONE if none ends).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Counted {
+    pub active: i64,
+    pub rows: i64,
+    pub earliest: i64,
+}
+
+/// A live counter as a refusal reads it, without the ledger (0.6.0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peeked {
+    /// Committed active tickets, and the uncommitted transactional charges.
+    pub active: i64,
+    pub open: i64,
+    /// No ticket of `active` has a lease that ends before this (see Counter::earliest).
+    pub earliest: i64,
+    /// The counter's version, for `refresh_earliest`.
+    pub version: u64,
+}
+
+/// Scope `key`'s counter if it is current for `tags`, read without building it: None
+/// if it is missing or stale (the caller then takes the path that counts). Marks it as
+/// read. The open charges are read before the numbers, as in `get`.
+pub fn peek(key: ScopeKey, tags: Tags) -> Option<Peeked> {
+    let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
+    let e = find(key.shared())?;
+    let version = e.version.load(Ordering::Acquire);
+    let open = e.open.load(Ordering::Acquire);
+    let (active, _) = read(e, tags)?;
+    Some(Peeked {
+        active,
+        open,
+        earliest: e.earliest.load(Ordering::Acquire),
+        version,
+    })
+}
+
+/// Sets scope `key`'s `earliest` to `earliest`, what a probe found among its active
+/// tickets under a snapshot taken after reading its version (`peek`) as `seen`. A change applied
+/// since may add a ticket that snapshot missed: if the version moved by the time the
+/// value is stored, it is set back to unknown (a later change lowers it anyway, since
+/// changes move the version first and lower the value after).
+pub fn refresh_earliest(key: ScopeKey, seen: u64, earliest: i64) {
+    let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
+    let Some(e) = find(key.shared()) else {
+        return;
+    };
+    if e.version.load(Ordering::Acquire) != seen {
+        return;
+    }
+    e.earliest.store(earliest, Ordering::Release);
+    if e.version.load(Ordering::Acquire) != seen {
+        e.earliest.store(LEASE_UNKNOWN, Ordering::Release);
+    }
+}
+
+/// Lowers the `earliest` of `key`'s counter (and its role's, for a tenant) to `lease`,
+/// at once: a renew() that may shorten a ticket's lease, before it commits (and
+/// whether it commits: a lower bound may always go down). The version moves first, as
+/// for a change applied (see `refresh_earliest`).
+pub fn lower_earliest(key: ScopeKey, lease: i64) {
+    let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
+    let mut keys = vec![ScopeKey::role(key.role)];
+    if key.is_tenant() {
+        keys.push(key);
+    }
+    for k in keys {
+        if let Some(e) = find(k.shared()) {
+            e.version.fetch_add(1, Ordering::AcqRel);
+            e.earliest.fetch_min(lease, Ordering::AcqRel);
+        }
+    }
 }
 
 /// A pinned counter: the entry that holds a scope's open charges, by its index.
@@ -446,30 +573,45 @@ fn rebuild(
     e: &'static Counter,
     key: (u32, u32, u128),
     tags: Tags,
-    count: impl FnOnce(&Latest) -> Option<(i64, i64)>,
+    count: impl FnOnce(&Latest) -> Option<Counted>,
 ) -> Option<(i64, i64)> {
     // The snapshot is taken under the exclusive lock: no change is applied until we
     // are done, and every change that S sees committed was published before that.
     let snap = others_view();
-    let (active, rows) = count(&snap)?;
+    let Counted {
+        active,
+        rows,
+        earliest,
+    } = count(&snap)?;
+    // A change S does not see is applied after this: the tickets it adds (or renews)
+    // are not in `earliest` yet.
+    let mut earliest = earliest;
     for p in all_pending() {
-        if p.state.load(Ordering::Acquire) == PENDING_SET
-            && pending_key(p) == key
+        if p.state.load(Ordering::Acquire) == PENDING_SET && pending_key(p) == key {
             // SAFETY: a snapshot check; the snapshot is registered.
-            && !unsafe { pg_sys::XidInMVCCSnapshot(pg_sys::TransactionId::from_inner(p.xid.load(Ordering::Relaxed)), snap.0) }
-        {
-            let _ = p.state.compare_exchange(
-                PENDING_SET,
-                PENDING_ABSORBED,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            );
+            let seen = !unsafe {
+                pg_sys::XidInMVCCSnapshot(
+                    pg_sys::TransactionId::from_inner(p.xid.load(Ordering::Relaxed)),
+                    snap.0,
+                )
+            };
+            if seen {
+                let _ = p.state.compare_exchange(
+                    PENDING_SET,
+                    PENDING_ABSORBED,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+            } else {
+                earliest = earliest.min(p.lease_floor.load(Ordering::Relaxed));
+            }
         }
     }
     // Taken over (or new): the entry is this scope's from here on.
     claim(e, key);
     e.active.store(active, Ordering::Release);
     e.rows.store(rows, Ordering::Release);
+    e.earliest.store(earliest, Ordering::Release);
     e.ledger_node.store(tags.ledger, Ordering::Relaxed);
     e.summary_node.store(tags.summary, Ordering::Relaxed);
     e.valid.store(true, Ordering::Release);
@@ -485,6 +627,8 @@ fn claim(e: &Counter, key: (u32, u32, u128)) {
     e.valid.store(false, Ordering::Relaxed);
     e.active.store(0, Ordering::Relaxed);
     e.rows.store(0, Ordering::Relaxed);
+    e.earliest.store(LEASE_UNKNOWN, Ordering::Relaxed);
+    e.version.fetch_add(1, Ordering::AcqRel);
     if !ours {
         e.open.store(0, Ordering::Relaxed);
     }
@@ -509,7 +653,7 @@ fn pending_key(p: &Pending) -> (u32, u32, u128) {
 /// Δactive, Δrows), after those it published already in this transaction (finish()
 /// and transactional starts publish apart). Returns the scopes that did not fit; their
 /// counters must be invalidated once the transaction has committed (`invalidate`).
-pub fn publish(changes: &[(ScopeKey, i64, i64)]) -> Vec<ScopeKey> {
+pub fn publish(changes: &[Change]) -> Vec<ScopeKey> {
     let mine = pending(shmem::my_procno());
     // SAFETY: plain reads of backend state; the transaction wrote, so it has an id.
     let xid = unsafe { pg_sys::GetTopTransactionIdIfAny() };
@@ -517,7 +661,8 @@ pub fn publish(changes: &[(ScopeKey, i64, i64)]) -> Vec<ScopeKey> {
         .iter()
         .filter(|p| p.state.load(Ordering::Acquire) == PENDING_FREE);
     let mut overflow = Vec::new();
-    for &(key, d_active, d_rows) in changes {
+    for c in changes {
+        let key = c.key;
         let Some(p) = free.next() else {
             overflow.push(key);
             continue;
@@ -528,8 +673,9 @@ pub fn publish(changes: &[(ScopeKey, i64, i64)]) -> Vec<ScopeKey> {
         p.tenant[0].store(tenant as u64, Ordering::Relaxed);
         p.tenant[1].store((tenant >> 64) as u64, Ordering::Relaxed);
         p.xid.store(xid.into_inner(), Ordering::Relaxed);
-        p.d_active.store(d_active, Ordering::Relaxed);
-        p.d_rows.store(d_rows, Ordering::Relaxed);
+        p.d_active.store(c.active, Ordering::Relaxed);
+        p.d_rows.store(c.rows, Ordering::Relaxed);
+        p.lease_floor.store(c.lease_floor, Ordering::Relaxed);
         p.state.store(PENDING_SET, Ordering::Release);
     }
     overflow
@@ -573,10 +719,15 @@ pub fn apply_mine() {
             };
         if committed {
             if let Some(e) = find(pending_key(p)) {
+                // The version first: a refresh of `earliest` that read the version
+                // before this change sees it moved, or its value is lowered below.
+                e.version.fetch_add(1, Ordering::AcqRel);
                 e.active
                     .fetch_add(p.d_active.load(Ordering::Relaxed), Ordering::AcqRel);
                 e.rows
                     .fetch_add(p.d_rows.load(Ordering::Relaxed), Ordering::AcqRel);
+                e.earliest
+                    .fetch_min(p.lease_floor.load(Ordering::Relaxed), Ordering::AcqRel);
             }
         }
         p.state.store(PENDING_FREE, Ordering::Release);

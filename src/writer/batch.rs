@@ -18,7 +18,7 @@ use crate::ledger::write::{add_to_summary, new_ticket_id, purge_before, record, 
 use crate::ledger::COL_ID;
 use crate::queue::{self, serve, Request, REPLY_ADMITTED, REPLY_REFUSED};
 use crate::scopes::counts::{self, Tenant};
-use crate::scopes::ScopeKey;
+use crate::scopes::{Change, ScopeKey};
 use crate::shmem;
 use crate::timestamps::cutoff;
 
@@ -238,7 +238,7 @@ fn count_admitted(group: &[usize]) {
 /// tickets, so counts taken here, plus the transactional charges still open (which
 /// their scopes' counters hold), plus this batch's own admissions, are exact (I1).
 /// Returns the changes of the scope counters to publish.
-fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
+fn handle_batch(batch: &[usize]) -> Vec<Change> {
     let reader = Reader::open();
     let rels = reader.rels;
     // The locks the writes need, before the clock is read: `now` is every admitted
@@ -365,6 +365,8 @@ fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
 
     let mut admitted: Vec<Admitted> = Vec::new();
     let mut pending: HashMap<ScopeKey, i64> = HashMap::new();
+    // The earliest lease end each scope's admissions bring (see scopes::Counter).
+    let mut floors: HashMap<ScopeKey, i64> = HashMap::new();
     for (k, ((&i, req), breq)) in batch.iter().zip(&requests).zip(&breqs).enumerate() {
         // SAFETY: as above; the reply belongs to the writer while the slot is CLAIMED.
         let reply = unsafe { serve::reply(i) };
@@ -385,6 +387,7 @@ fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
         match decisions[k].expect("decided") {
             Decision::Admit => {
                 let id = new_ticket_id(now);
+                let lease_until = req.lease_us.map(|us| crate::core::lease::ends(now, us));
                 admitted.push(Admitted {
                     id: pgrx::Uuid::from_bytes(id),
                     role,
@@ -392,14 +395,20 @@ fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
                     key: req.key(),
                     // From the instant the ticket starts (its started_at), not from
                     // when its caller asked: the caller may have waited since.
-                    lease_until: req.lease_us.map(|us| crate::core::lease::ends(now, us)),
+                    lease_until,
                     pid: req.pid,
                     tenant: req.tenant(),
                     txid: None,
                 });
-                *pending.entry(ScopeKey::role(role)).or_default() += 1;
+                let floor = lease_until.unwrap_or(crate::scopes::LEASE_NONE);
+                let mut count = |key: ScopeKey| {
+                    *pending.entry(key).or_default() += 1;
+                    let f = floors.entry(key).or_insert(floor);
+                    *f = (*f).min(floor);
+                };
+                count(ScopeKey::role(role));
                 if let Some(t) = breq.tenant {
-                    *pending.entry(ScopeKey { role, tenant: t }).or_default() += 1;
+                    count(ScopeKey { role, tenant: t });
                 }
                 reply.kind = REPLY_ADMITTED;
                 reply.ticket = id;
@@ -470,7 +479,12 @@ fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
     for (&key, &n) in &pending {
         if key.is_tenant() {
             // A tenant's counter keeps its active tickets only.
-            changes.push((key, n, 0));
+            changes.push(Change {
+                key,
+                active: n,
+                rows: 0,
+                lease_floor: floors[&key],
+            });
             continue;
         }
         let oid = key.role;
@@ -479,7 +493,12 @@ fn handle_batch(batch: &[usize]) -> Vec<(ScopeKey, i64, i64)> {
             .max(configured_retention(oid));
         let purged = purge_before(&rels, &ledger, oid, cutoff(now, keep));
         delta.push((oid, n - purged.summarized));
-        changes.push((key, n, n - purged.all));
+        changes.push(Change {
+            key,
+            active: n,
+            rows: n - purged.all,
+            lease_floor: floors[&key],
+        });
     }
     record(&ledger, rels.ncols, now, &admitted);
     drop(ledger);

@@ -25,7 +25,7 @@ use crate::ledger::rels::{Reader, Rels};
 use crate::ledger::scan::Latest;
 use crate::ledger::write::{adopted_version, fold_into_summary, horizon, purge_before};
 use crate::ledger::COL_TXID;
-use crate::scopes::ScopeKey;
+use crate::scopes::{Change, ScopeKey};
 use crate::timestamps::cutoff;
 
 use super::txn::try_in_transaction;
@@ -112,7 +112,7 @@ fn fold() {
         let purged = purge_before(&rels, &ledger, role, cutoff(now, keep));
         if purged.all > 0 {
             fold_into_summary(&rels, &summary, role, -purged.summarized, 0);
-            changes.push((ScopeKey::role(role), 0, -purged.all));
+            changes.push(Change::new(ScopeKey::role(role), 0, -purged.all));
         }
         if adopt_left == 0 {
             break;

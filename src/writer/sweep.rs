@@ -19,7 +19,7 @@ const MAX_DUE: usize = 1024;
 
 thread_local! {
     /// Scopes whose tickets the last expiry sweep ended, and how many each.
-    static SWEPT: std::cell::RefCell<Vec<(ScopeKey, i64, i64)>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SWEPT: std::cell::RefCell<Vec<crate::scopes::Change>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `sweep_expired` in a transaction of its own; then the scope counters drop by what it
@@ -34,7 +34,10 @@ pub fn sweep_expired_and_wake() {
         return;
     }
     crate::scopes::invalidate(&OVERFLOWED.with_borrow_mut(std::mem::take));
-    for (key, ended, _) in swept {
+    for crate::scopes::Change {
+        key, active: ended, ..
+    } in swept
+    {
         // Statistics and waiters are per role: a tenant's count is its role's too.
         if key.is_tenant() {
             continue;
@@ -91,7 +94,7 @@ fn sweep_expired() {
         return;
     }
     let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
-    let mut ended: Vec<(ScopeKey, i64, i64)> = Vec::new();
+    let mut ended = Vec::new();
     for (tid, key, until) in due {
         // A finish() or renew() of the ticket in an open transaction: leave it to a
         // later sweep rather than wait for that transaction.
@@ -102,7 +105,7 @@ fn sweep_expired() {
             continue;
         };
         if ledger.update(tid, tuple, &[COL_ENDED_AT, COL_OUTCOME]) == pg_sys::TM_Result::TM_Ok {
-            crate::scopes::add_change(&mut ended, key, -1, 0);
+            crate::scopes::add_change(&mut ended, key, -1, 0, None);
         }
     }
     drop(ledger);

@@ -1,0 +1,48 @@
+-- 0.6.0: a try_start() refused at an active limit whose scope counter is live reads
+-- shared memory only: it scans none of pg_quota's relations (pg_stat_xact_all_tables,
+-- in its transaction, after what earlier ones counted is flushed). The first refusal
+-- of the scope counts from the ledger once (it builds the counter, and finds when its
+-- tickets' leases end); the ones after it need nothing else.
+CREATE ROLE quota_busy;
+SET quota.max_active_per_role = 2;
+SET quota.max_retained_per_role = 0;
+SET ROLE quota_busy;
+SELECT count(quota.start('busy')) AS admitted FROM generate_series(1, 2);
+SELECT quota.try_start('over') IS NULL AS refused;
+SELECT pg_stat_force_next_flush();
+BEGIN;
+SELECT quota.try_start('over') IS NULL AS refused;
+SELECT quota.try_start('over', tenant => 'acme') IS NULL AS refused_with_a_tenant;
+SELECT coalesce(sum(seq_scan + coalesce(idx_scan, 0)), 0) AS scans_of_quota_relations
+  FROM pg_stat_xact_all_tables WHERE schemaname = 'quota';
+COMMIT;
+
+-- A tenant's active limit, the same way.
+RESET ROLE;
+SET quota.max_active_per_role = 10;
+SET quota.max_active_per_tenant = 1;
+SET ROLE quota_busy;
+SELECT quota.start('acme''s', tenant => 'acme') IS NOT NULL AS admitted;
+SELECT quota.try_start('acme''s', tenant => 'acme') IS NULL AS refused;
+SELECT pg_stat_force_next_flush();
+BEGIN;
+SELECT quota.try_start('acme''s', tenant => 'acme') IS NULL AS refused;
+SELECT coalesce(sum(seq_scan + coalesce(idx_scan, 0)), 0) AS scans_of_quota_relations
+  FROM pg_stat_xact_all_tables WHERE schemaname = 'quota';
+COMMIT;
+-- start() reads the ledger for its error's numbers, as before.
+SELECT quota.start('acme''s', tenant => 'acme');
+
+-- A lease that runs out frees its slot as before: a renew() that shortens it is seen
+-- by the refusals that read the counter (which would otherwise wait for the old lease).
+SELECT id AS acme_ticket, lease_until AS old_until FROM quota.tickets
+ WHERE tenant = 'acme' AND ended_at IS NULL \gset
+SELECT quota.renew(:'acme_ticket', '100 ms') < :'old_until'::timestamptz AS shortened;
+SELECT pg_sleep_until(lease_until + interval '50 ms') FROM quota.tickets WHERE id = :'acme_ticket';
+SELECT quota.try_start('acme''s', tenant => 'acme') IS NOT NULL AS admitted_once_the_lease_ran_out;
+RESET ROLE;
+SELECT count(*) FILTER (WHERE quota.finish(id)) AS finished FROM quota.ledger
+ WHERE role = 'quota_busy'::regrole AND ended_at IS NULL;
+RESET quota.max_active_per_role;
+RESET quota.max_retained_per_role;
+RESET quota.max_active_per_tenant;

@@ -152,17 +152,9 @@ pub fn renew(
             // Raising aborts the update with the rest of the (sub)transaction.
             return ended(true);
         }
-        // A scope counter's `earliest` may refuse without probing for lapsed leases
-        // (0.6.0): it must be no later than the lease this may shorten, from now on.
-        crate::scopes::lower_earliest(
-            ScopeKey {
-                role: found.holder,
-                tenant: found.tenant,
-            },
-            until,
-        );
-        // quota.stats counts the renewal when this transaction commits.
-        note_renew(found.holder);
+        // quota.stats counts the renewal when this transaction commits, and the
+        // scope counters learn the lease it may shorten (see `note_renew`).
+        note_renew(found.holder, found.tenant, until);
         return Ok(until);
     }
 }
@@ -244,6 +236,9 @@ fn find(
 // (role, tenant key, subtransaction nesting level), and the scopes that did not fit
 // when published.
 static mut FINISHED: Vec<((pg_sys::Oid, u128), i32)> = Vec::new();
+/// The tickets the current transaction renewed, as ((role, tenant key, new lease end),
+/// subtransaction nesting level) (0.6.0).
+static mut RENEWED: Vec<((pg_sys::Oid, u128, pg_sys::TimestampTz), i32)> = Vec::new();
 static mut OVERFLOW: Vec<ScopeKey> = Vec::new();
 /// The statistics the current transaction owes quota.stats when it commits: finishes
 /// by outcome and renewals, as ((role, counter), subtransaction nesting level).
@@ -274,12 +269,17 @@ pub fn note_finish(role: pg_sys::Oid, tenant: u128, outcome: crate::core::Outcom
     }
 }
 
-/// Records that this transaction renewed a ticket of `role`: quota.stats counts it
-/// when (and only if) the transaction commits.
-pub fn note_renew(role: pg_sys::Oid) {
+/// Records that this transaction renewed a ticket of `role` (and tenant key `tenant`)
+/// to `until`: quota.stats counts it, and its scopes' counters lower their `earliest`
+/// to `until` (a renew may shorten a lease; see scopes::Counter), when (and only if) the
+/// transaction commits. Until then the ticket's committed lease is the old one.
+pub fn note_renew(role: pg_sys::Oid, tenant: u128, until: pg_sys::TimestampTz) {
     let level = nest_level();
     // SAFETY: single-threaded backend state.
-    unsafe { (*std::ptr::addr_of_mut!(STATS_OWED)).push(((role, Counter::Renewed), level)) };
+    unsafe {
+        (*std::ptr::addr_of_mut!(STATS_OWED)).push(((role, Counter::Renewed), level));
+        (*std::ptr::addr_of_mut!(RENEWED)).push(((role, tenant, until), level));
+    }
 }
 
 #[pg_guard]
@@ -290,6 +290,7 @@ unsafe extern "C-unwind" fn xact_event(
     // SAFETY: single-threaded backend state.
     unsafe {
         let finished = &mut *std::ptr::addr_of_mut!(FINISHED);
+        let renewed = &mut *std::ptr::addr_of_mut!(RENEWED);
         let overflow = &mut *std::ptr::addr_of_mut!(OVERFLOW);
         let owed = &mut *std::ptr::addr_of_mut!(STATS_OWED);
         match event {
@@ -306,23 +307,36 @@ unsafe extern "C-unwind" fn xact_event(
             _ => {}
         }
         match event {
-            pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT if !finished.is_empty() => {
+            pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT
+                if !finished.is_empty() || !renewed.is_empty() =>
+            {
                 // One change per scope: its role's, and its tenant's if it has one.
                 let mut per_scope = Vec::new();
                 for &((role, tenant), _) in finished.iter() {
                     scopes::add_change(&mut per_scope, ScopeKey { role, tenant }, -1, 0, None);
                 }
+                for &((role, tenant, until), _) in renewed.iter() {
+                    scopes::add_change(
+                        &mut per_scope,
+                        ScopeKey { role, tenant },
+                        0,
+                        0,
+                        Some(until),
+                    );
+                }
                 *overflow = scopes::publish(&per_scope);
             }
-            pg_sys::XactEvent::XACT_EVENT_PRE_PREPARE if !finished.is_empty() => {
-                // COMMIT PREPARED runs elsewhere, later: its finish could not be
-                // applied to the counters.
+            pg_sys::XactEvent::XACT_EVENT_PRE_PREPARE
+                if !finished.is_empty() || !renewed.is_empty() =>
+            {
+                // COMMIT PREPARED runs elsewhere, later: its finish (or the lease of its
+                // renew, 0.6.0) could not be applied to the counters.
                 pgrx::pg_sys::panic::ErrorReport::new(
                     PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
-                    "cannot PREPARE a transaction that has finished pg_quota tickets",
+                    "cannot PREPARE a transaction that has finished or renewed pg_quota tickets",
                     "pg_quota",
                 )
-                .set_hint("Finish tickets in transactions that commit directly.")
+                .set_hint("Finish and renew tickets in transactions that commit directly.")
                 .report(PgLogLevel::ERROR);
             }
             pg_sys::XactEvent::XACT_EVENT_COMMIT => {
@@ -338,11 +352,13 @@ unsafe extern "C-unwind" fn xact_event(
                     }
                 }
                 finished.clear();
+                renewed.clear();
                 overflow.clear();
             }
             pg_sys::XactEvent::XACT_EVENT_ABORT => {
                 scopes::apply_mine();
                 finished.clear();
+                renewed.clear();
                 overflow.clear();
             }
             _ => {}
@@ -360,9 +376,11 @@ unsafe extern "C-unwind" fn subxact_event(
     // SAFETY: single-threaded backend state.
     unsafe {
         let finished = &mut *std::ptr::addr_of_mut!(FINISHED);
+        let renewed = &mut *std::ptr::addr_of_mut!(RENEWED);
         let owed = &mut *std::ptr::addr_of_mut!(STATS_OWED);
         // A rolled-back savepoint (or a caught error) undoes its finishes and renewals.
         crate::xact::at_subxact_end(finished, event);
+        crate::xact::at_subxact_end(renewed, event);
         crate::xact::at_subxact_end(owed, event);
     }
 }

@@ -26,10 +26,8 @@ pub fn active(r: &Rels, snap: &Latest, role: pg_sys::Oid, stop_at: Option<i64>) 
 }
 
 /// How many unfinished tickets `role` holds, and the earliest end of their leases
-/// (i64::MAX where none ends; 0.6.0, for a scope counter's `earliest`). A ticket that
-/// an open transaction is changing (a renew() that may shorten its lease, prepared
-/// perhaps, or a finish) makes it i64::MIN, unknown: its lease may be another one
-/// once that transaction commits.
+/// (i64::MAX where none ends; 0.6.0, for a scope counter's `earliest`), as `snap` sees
+/// them: a renew() not committed yet lowers the counter when it commits (finish.rs).
 pub fn active_and_earliest(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> (i64, i64) {
     active_and_earliest_on(r, r.ledger_idx, snap, &[Key::OidEq(role), Key::IsNull])
 }
@@ -60,9 +58,6 @@ fn active_and_earliest_on(r: &Rels, index: pg_sys::Oid, snap: &Latest, keys: &[K
         if v2 {
             if let Some(l) = ts_attr(slot, COL_LEASE_UNTIL) {
                 earliest = earliest.min(l);
-            }
-            if being_changed(slot) {
-                earliest = i64::MIN;
             }
         }
         true

@@ -108,6 +108,11 @@ static mut CALLBACK_REGISTERED: bool = false;
 unsafe extern "C-unwind" fn relcache_changed(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
     // SAFETY: single-threaded backend state.
     unsafe {
+        // Tags found while the relations were not cached (an invalidation came in
+        // while a Reader took its locks) cannot be told apart: they go with any.
+        if (*std::ptr::addr_of!(CACHED)).is_none() {
+            CACHED_TAGS = None;
+        }
         if let Some(r) = CACHED {
             let ours = [
                 r.ledger,
@@ -591,8 +596,13 @@ impl Reader {
         }
         let tags = tags_of(&rels);
         // SAFETY: single-threaded backend state. Found under the tables' locks, so
-        // with every invalidation processed: current until the next one.
-        unsafe { CACHED_TAGS = tags };
+        // with every invalidation processed: current until the next one, which clears
+        // them (kept only while the relations they were found for are the cached ones).
+        unsafe {
+            if *std::ptr::addr_of!(CACHED) == Some(rels) {
+                CACHED_TAGS = tags;
+            }
+        }
         Reader {
             rels,
             tags,

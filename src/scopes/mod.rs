@@ -173,8 +173,11 @@ pub struct Counter {
     /// (0.6.0) No ticket `active` counts has a lease that ends before this (a
     /// TimestampTz; LEASE_UNKNOWN when nothing is known, LEASE_NONE when none ends): a
     /// refusal at the active limit needs no probe for lapsed leases while it is in the
-    /// future. A lower bound, so it may only go down, but where it is found anew:
-    /// a rebuild, or a probe that nothing changed meanwhile (`version`).
+    /// future. A lower bound, so it may only go down, but where it is found anew: a
+    /// rebuild, or a probe that nothing changed meanwhile (`version`). What moves a
+    /// counted ticket's lease end earlier goes through the changes applied after
+    /// commit: an admission's lease, and a renew() that shortens one (finish.rs; a
+    /// renew in a prepared transaction is refused, since nothing applies it).
     earliest: AtomicI64,
     /// Moves on with every change applied to the counter (see `refresh_earliest`).
     version: AtomicU64,
@@ -457,38 +460,16 @@ pub fn peek(key: ScopeKey, tags: Tags) -> Option<Peeked> {
 }
 
 /// Sets scope `key`'s `earliest` to `earliest`, what a probe found among its active
-/// tickets under a snapshot taken after reading its version (`peek`) as `seen`. A change applied
-/// since may add a ticket that snapshot missed: if the version moved by the time the
-/// value is stored, it is set back to unknown (a later change lowers it anyway, since
-/// changes move the version first and lower the value after).
+/// tickets under a snapshot taken after reading its version (`peek`) as `seen`, unless
+/// a change was applied since (it may add a ticket that snapshot missed). Under the
+/// lock held exclusively, so that no change is applied between the look at the version
+/// and the store (changes are applied under it shared). Rare: a refusal that had to
+/// probe.
 pub fn refresh_earliest(key: ScopeKey, seen: u64, earliest: i64) {
-    let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
-    let Some(e) = find(key.shared()) else {
-        return;
-    };
-    if e.version.load(Ordering::Acquire) != seen {
-        return;
-    }
-    e.earliest.store(earliest, Ordering::Release);
-    if e.version.load(Ordering::Acquire) != seen {
-        e.earliest.store(LEASE_UNKNOWN, Ordering::Release);
-    }
-}
-
-/// Lowers the `earliest` of `key`'s counter (and its role's, for a tenant) to `lease`,
-/// at once: a renew() that may shorten a ticket's lease, before it commits (and
-/// whether it commits: a lower bound may always go down). The version moves first, as
-/// for a change applied (see `refresh_earliest`).
-pub fn lower_earliest(key: ScopeKey, lease: i64) {
-    let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
-    let mut keys = vec![ScopeKey::role(key.role)];
-    if key.is_tenant() {
-        keys.push(key);
-    }
-    for k in keys {
-        if let Some(e) = find(k.shared()) {
-            e.version.fetch_add(1, Ordering::AcqRel);
-            e.earliest.fetch_min(lease, Ordering::AcqRel);
+    let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
+    if let Some(e) = find(key.shared()) {
+        if e.version.load(Ordering::Acquire) == seen {
+            e.earliest.store(earliest, Ordering::Release);
         }
     }
 }
@@ -719,15 +700,16 @@ pub fn apply_mine() {
             };
         if committed {
             if let Some(e) = find(pending_key(p)) {
-                // The version first: a refresh of `earliest` that read the version
-                // before this change sees it moved, or its value is lowered below.
+                // The version first (a refresh of `earliest` that read it before this
+                // change then leaves the value alone), then the lease floor before the
+                // count: a reader that sees the new count sees the floor with it.
                 e.version.fetch_add(1, Ordering::AcqRel);
+                e.earliest
+                    .fetch_min(p.lease_floor.load(Ordering::Relaxed), Ordering::AcqRel);
                 e.active
                     .fetch_add(p.d_active.load(Ordering::Relaxed), Ordering::AcqRel);
                 e.rows
                     .fetch_add(p.d_rows.load(Ordering::Relaxed), Ordering::AcqRel);
-                e.earliest
-                    .fetch_min(p.lease_floor.load(Ordering::Relaxed), Ordering::AcqRel);
             }
         }
         p.state.store(PENDING_FREE, Ordering::Release);

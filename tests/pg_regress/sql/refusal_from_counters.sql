@@ -46,3 +46,15 @@ SELECT count(*) FILTER (WHERE quota.finish(id)) AS finished FROM quota.ledger
 RESET quota.max_active_per_role;
 RESET quota.max_retained_per_role;
 RESET quota.max_active_per_tenant;
+
+-- PREPARE TRANSACTION after a renew() is refused (0A000), as after a finish(): COMMIT
+-- PREPARED would shorten a lease where nothing tells the scope counters.
+SET ROLE quota_busy;
+SELECT quota.start('to renew') AS to_renew \gset
+BEGIN;
+SELECT quota.renew(:'to_renew', '1 hour') IS NOT NULL AS renewed;
+PREPARE TRANSACTION 'renewed';
+\echo :LAST_ERROR_SQLSTATE
+SELECT quota.finish(:'to_renew') AS finished;
+RESET ROLE;
+DROP ROLE quota_busy;

@@ -623,9 +623,7 @@ pub fn current_tags() -> Option<Tags> {
     // (nothing to do in the common case); then a plain read of backend state.
     unsafe {
         pg_sys::AcceptInvalidationMessages();
-        if (*std::ptr::addr_of!(CACHED)).is_none() {
-            return None;
-        }
+        (*std::ptr::addr_of!(CACHED))?;
         CACHED_TAGS
     }
 }

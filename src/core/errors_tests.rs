@@ -1,0 +1,408 @@
+//! Unit tests of errors.rs: each message, DETAIL, HINT and SQLSTATE as the contract
+//! words them.
+use super::*;
+use crate::core::decision::{Limits, Usage};
+
+fn refusal(kind: RefusalKind) -> Refusal {
+    Refusal {
+        kind,
+        usage: Usage {
+            active: 3,
+            retained: 7,
+            db_active: 9,
+            ..Usage::default()
+        },
+        limits: Limits {
+            max_active: 3,
+            max_retained: 0,
+            max_db: 9,
+            ..Limits::default()
+        },
+    }
+}
+
+#[test]
+fn refusal_names_role_count_and_guc() {
+    let e = QuotaError::Refused {
+        role: "alice".into(),
+        tenant: None,
+        database: "app".into(),
+        refusal: refusal(RefusalKind::Active),
+        next_ageout: None,
+        default_retained_for: None,
+    };
+    assert_eq!(e.sqlstate().code(), "53400");
+    let msg = e.to_string();
+    assert!(msg.contains("\"alice\""), "{msg}");
+    assert!(msg.contains("3 active"), "{msg}");
+    assert!(msg.contains("quota.max_active_per_role"), "{msg}");
+    assert_eq!(
+        e.detail().unwrap(),
+        "Active tickets: 3 of 3. Retained tickets: 7 of unlimited."
+    );
+    assert!(e.hint().unwrap().contains("quota.finish()"));
+}
+
+#[test]
+fn refusal_of_one_ticket_is_singular() {
+    let mut r = refusal(RefusalKind::Active);
+    r.usage.active = 1;
+    let e = QuotaError::Refused {
+        role: "carol".into(),
+        tenant: None,
+        database: "app".into(),
+        refusal: r,
+        next_ageout: None,
+        default_retained_for: None,
+    };
+    assert!(e.to_string().contains("has 1 active ticket,"), "{e}");
+}
+
+#[test]
+fn retained_refusal_hint_says_when_capacity_returns() {
+    let e = QuotaError::Refused {
+        role: "bob".into(),
+        tenant: None,
+        database: "app".into(),
+        refusal: refusal(RefusalKind::Retained),
+        next_ageout: Some("2026-12-01 10:00:00+00".into()),
+        default_retained_for: None,
+    };
+    assert!(e.to_string().contains("quota.max_retained_per_role"));
+    assert!(e.hint().unwrap().contains("2026-12-01 10:00:00+00"));
+}
+
+#[test]
+fn database_cap_refusal_names_database_count_and_guc() {
+    let e = QuotaError::Refused {
+        role: "dave".into(),
+        tenant: None,
+        database: "app".into(),
+        refusal: refusal(RefusalKind::Database),
+        next_ageout: None,
+        default_retained_for: None,
+    };
+    assert_eq!(e.sqlstate().code(), "53400");
+    assert_eq!(
+        e.to_string(),
+        "database \"app\" has 9 active tickets, the limit set by quota.max_active_per_database"
+    );
+    assert_eq!(
+        e.detail().unwrap(),
+        "Active tickets in the database, all roles together: 9 of 9. Active tickets of this role: 3."
+    );
+    assert!(e.hint().unwrap().contains("quota.max_active_per_database"));
+}
+
+#[test]
+fn refusal_counting_waiters_says_so() {
+    let mut r = refusal(RefusalKind::Active);
+    r.usage.active = 2;
+    r.usage.ahead = 1;
+    let e = QuotaError::Refused {
+        role: "erin".into(),
+        tenant: None,
+        database: "app".into(),
+        refusal: r,
+        next_ageout: None,
+        default_retained_for: None,
+    };
+    assert_eq!(
+        e.to_string(),
+        "role \"erin\" has 2 active tickets and 1 earlier start waiting for capacity, which fill the limit of 3 set by quota.max_active_per_role"
+    );
+    // The counts are tickets only: "2 of 3", not the tickets plus the line ("3 of 3"),
+    // which a reader would take for tickets.
+    assert_eq!(
+        e.detail().unwrap(),
+        "Active tickets: 2 of 3. Retained tickets: 7 of unlimited. 1 earlier start() is still waiting for capacity and goes first."
+    );
+    r.usage.ahead = 2;
+    let e = QuotaError::Refused {
+        role: "erin".into(),
+        tenant: None,
+        database: "app".into(),
+        refusal: r,
+        next_ageout: None,
+        default_retained_for: None,
+    };
+    assert!(e
+        .detail()
+        .unwrap()
+        .ends_with("2 earlier starts are still waiting for capacity and go first."));
+}
+
+/// A session with a lower limit than the one that admitted the tickets (sessions
+/// of one role may differ, SET ROLE keeps the login role's settings) sees more
+/// tickets than its limit: the texts say so rather than "2 of 1".
+#[test]
+fn refusal_over_the_limit_reads_true() {
+    let mut r = refusal(RefusalKind::Active);
+    r.usage.active = 5;
+    let e = QuotaError::Refused {
+        role: "frank".into(),
+        tenant: None,
+        database: "app".into(),
+        refusal: r,
+        next_ageout: None,
+        default_retained_for: None,
+    };
+    assert_eq!(
+        e.to_string(),
+        "role \"frank\" has 5 active tickets, more than the limit of 3 set by quota.max_active_per_role"
+    );
+    assert_eq!(
+        e.detail().unwrap(),
+        "Active tickets: 5, over the limit of 3. Retained tickets: 7 of unlimited."
+    );
+}
+
+#[test]
+fn trigger_texts_name_the_triggers() {
+    let one = vec!["ledger_written on quota.ledger".to_string()];
+    assert_eq!(
+        triggers_promoted(&one),
+        "pg_quota set trigger ledger_written on quota.ledger back to ENABLE ALWAYS, so that it fires whatever session_replication_role says"
+    );
+    let two = vec![
+        one[0].clone(),
+        "ledger_truncated on quota.ledger".to_string(),
+    ];
+    assert!(triggers_promoted(&two)
+        .starts_with("pg_quota set triggers ledger_written on quota.ledger, ledger_truncated"));
+    let (msg, detail, hint) = triggers_disabled(&two);
+    assert_eq!(
+        msg,
+        "pg_quota's triggers ledger_written on quota.ledger, ledger_truncated on quota.ledger are disabled"
+    );
+    assert!(detail.ends_with('.') && hint.ends_with('.'));
+    let e = QuotaError::TriggerRequired {
+        table: "quota.ledger".into(),
+        trigger: "ledger_written".into(),
+        action: "drop",
+    };
+    assert_eq!(e.sqlstate().code(), "2BP01");
+    assert_eq!(
+        e.to_string(),
+        "cannot drop trigger \"ledger_written\" on table \"quota.ledger\" because extension pg_quota requires it"
+    );
+    let e = QuotaError::TriggerRefused {
+        table: "quota.ledger".into(),
+        trigger: "repack_trigger".into(),
+    };
+    assert_eq!(e.sqlstate().code(), "0A000");
+    assert!(e.hint().unwrap().contains("Reclaiming space"));
+}
+
+#[test]
+fn messages_are_lowercase_postgres_style() {
+    let all = [
+        QuotaError::KeyHeldUncommitted,
+        QuotaError::LabelTooLong {
+            chars: 201,
+            max: 200,
+        },
+        QuotaError::KeyTooLong {
+            chars: 201,
+            max: 200,
+        },
+        QuotaError::InvalidInterval {
+            what: "lease",
+            value: "-1 days".into(),
+        },
+        QuotaError::TicketEnded {
+            ticket: "x".into(),
+            expired: true,
+        },
+        QuotaError::NeedsUpdate {
+            feature: "quota.max_active_per_database",
+            needs: "0.2.0",
+        },
+        QuotaError::NullArgument("ticket"),
+        QuotaError::InvalidOutcome("done".into()),
+        QuotaError::UnknownTicket("x".into()),
+        QuotaError::ForeignTicket {
+            ticket: "x".into(),
+            action: "finish",
+        },
+        QuotaError::NotPreloaded,
+        QuotaError::NoWorkerSlot { waited_ms: 10_000 },
+        QuotaError::WriterGone,
+        QuotaError::CommitUnconfirmed,
+        QuotaError::WriterDidNotStart { db: "app".into() },
+        QuotaError::LockTimeout {
+            relation: "quota.ledger".into(),
+            seconds: 5,
+        },
+        QuotaError::NotExtensionMember {
+            relation: "quota.ledger".into(),
+        },
+        QuotaError::BadShape {
+            relation: "quota.ledger".into(),
+            why: "Column 2 is text".into(),
+        },
+        QuotaError::UnsupportedIndex {
+            table: "quota.ledger".into(),
+            index: "u".into(),
+            what: "a unique index",
+        },
+        QuotaError::TriggerRefused {
+            table: "quota.ledger".into(),
+            trigger: "t".into(),
+        },
+        QuotaError::TriggerRequired {
+            table: "quota.ledger".into(),
+            trigger: "t".into(),
+            action: "rename",
+        },
+        QuotaError::SchemaNotOurs {
+            owner: "mallory".into(),
+        },
+        QuotaError::SchemaOpen {
+            creators: "PUBLIC".into(),
+        },
+        QuotaError::SchemaNotEmpty,
+    ];
+    for e in all {
+        let m = e.to_string();
+        let first = m.chars().next().unwrap();
+        assert!(!first.is_uppercase(), "{m}");
+        assert!(!m.ends_with('.'), "{m}");
+        if let Some(h) = e.hint() {
+            assert!(h.ends_with('.'), "{h}");
+        }
+    }
+}
+
+#[test]
+fn a_default_retained_limit_says_so_and_how_to_turn_it_off() {
+    let refused = |default_retained_for: Option<String>, next: Option<&str>| {
+        QuotaError::Refused {
+            role: "tn".into(),
+            tenant: None,
+            database: "app".into(),
+            refusal: Refusal {
+                kind: RefusalKind::Retained,
+                usage: Usage {
+                    active: 16,
+                    retained: 10_000,
+                    ..Usage::default()
+                },
+                limits: Limits {
+                    max_active: 0,
+                    max_retained: 10_000,
+                    ..Limits::default()
+                },
+            },
+            next_ageout: next.map(str::to_string),
+            default_retained_for,
+        }
+        .hint()
+        .unwrap()
+    };
+    let hint = refused(Some("tn".into()), Some("2026-12-11 10:00:00+00"));
+    assert!(
+        hint.starts_with("Capacity returns at 2026-12-11 10:00:00+00"),
+        "{hint}"
+    );
+    assert!(
+        hint.contains("quota.max_retained_per_role is at its default of 10000"),
+        "{hint}"
+    );
+    assert!(
+        hint.contains("ALTER ROLE tn SET quota.max_retained_per_role = 0"),
+        "{hint}"
+    );
+    let hint = refused(Some("\"Tn\"".into()), None);
+    assert!(
+        hint.starts_with("Every retained ticket is still active"),
+        "{hint}"
+    );
+    assert!(hint.contains("ALTER ROLE \"Tn\" SET"), "{hint}");
+    // A limit someone set: the hint of 0.5.x.
+    let hint = refused(None, None);
+    assert!(!hint.contains("default"), "{hint}");
+    assert!(hint.contains("raise quota.max_retained_per_role"), "{hint}");
+}
+
+#[test]
+fn sqlstates_match_the_contract() {
+    assert_eq!(
+        QuotaError::LabelTooLong {
+            chars: 300,
+            max: 200
+        }
+        .sqlstate()
+        .code(),
+        "22001"
+    );
+    assert_eq!(
+        QuotaError::NullArgument("ticket").sqlstate().code(),
+        "22004"
+    );
+    assert_eq!(
+        QuotaError::UnknownTicket("x".into()).sqlstate().code(),
+        "22023"
+    );
+    assert_eq!(
+        QuotaError::InvalidOutcome("x".into()).sqlstate().code(),
+        "22023"
+    );
+    let foreign = QuotaError::ForeignTicket {
+        ticket: "x".into(),
+        action: "finish",
+    };
+    assert_eq!(foreign.sqlstate().code(), "42501");
+    assert_eq!(
+        QuotaError::LockTimeout {
+            relation: "quota.ledger".into(),
+            seconds: 5
+        }
+        .sqlstate()
+        .code(),
+        "55P03"
+    );
+    let held = QuotaError::KeyHeldUncommitted;
+    assert_eq!(held.sqlstate().code(), "55000");
+    assert!(held.hint().unwrap().contains("transactional => true"));
+}
+
+/// MAKE_SQLSTATE of PostgreSQL's errcodes.h: six bits a character, first in the
+/// lowest bits.
+fn packed(code: &str) -> i32 {
+    code.bytes()
+        .enumerate()
+        .map(|(i, c)| (i32::from(c - b'0') & 0x3F) << (6 * i))
+        .sum()
+}
+
+#[test]
+fn a_relayed_writer_error_keeps_its_sqlstate() {
+    for code in ["23514", "0A000", "55P03", "XX000", "40001"] {
+        let e = QuotaError::WriterFailed {
+            code: packed(code),
+            message: "new row violates check constraint \"c\"".into(),
+        };
+        assert_eq!(e.sqlstate().code(), code);
+        assert!(e
+            .to_string()
+            .starts_with("pg_quota ledger writer failed: new row"));
+        assert_eq!(
+            e.hint().as_deref(),
+            Some("No charge was recorded for this call.")
+        );
+    }
+}
+
+/// Holding a ticket's uuid must not reveal which role owns it (item 9 of 0.1.1).
+#[test]
+fn foreign_ticket_refusal_does_not_name_the_owner() {
+    let e = QuotaError::ForeignTicket {
+        ticket: "0192".into(),
+        action: "renew",
+    };
+    assert_eq!(e.to_string(), "permission denied to renew ticket 0192");
+    let all = format!("{e} {:?} {:?}", e.detail(), e.hint());
+    assert_eq!(e.detail().unwrap(), "The ticket belongs to another role.");
+    assert!(!all.contains("role \""), "{all}");
+}

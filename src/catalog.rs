@@ -6,41 +6,47 @@ use pgrx::pg_sys;
 /// The name of database `db`, or its OID if it is gone.
 pub fn database_name(db: pg_sys::Oid) -> String {
     // SAFETY: a syscache lookup; NULL if the database is gone.
-    unsafe {
-        let p = pg_sys::get_database_name(db);
-        if p.is_null() {
-            u32::from(db).to_string()
-        } else {
-            name_text(p)
-        }
-    }
+    named(
+        u32::from(db),
+        unsafe { pg_sys::get_database_name(db) },
+        |p| p,
+    )
 }
 
 /// The name of role `role`, or its OID if it was dropped.
 pub fn role_name(role: pg_sys::Oid) -> String {
-    // SAFETY: returns a palloc'd copy; noerr so a dropped role prints its oid.
-    unsafe {
-        let p = pg_sys::GetUserNameFromId(role, true);
-        if p.is_null() {
-            u32::from(role).to_string()
-        } else {
-            name_text(p)
-        }
-    }
+    // SAFETY: returns a palloc'd copy; noerr so a dropped role gives NULL.
+    named(
+        u32::from(role),
+        unsafe { pg_sys::GetUserNameFromId(role, true) },
+        |p| p,
+    )
 }
 
 /// The name of role `role` as an SQL identifier (quoted where it must be), or its OID
 /// if it was dropped: for a hint's command to be copied as it is.
 pub fn role_ident(role: pg_sys::Oid) -> String {
-    // SAFETY: GetUserNameFromId returns a palloc'd copy (NULL for a dropped role, with
-    // noerr); quote_identifier returns it or a palloc'd quoted copy.
-    unsafe {
-        let p = pg_sys::GetUserNameFromId(role, true);
-        if p.is_null() {
-            u32::from(role).to_string()
-        } else {
-            name_text(pg_sys::quote_identifier(p))
-        }
+    // SAFETY: as in role_name; quote_identifier returns its argument or a palloc'd
+    // quoted copy.
+    named(
+        u32::from(role),
+        unsafe { pg_sys::GetUserNameFromId(role, true) },
+        |p| unsafe { pg_sys::quote_identifier(p) },
+    )
+}
+
+/// The name at `p` (passed through `shown`) as `name_text` reads it, or `oid` where
+/// the object is gone (`p` NULL).
+fn named(
+    oid: u32,
+    p: *mut std::ffi::c_char,
+    shown: impl FnOnce(*const std::ffi::c_char) -> *const std::ffi::c_char,
+) -> String {
+    if p.is_null() {
+        oid.to_string()
+    } else {
+        // SAFETY: `p` is a NUL-terminated name, and so is what `shown` makes of it.
+        unsafe { name_text(shown(p)) }
     }
 }
 

@@ -178,10 +178,7 @@ fn refuse_from_counters(
         refusal = refuse_on_active(limits, with_ahead(counted, ahead));
     }
     let kind = refusal?.kind;
-    counted.ahead = match kind {
-        RefusalKind::TenantActive => ahead.of_tenant,
-        _ => ahead.of_role,
-    };
+    counted.ahead = ahead_of(kind, ahead);
     Some(Refused {
         kind,
         numbers: Numbers::ActiveOnly(counted, now),
@@ -200,6 +197,15 @@ pub(crate) enum Repeat {
     /// The database has no writer, to take the request or to answer the requests in
     /// flight it waited for; one is to be started without the scope lock.
     NoWriter,
+}
+
+/// The starts waiting ahead that a refusal of `kind` names beside its tickets.
+fn ahead_of(kind: RefusalKind, ahead: Ahead) -> i64 {
+    match kind {
+        RefusalKind::Database => ahead.of_db,
+        RefusalKind::TenantActive | RefusalKind::TenantRetained => ahead.of_tenant,
+        RefusalKind::Active | RefusalKind::Retained => ahead.of_role,
+    }
 }
 
 /// The counts plus the starts waiting ahead, which take the next free slots.
@@ -266,11 +272,7 @@ pub(crate) fn under_lock<T>(
         // core::errors), so that a refusal never reads "2 of 1". The full numbers are
         // counted only if read (see Numbers).
         let mut counted = counted;
-        counted.ahead = match kind {
-            RefusalKind::Database => ahead.of_db,
-            RefusalKind::TenantActive | RefusalKind::TenantRetained => ahead.of_tenant,
-            RefusalKind::Active | RefusalKind::Retained => ahead.of_role,
-        };
+        counted.ahead = ahead_of(kind, ahead);
         Ok(Err(Refused {
             kind,
             numbers: Numbers::Counted(counted, now),

@@ -17,7 +17,8 @@ as it must be for (b) and (c)):
   (b)  enqueue   admission at enqueue: recipe.defer_with_ticket (a transactional
                  try_start for the job's tenant and the defer, in one transaction);
                  recipe.enqueued_ticket_middleware renews the ticket when the run
-                 starts and finishes it when the job ends
+                 starts; recipe.FINISH_TRIGGERS (quota.finish_job(), 0.6.0) finish it
+                 in procrastinate's status update when the job ends
   (c)  claim     admission at claim: jobs deferred plainly; recipe.claim_ticket_middleware
                  takes a writer-committed try_start when the run starts, finishes it
                  at its end
@@ -151,6 +152,10 @@ def setup(cl, args):
         # procrastinate's schema through its own API, as the application's role.
         subprocess.run([sys.executable, os.path.abspath(__file__), "schema"], check=True,
                        env=dict(os.environ, BENCH_QUEUE_DSN=cl.dsn(db, "app")))
+        if db == DB["enqueue"]:
+            # The recipe's triggers, which finish a job's ticket in procrastinate's
+            # status update (quota.finish_job(), 0.6.0).
+            cl.sql(db, qa.recipe.FINISH_TRIGGERS)
 
 
 def uses_quota(variant):

@@ -214,6 +214,51 @@ fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> bool {
     boundary(|| finish::finish(ticket, outcome))
 }
 
+/// 0.6.0: a trigger that finishes a job's ticket when the queue ends the job, in the
+/// queue's own transaction (job_trigger.rs; USER_GUIDE "Finishing in the queue's
+/// transaction"). Written out by hand rather than with pgrx's `#[pg_trigger]`, whose
+/// wrapper answers a call that is not a trigger's with a Rust panic (XX000).
+#[pg_guard]
+#[no_mangle]
+#[doc(hidden)]
+pub unsafe extern "C-unwind" fn finish_job_wrapper(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    boundary(|| {
+        // SAFETY: PostgreSQL's fcinfo for this call; its context is a TriggerData
+        // exactly when the trigger manager calls (CALLED_AS_TRIGGER).
+        let data = unsafe {
+            let context = (*fcinfo).context;
+            (!context.is_null() && (*context).type_ == pg_sys::NodeTag::T_TriggerData)
+                .then(|| &*(context as *const pg_sys::TriggerData))
+        };
+        let data = data.ok_or(QuotaError::NotCalledAsTrigger)?;
+        // SAFETY: the TriggerData of this trigger call.
+        unsafe { crate::job_trigger::fire(data) }
+    });
+    // An AFTER trigger's result is ignored; the trigger protocol wants a null pointer,
+    // not the null flag.
+    pg_sys::Datum::from(0)
+}
+
+/// PG_FUNCTION_INFO_V1(finish_job_wrapper).
+#[no_mangle]
+#[doc(hidden)]
+pub extern "C" fn pg_finfo_finish_job_wrapper() -> &'static pg_sys::Pg_finfo_record {
+    const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+    &V1_API
+}
+
+extension_sql!(
+    r#"
+CREATE FUNCTION "finish_job"() RETURNS trigger
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'finish_job_wrapper';
+"#,
+    name = "finish_job"
+);
+
 /// The session's quota.retention as an interval, for quota.usage (declared by hand in
 /// sql/schema.sql, which creates the view before pgrx's functions exist).
 #[pg_extern(stable, parallel_safe, sql = false)]

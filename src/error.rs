@@ -42,6 +42,12 @@ fn errcode(s: Sqlstate) -> PgSqlErrorCode {
         Sqlstate::StatementCompletionUnknown => {
             PgSqlErrorCode::ERRCODE_T_R_STATEMENT_COMPLETION_UNKNOWN
         }
+        Sqlstate::TriggerProtocolViolated => {
+            PgSqlErrorCode::ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED
+        }
+        Sqlstate::UndefinedColumn => PgSqlErrorCode::ERRCODE_UNDEFINED_COLUMN,
+        Sqlstate::DatatypeMismatch => PgSqlErrorCode::ERRCODE_DATATYPE_MISMATCH,
+        Sqlstate::InvalidTextRepresentation => PgSqlErrorCode::ERRCODE_INVALID_TEXT_REPRESENTATION,
         Sqlstate::Raised(code) => PgSqlErrorCode::from(code),
     }
 }

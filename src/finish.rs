@@ -10,7 +10,7 @@ use pgrx::pg_sys;
 use pgrx::prelude::*;
 
 use crate::core::stats::Counter;
-use crate::core::{parse_outcome, QuotaError};
+use crate::core::{parse_outcome, Outcome, QuotaError};
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::{self, Rels};
 use crate::ledger::scan::{scan_open, Key, Latest};
@@ -18,8 +18,8 @@ use crate::ledger::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE
 use crate::scopes::ScopeKey;
 use crate::{scopes, shmem};
 
-/// The checks finish() and renew() make first.
-fn begin(name: &std::ffi::CStr) {
+/// The checks finish(), renew() and quota.finish_job() make first.
+pub fn begin(name: &std::ffi::CStr) {
     shmem::require_callable(name);
     // SAFETY: both raise 25006 (on a standby, in a read-only transaction) or return.
     unsafe {
@@ -50,6 +50,12 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
     begin(c"quota.finish()");
     let ticket = ticket.ok_or(QuotaError::NullArgument("ticket"))?;
     let outcome = parse_outcome(outcome.ok_or(QuotaError::NullArgument("outcome"))?)?;
+    finish_ticket(ticket, outcome)
+}
+
+/// finish() of a ticket and an outcome already read, after `begin`; also
+/// quota.finish_job()'s (job_trigger.rs).
+pub fn finish_ticket(ticket: pgrx::Uuid, outcome: Outcome) -> Result<bool, QuotaError> {
     // SAFETY: plain read of the clock.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let ledger = OpenRel::open(rels::rels().ledger, "ledger", COL_ID);

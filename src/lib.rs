@@ -36,6 +36,7 @@ mod charges;
 mod admission;
 mod finish;
 mod hooks;
+mod job_trigger;
 mod writer;
 // Layer 6: the SQL surface.
 mod api;

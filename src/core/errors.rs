@@ -34,6 +34,15 @@ pub enum Sqlstate {
     /// 40003: the writer committed a charge but stopped before synchronous replication
     /// confirmed it.
     StatementCompletionUnknown,
+    /// 39P01: quota.finish_job() fired other than AFTER UPDATE or DELETE FOR EACH ROW
+    /// (0.6.0).
+    TriggerProtocolViolated,
+    /// 42703: the column a quota.finish_job() trigger names is not in its table.
+    UndefinedColumn,
+    /// 42804: the column a quota.finish_job() trigger names cannot hold a ticket.
+    DatatypeMismatch,
+    /// 22P02: a job's ticket that is not a uuid.
+    InvalidTextRepresentation,
     /// The SQLSTATE of an error PostgreSQL raised in the ledger writer, relayed to the
     /// caller, as PostgreSQL packs it (MAKE_SQLSTATE: six bits a character).
     Raised(i32),
@@ -60,10 +69,17 @@ impl Sqlstate {
             Sqlstate::DependentObjectsStillExist => "2BP01",
             Sqlstate::DuplicateSchema => "42P06",
             Sqlstate::StatementCompletionUnknown => "40003",
+            Sqlstate::TriggerProtocolViolated => "39P01",
+            Sqlstate::UndefinedColumn => "42703",
+            Sqlstate::DatatypeMismatch => "42804",
+            Sqlstate::InvalidTextRepresentation => "22P02",
         };
         code.to_string()
     }
 }
+
+/// How quota.finish_job() is called, for the hints of its errors.
+const JOB_TRIGGER_USAGE: &str = "Its arguments are the ticket's column (uuid or text, or json or jsonb with the keys to follow, as in 'args->ticket', without spaces) and, optionally, the outcome (succeeded, failed or cancelled; succeeded by default).";
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum QuotaError {
@@ -129,6 +145,38 @@ pub enum QuotaError {
         ticket: String,
         /// "finish" or "renew".
         action: &'static str,
+    },
+    /// quota.finish_job() with arguments it cannot use (0.6.0).
+    #[error("invalid arguments for quota.finish_job() in trigger \"{trigger}\"")]
+    TriggerArguments { trigger: String, why: String },
+    /// quota.finish_job() called as a function, not as a trigger.
+    #[error("quota.finish_job() can only be called as a trigger")]
+    NotCalledAsTrigger,
+    /// quota.finish_job() fired other than AFTER UPDATE or DELETE, FOR EACH ROW: a
+    /// BEFORE trigger could finish the ticket of a change that a later trigger skips.
+    #[error("trigger \"{trigger}\": quota.finish_job() must be fired AFTER UPDATE or DELETE, FOR EACH ROW")]
+    TriggerMisfired { trigger: String },
+    /// The column a quota.finish_job() trigger reads the ticket from is not there.
+    #[error("column \"{column}\" of relation \"{relation}\" does not exist")]
+    TicketColumnMissing {
+        trigger: String,
+        column: String,
+        relation: String,
+    },
+    /// The column a quota.finish_job() trigger reads the ticket from has a type that
+    /// holds no ticket (with keys: not json or jsonb; without: not uuid or text).
+    #[error("column \"{column}\" of type {type_name} cannot hold a ticket for quota.finish_job()")]
+    TicketColumnType {
+        trigger: String,
+        column: String,
+        type_name: String,
+    },
+    /// A job's ticket, read by a quota.finish_job() trigger, that is not a uuid.
+    #[error("invalid input syntax for type uuid: \"{value}\"")]
+    TicketNotUuid {
+        trigger: String,
+        path: String,
+        value: String,
     },
     #[error("pg_quota must be loaded via shared_preload_libraries")]
     NotPreloaded,
@@ -299,6 +347,12 @@ impl QuotaError {
                 Sqlstate::InvalidParameterValue
             }
             QuotaError::ForeignTicket { .. } => Sqlstate::InsufficientPrivilege,
+            QuotaError::TriggerArguments { .. } => Sqlstate::InvalidParameterValue,
+            QuotaError::NotCalledAsTrigger => Sqlstate::FeatureNotSupported,
+            QuotaError::TriggerMisfired { .. } => Sqlstate::TriggerProtocolViolated,
+            QuotaError::TicketColumnMissing { .. } => Sqlstate::UndefinedColumn,
+            QuotaError::TicketColumnType { .. } => Sqlstate::DatatypeMismatch,
+            QuotaError::TicketNotUuid { .. } => Sqlstate::InvalidTextRepresentation,
             QuotaError::NotPreloaded => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::NoWorkerSlot { .. } => Sqlstate::InsufficientResources,
             QuotaError::WriterGone => Sqlstate::OperatorIntervention,
@@ -398,6 +452,14 @@ impl QuotaError {
                 "pg_quota waited {seconds} s. Maintenance such as VACUUM FULL, CLUSTER, REINDEX or ALTER TABLE holds or awaits a conflicting lock on it."
             )),
             QuotaError::BadShape { why, .. } => Some(format!("{why}.")),
+            QuotaError::TriggerArguments { why, .. } => Some(why.clone()),
+            QuotaError::TicketColumnMissing { trigger, .. }
+            | QuotaError::TicketColumnType { trigger, .. } => Some(format!(
+                "Trigger \"{trigger}\" reads the job's ticket from it with quota.finish_job()."
+            )),
+            QuotaError::TicketNotUuid { trigger, path, .. } => Some(format!(
+                "Trigger \"{trigger}\" read it from {path} of the job's row with quota.finish_job()."
+            )),
             QuotaError::UnsupportedIndex { what, .. } => Some(format!(
                 "pg_quota writes its tables below SQL: it keeps plain indexes on columns up to date, and unique ones only on the table's key; {what} could reject other roles' tickets or be left unchecked."
             )),
@@ -453,6 +515,13 @@ impl QuotaError {
                 ),
                 (RefusalKind::TenantRetained, None) => "Every retained ticket of the tenant is still active: tickets age out quota.retention after they finish. A superuser can raise quota.max_retained_per_tenant for its role.".to_string(),
             }),
+            QuotaError::TriggerArguments { .. } => Some(JOB_TRIGGER_USAGE.to_string()),
+            QuotaError::TriggerMisfired { .. } => Some(format!(
+                "Create it as CREATE TRIGGER … AFTER UPDATE OR DELETE ON … FOR EACH ROW, with a WHEN clause for the rows whose job has ended. {JOB_TRIGGER_USAGE}"
+            )),
+            QuotaError::TicketColumnMissing { .. } | QuotaError::TicketColumnType { .. } => {
+                Some(JOB_TRIGGER_USAGE.to_string())
+            }
             QuotaError::InvalidOutcome(_) => {
                 Some("Valid outcomes are succeeded, failed and cancelled.".to_string())
             }

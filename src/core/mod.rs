@@ -6,6 +6,7 @@ pub mod batch;
 pub mod counters;
 pub mod decision;
 pub mod errors;
+pub mod job_trigger;
 pub mod lease;
 pub mod policy;
 pub mod replication;

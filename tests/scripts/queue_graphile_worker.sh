@@ -96,6 +96,21 @@ stop_group() {
   timeout 15 tail --pid="$1" -f /dev/null || kill -KILL -- "-$1" 2>/dev/null || true
 }
 
+# The recipe (USER_GUIDE "graphile-worker, at enqueue"): a job that succeeded is
+# deleted by graphile-worker while locked; one that failed its last attempt is unlocked
+# with its attempts used up. Either ends its ticket in that statement's transaction. A
+# job deleted while not running (graphile_worker.remove_job) is cancelled.
+FINISH_TRIGGERS="
+CREATE TRIGGER quota_job_done AFTER DELETE ON graphile_worker._private_jobs FOR EACH ROW
+  WHEN (OLD.locked_at IS NOT NULL)
+  EXECUTE FUNCTION quota.finish_job('payload->ticket', 'succeeded');
+CREATE TRIGGER quota_job_removed AFTER DELETE ON graphile_worker._private_jobs FOR EACH ROW
+  WHEN (OLD.locked_at IS NULL)
+  EXECUTE FUNCTION quota.finish_job('payload->ticket', 'cancelled');
+CREATE TRIGGER quota_job_failed AFTER UPDATE OF locked_at ON graphile_worker._private_jobs FOR EACH ROW
+  WHEN (OLD.locked_at IS NOT NULL AND NEW.locked_at IS NULL AND NEW.attempts >= NEW.max_attempts)
+  EXECUTE FUNCTION quota.finish_job('payload->ticket', 'failed');"
+
 run_placement() {
   local P="$1" db="q_$1" t0=$SECONDS w pids=() producer sampler victim vpid vworker tickets
   sql -d "$db" -c "CREATE EXTENSION pg_quota" >/dev/null
@@ -110,6 +125,10 @@ run_placement() {
   PGDATABASE="$db" env -C "$CL" node "$NODE_DIR/queue.js" migrate > "$CL/migrate.$P.log" 2>&1
   check "$P: graphile-worker's schema is installed through its own API (runMigrations)" \
     test "$(q "$db" "SELECT count(*) FROM pg_proc WHERE proname = 'add_job' AND pronamespace = 'graphile_worker'::regnamespace")" -ge 1
+  if [ "$P" = enqueue ] && [ "$NO_QUOTA" != 1 ]; then
+    check "$P: the recipe's triggers that finish a job's ticket are created by the jobs table's owner" \
+      q "$db" "$FINISH_TRIGGERS"
+  fi
 
   # The sampler: the most jobs of one tenant seen running at once.
   cat > "$CL/sampler.$P.sql" <<'SQL'

@@ -4,8 +4,9 @@
 # - enqueue: each job is deferred (Task.configure(connection=conn).defer_async) in the
 #   transaction that takes its transactional ticket (try_start(tenant, transactional),
 #   lease 30 s: the wait in the queue); the job carries its ticket; a worker middleware
-#   renews it to the run's lease (8 s) when a run starts, keeps it while the job is
-#   retried, finishes it when the job ends;
+#   renews it to the run's lease (8 s) when a run starts and keeps it while the job is
+#   retried; triggers on procrastinate_jobs (quota.finish_job(), 0.6.0) finish it in
+#   the transaction of procrastinate's status update when the job ends;
 # - claim: jobs are deferred plainly; a worker middleware takes a writer-committed
 #   try_start for the job's tenant right after procrastinate claimed it (its claim is
 #   procrastinate_fetch_job_v2's own transaction), finishes it when the run ends, and on
@@ -70,8 +71,9 @@ for MODE in enqueue claim; do
   sql -d "$DB" -c "CREATE EXTENSION pg_quota" -c "CREATE TABLE pq_stop (x int)" >/dev/null
   export PGDATABASE="$DB"  # for sql, as used by start_sampler/stop_sampler and below
   export PQ_DSN="host=$CL port=$PORT user=app dbname=$DB" PQ_LEASE="$LEASE" PQ_QUEUE_LEASE="$QUEUE_LEASE" PQ_OUT="$CL/run.$MODE"
-  check "$MODE: procrastinate's schema applied through its own API (apply_schema_async)" \
-    "$PY" "$HERE/driver.py" setup
+  check "$MODE: procrastinate's schema applied through its own API (apply_schema_async)$(
+         [ "$MODE" = enqueue ] && [ "$NO_QUOTA" = 0 ] && echo ", and the recipe's finish triggers")" \
+    "$PY" "$HERE/driver.py" setup "$MODE"
   start_sampler pq_stop "SELECT coalesce(max(per_tenant.n), 0) FROM (SELECT count(*) AS n FROM pq_running GROUP BY tenant) per_tenant"
   t0=$SECONDS
   check "$MODE: the run ended: every job done within 90 s, the workers stopped" \
@@ -108,6 +110,7 @@ for MODE in enqueue claim; do
     skip "$MODE: pg_quota refused starts at the limit"
     [ "$MODE" = enqueue ] && skip "$MODE: the rolled-back enqueues' charges rolled back with them"
     [ "$MODE" = enqueue ] && skip "$MODE: every job's ticket was written by the transaction that deferred the job"
+    [ "$MODE" = enqueue ] && skip "$MODE: each job's ticket was finished by procrastinate's own status update"
   else
     expect_eq "$MODE: the killed run's ticket came back through its lease (outcome expired)" 1 \
       "$(sql -c "SELECT count(*) FROM quota.ledger WHERE label IN ('pq:$killed', 'pq-run:$killed') AND outcome = 'expired'")"
@@ -125,6 +128,16 @@ for MODE in enqueue claim; do
              JOIN quota.ledger l ON l.id = (j.args->>'ticket')::uuid
             WHERE j.args->>'key' LIKE 'j%' AND l.tenant = j.args->>'tenant' AND l.label = 'pq:' || (j.args->>'key')
               AND l.txid IS NOT NULL AND xid(l.txid) = e.xmin")"
+      # The recipe's triggers (quota.finish_job()): the ticket was last changed by the
+      # transaction of procrastinate's status update to succeeded, the one that wrote
+      # its 'succeeded' event. The killed worker's jobs ran again under a ticket of
+      # their run; theirs had expired.
+      expect_eq "$MODE: each job's ticket was finished (succeeded) by procrastinate's own status update, in its transaction (all but the $(sql -c "SELECT count(DISTINCT key) FROM pq_reaped") jobs of the killed worker)" \
+        "$(sql -c "SELECT $N_JOBS - count(DISTINCT key) FROM pq_reaped") 0" \
+        "$(sql -c "SELECT count(*) || ' ' || count(*) FILTER (WHERE NOT (l.outcome = 'succeeded' AND l.xmin = e.xmin))
+             FROM procrastinate_jobs j JOIN quota.ledger l ON l.id = (j.args->>'ticket')::uuid
+             JOIN procrastinate_events e ON e.job_id = j.id AND e.type = 'succeeded'
+            WHERE j.args->>'key' LIKE 'j%' AND j.args->>'key' NOT IN (SELECT key FROM pq_reaped)")"
     fi
   fi
   # The killed run's ticket ends with its lease at the latest; every other was finished.

@@ -8,8 +8,9 @@
 // PLACEMENT is where admission goes:
 //   enqueue  the transaction that adds the job takes a transactional ticket for the
 //            job's tenant (quota.try_start(..., transactional => true)); the job
-//            carries it in its payload; the task renews it when an attempt starts and
-//            finishes it when the job ends (success, or its last failed attempt).
+//            carries it in its payload; the task renews it when an attempt starts;
+//            triggers on graphile-worker's jobs table (quota.finish_job()) finish it
+//            when the job ends (success, or its last failed attempt).
 //   claim    graphile-worker claims jobs with its own SQL, so the task takes a
 //            writer-committed quota.try_start() for the job's tenant when it starts;
 //            refused, it puts the job back for later (add_job again, same job_key,
@@ -204,10 +205,13 @@ function makeTask(placement) {
     } finally {
       await one(helpers, "UPDATE runs SET ended_at = clock_timestamp(), outcome = $2 WHERE id = $1",
         [id, outcome]);
-      // The ticket ends with the job: on success; on a failure, if this attempt took it
-      // (claim: the retry is admitted anew) or if it was the job's last attempt
-      // (enqueue: a job that will be retried keeps its slot till then).
-      if (ticket !== null && (own || outcome === "succeeded" || job.attempts >= job.max_attempts)) {
+      // A ticket this attempt took (claim; or enqueue, when the job's own had ended)
+      // ends with the attempt: a retry is admitted anew. The job's own ticket (enqueue)
+      // is finished by the recipe's triggers (FINISH_TRIGGERS in
+      // queue_graphile_worker.sh) when graphile-worker deletes the job that succeeded
+      // or unlocks it after its last failed attempt, in that transaction; a job that
+      // will be retried keeps its slot till then.
+      if (own) {
         await one(helpers, "SELECT quota.finish($1, $2)", [ticket, outcome]);
       }
     }

@@ -1,7 +1,8 @@
 """Test driver for tests/scripts/queue_procrastinate.sh: procrastinate workers under
 pg_quota's per-tenant limit, with admission at enqueue or at claim (recipe.py).
 
-  driver.py setup            procrastinate's schema (its own API) and the test's tables
+  driver.py setup MODE       procrastinate's schema (its own API), the recipe's triggers
+                             (enqueue), and the test's tables
   driver.py worker MODE N    one worker process (concurrency N) until SIGTERM
   driver.py run MODE         the whole run: workers, producer, a SIGKILL, the reaper
 
@@ -41,10 +42,12 @@ CONCURRENCY = int(os.environ.get("PQ_CONCURRENCY", "6"))
 
 
 
-async def setup():
+async def setup(mode):
     async with app.open_async():
         await app.schema_manager.apply_schema_async()
     async with await psycopg.AsyncConnection.connect(DSN, autocommit=True) as c:
+        if mode == "enqueue" and not NO_QUOTA:
+            await c.execute(recipe.FINISH_TRIGGERS)
         await c.execute("CREATE TABLE pq_running (key text, tenant text, pid int)")
         await c.execute("CREATE TABLE pq_runs (key text, tenant text, ok bool, at timestamptz DEFAULT clock_timestamp())")
         await c.execute("CREATE TABLE pq_kills (key text, tenant text, pid int)")
@@ -189,7 +192,7 @@ async def run(mode, logdir):
 def main():
     cmd = sys.argv[1]
     if cmd == "setup":
-        asyncio.run(setup())
+        asyncio.run(setup(sys.argv[2]))
     elif cmd == "worker":
         asyncio.run(worker(sys.argv[2], int(sys.argv[3])))
     elif cmd == "run":

@@ -75,14 +75,34 @@ async def _renew(pool, ticket, lease):
         return False
 
 
+# The triggers that finish a job's ticket when procrastinate ends the job, in the
+# transaction of its status update (quota.finish_job(), 0.6.0): no transaction of ours
+# per job for it. Run once, by the owner of procrastinate_jobs, after its schema.
+FINISH_TRIGGERS = """
+CREATE TRIGGER quota_job_succeeded AFTER UPDATE OF status ON procrastinate_jobs FOR EACH ROW
+  WHEN (NEW.status = 'succeeded' AND OLD.status IN ('todo', 'doing'))
+  EXECUTE FUNCTION quota.finish_job('args->ticket', 'succeeded');
+CREATE TRIGGER quota_job_failed AFTER UPDATE OF status ON procrastinate_jobs FOR EACH ROW
+  WHEN (NEW.status = 'failed' AND OLD.status IN ('todo', 'doing'))
+  EXECUTE FUNCTION quota.finish_job('args->ticket', 'failed');
+CREATE TRIGGER quota_job_cancelled AFTER UPDATE OF status ON procrastinate_jobs FOR EACH ROW
+  WHEN (NEW.status IN ('cancelled', 'aborted') AND OLD.status IN ('todo', 'doing'))
+  EXECUTE FUNCTION quota.finish_job('args->ticket', 'cancelled');
+CREATE TRIGGER quota_job_deleted AFTER DELETE ON procrastinate_jobs FOR EACH ROW
+  WHEN (OLD.status IN ('todo', 'doing'))
+  EXECUTE FUNCTION quota.finish_job('args->ticket', 'cancelled');
+"""
+
+
 def enqueued_ticket_middleware(pool, lease, queue_lease, label_of=lambda job: None):
-    """Worker middleware for jobs deferred with defer_with_ticket: the job's ticket
-    (task kwarg `ticket`) is renewed to `lease` (the run's) when a run starts, renewed
-    to `queue_lease` (as at enqueue) when the job goes back to the queue for a retry,
-    and finished when the job ends (succeeded, or failed for good). If the ticket has
-    ended by the time a run starts (its worker was killed and the lease gave the slot
-    back; the job waited past its lease), the run takes a writer-committed slot for
-    its tenant instead, finished when the run ends; none free: AtCapacity (retry later).
+    """Worker middleware for jobs deferred with defer_with_ticket, whose tickets the
+    FINISH_TRIGGERS finish when procrastinate ends the job (succeeded, failed for good,
+    cancelled or aborted). The job's ticket (task kwarg `ticket`) is renewed to `lease`
+    (the run's) when a run starts, and renewed to `queue_lease` (as at enqueue) when the
+    job goes back to the queue for a retry. If the ticket has ended by the time a run
+    starts (its worker was killed and the lease gave the slot back; the job waited past
+    its lease), the run takes a writer-committed slot for its tenant instead, which this
+    middleware finishes when the run ends; none free: AtCapacity (retry later).
     """
     async def middleware(call_next, context, worker):
         job = context.job
@@ -104,12 +124,13 @@ def enqueued_ticket_middleware(pool, lease, queue_lease, label_of=lambda job: No
             retried = context.task.get_retry_exception(exception=e, job=job) is not None
             raise
         finally:
-            if ticket != own or not retried:
+            if ticket != own:
                 await _finish(pool, ticket, outcome)
-            else:
+            elif retried:
                 # Back to the queue holding its ticket. (If its lease ran out during the
                 # run, _renew is False and the next run takes a slot anew.)
                 await _renew(pool, own, queue_lease)
+            # else: the job ended; procrastinate's status update finishes its ticket.
     return middleware
 
 

@@ -1,0 +1,209 @@
+//! 0.6.0: `quota.finish_job()`, the trigger that finishes a job's ticket in the
+//! transaction in which the queue ends the job (its status update, or the delete of its
+//! row). What the trigger's arguments mean, and how a ticket is read from text, are
+//! decided here; job_trigger.rs reads the row.
+//!
+//!     CREATE TRIGGER … AFTER UPDATE OR DELETE ON jobs FOR EACH ROW [WHEN (…)]
+//!       EXECUTE FUNCTION quota.finish_job('args->ticket' [, 'succeeded'])
+//!
+//! The first argument names where the ticket is: a column (uuid or text), or a json or
+//! jsonb column and the keys to follow, `column->key->key`, written without spaces and
+//! matched exactly (no case folding, no quotes). The second is the outcome, a literal
+//! (`succeeded` by default): one trigger per outcome, each with its own WHEN.
+
+#![allow(clippy::result_large_err)]
+
+use super::errors::QuotaError;
+use super::ticket::{parse_outcome, printable, Outcome};
+
+/// What a `quota.finish_job()` trigger finishes, parsed from its arguments.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobTrigger {
+    /// The column that holds the ticket (or the JSON document it is in), as its
+    /// name's bytes in the server encoding.
+    pub column: Vec<u8>,
+    /// The JSON keys to follow from the column to the ticket; empty for a uuid or
+    /// text column.
+    pub keys: Vec<Vec<u8>>,
+    pub outcome: Outcome,
+}
+
+impl JobTrigger {
+    /// The path as written in the trigger's first argument, for messages, each name
+    /// shown by `show` (the pgrx layer converts from the server encoding).
+    pub fn path(&self, show: impl Fn(&[u8]) -> String) -> String {
+        let mut parts = vec![show(&self.column)];
+        parts.extend(self.keys.iter().map(|k| show(k)));
+        parts.join("->")
+    }
+}
+
+const ARROW: &[u8] = b"->";
+
+fn split_path(path: &[u8]) -> Vec<&[u8]> {
+    let mut parts = Vec::new();
+    let mut rest = path;
+    while let Some(at) = rest.windows(ARROW.len()).position(|w| w == ARROW) {
+        parts.push(&rest[..at]);
+        rest = &rest[at + ARROW.len()..];
+    }
+    parts.push(rest);
+    parts
+}
+
+/// Parses the arguments of trigger `trigger` (its name, for messages): the ticket's
+/// path and an optional outcome, each as the bytes of the server encoding.
+pub fn parse_job_trigger(trigger: &str, args: &[&[u8]]) -> Result<JobTrigger, QuotaError> {
+    let bad = |why: String| QuotaError::TriggerArguments {
+        trigger: trigger.to_string(),
+        why,
+    };
+    let (path, outcome) = match args {
+        [path] => (*path, Outcome::Succeeded),
+        [path, outcome] => (*path, parse_outcome(outcome)?),
+        _ => return Err(bad(format!(
+            "It has {} arguments; quota.finish_job() takes the ticket's column, and an outcome.",
+            args.len()
+        ))),
+    };
+    let parts = split_path(path);
+    if let Some(i) = parts.iter().position(|p| p.is_empty()) {
+        return Err(bad(format!(
+            "The path \"{}\" has an empty {} at position {}.",
+            printable(path),
+            if i == 0 { "column name" } else { "key" },
+            i + 1
+        )));
+    }
+    Ok(JobTrigger {
+        column: parts[0].to_vec(),
+        keys: parts[1..].iter().map(|p| p.to_vec()).collect(),
+        outcome,
+    })
+}
+
+fn hex(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    }
+}
+
+/// Reads a uuid from text as PostgreSQL's `uuid` input does: 32 hex digits, either
+/// case, a hyphen allowed after any group of four (but not at the end), the whole
+/// optionally in braces. None where PostgreSQL would raise 22P02.
+pub fn parse_uuid(text: &[u8]) -> Option<[u8; 16]> {
+    let inner = match text {
+        [b'{', inner @ .., b'}'] => inner,
+        _ => text,
+    };
+    let mut out = [0u8; 16];
+    let mut pos = 0;
+    for (i, byte) in out.iter_mut().enumerate() {
+        let hi = hex(*inner.get(pos)?)?;
+        let lo = hex(*inner.get(pos + 1)?)?;
+        *byte = hi << 4 | lo;
+        pos += 2;
+        if i % 2 == 1 && i < 15 && inner.get(pos) == Some(&b'-') {
+            pos += 1;
+        }
+    }
+    (pos == inner.len()).then_some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::Sqlstate;
+
+    fn parse(args: &[&str]) -> Result<JobTrigger, QuotaError> {
+        let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
+        parse_job_trigger("t", &args)
+    }
+
+    #[test]
+    fn a_column_and_the_default_outcome() {
+        let t = parse(&["ticket"]).unwrap();
+        assert_eq!(
+            (t.column.as_slice(), t.keys.len(), t.outcome),
+            (&b"ticket"[..], 0, Outcome::Succeeded)
+        );
+        assert_eq!(t.path(printable), "ticket");
+    }
+
+    #[test]
+    fn json_keys_and_an_outcome() {
+        let t = parse(&["args->job->ticket", "failed"]).unwrap();
+        assert_eq!(t.column, b"args");
+        assert_eq!(t.keys, vec![b"job".to_vec(), b"ticket".to_vec()]);
+        assert_eq!(t.outcome, Outcome::Failed);
+        assert_eq!(t.path(printable), "args->job->ticket");
+        // Names are taken as written: case and spaces are part of them.
+        let t = parse(&["Payload-> ticket"]).unwrap();
+        assert_eq!(
+            (t.column.as_slice(), t.keys[0].as_slice()),
+            (&b"Payload"[..], &b" ticket"[..])
+        );
+    }
+
+    #[test]
+    fn bad_arguments_are_22023() {
+        for args in [
+            &[][..],
+            &["a", "succeeded", "x"][..],
+            &[""][..],
+            &["args->"][..],
+            &["->t"][..],
+            &["a->->b"][..],
+        ] {
+            let e = parse(args).unwrap_err();
+            assert_eq!(e.sqlstate(), Sqlstate::InvalidParameterValue, "{args:?}");
+            assert!(e.to_string().contains("trigger \"t\""), "{e}");
+            assert!(e.detail().is_some() && e.hint().is_some());
+        }
+        let e = parse(&["a->->b"]).unwrap_err();
+        assert!(
+            e.detail().unwrap().contains("empty key at position 2"),
+            "{:?}",
+            e.detail()
+        );
+        let e = parse(&["ticket", "done"]).unwrap_err();
+        assert_eq!(e, QuotaError::InvalidOutcome("done".into()));
+    }
+
+    #[test]
+    fn uuid_text_as_postgresql_reads_it() {
+        let want = [
+            0xa0, 0xee, 0xbc, 0x99, 0x9c, 0x0b, 0x4e, 0xf8, 0xbb, 0x6d, 0x6b, 0xb9, 0xbd, 0x38,
+            0x0a, 0x11,
+        ];
+        // The forms PostgreSQL's documentation lists for uuid input.
+        for ok in [
+            "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
+            "A0EEBC99-9C0B-4EF8-BB6D-6BB9BD380A11",
+            "{a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11}",
+            "a0eebc999c0b4ef8bb6d6bb9bd380a11",
+            "a0ee-bc99-9c0b-4ef8-bb6d-6bb9-bd38-0a11",
+            "{a0eebc99-9c0b4ef8-bb6d6bb9-bd380a11}",
+        ] {
+            assert_eq!(parse_uuid(ok.as_bytes()), Some(want), "{ok}");
+        }
+        for bad in [
+            "",
+            "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a1",
+            "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a111",
+            "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11-",
+            "-a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
+            "a0e-ebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
+            "a0eebc99--9c0b-4ef8-bb6d-6bb9bd380a11",
+            "{a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
+            " a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
+            "g0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
+            "42",
+        ] {
+            assert_eq!(parse_uuid(bad.as_bytes()), None, "{bad}");
+        }
+    }
+}

@@ -1,0 +1,174 @@
+-- 0.6.0: quota.finish_job(), a trigger that finishes a job's ticket in the transaction
+-- in which the queue ends the job (I2: the slot frees when, and only if, that
+-- transaction commits; I5: only the tickets the firing role may finish).
+CREATE ROLE fj_app;
+CREATE ROLE fj_other;
+CREATE ROLE fj_member IN ROLE fj_app;
+GRANT CREATE ON SCHEMA public TO fj_app;
+SET quota.max_active_per_role = 2;
+SET quota.max_retained_per_role = 0;
+SET ROLE fj_app;
+CREATE DOMAIN fj_ticket AS uuid;
+CREATE TABLE fj_jobs (
+    id int PRIMARY KEY,
+    status text NOT NULL DEFAULT 'todo',
+    args jsonb,
+    payload json,
+    ticket fj_ticket,
+    ticket_text varchar(60),
+    "Odd Col" jsonb
+);
+GRANT SELECT, UPDATE, DELETE ON fj_jobs TO fj_other, fj_member;
+-- One trigger per outcome, each with its WHEN; a deleted job is cancelled.
+CREATE TRIGGER fj_done AFTER UPDATE OF status ON fj_jobs FOR EACH ROW
+  WHEN (NEW.status = 'succeeded' AND OLD.status <> 'succeeded')
+  EXECUTE FUNCTION quota.finish_job('args->ticket');
+CREATE TRIGGER fj_failed AFTER UPDATE OF status ON fj_jobs FOR EACH ROW
+  WHEN (NEW.status = 'failed' AND OLD.status <> 'failed')
+  EXECUTE FUNCTION quota.finish_job('args->ticket', 'failed');
+CREATE TRIGGER fj_gone AFTER DELETE ON fj_jobs FOR EACH ROW
+  EXECUTE FUNCTION quota.finish_job('args->ticket', 'cancelled');
+
+-- Two jobs, each with its ticket: the role is at its limit.
+INSERT INTO fj_jobs (id, args) SELECT 1, jsonb_build_object('ticket', quota.start('j1'));
+INSERT INTO fj_jobs (id, args) SELECT 2, jsonb_build_object('ticket', quota.start('j2'), 'n', 2);
+SELECT quota.try_start('third') IS NULL AS refused_at_two;
+
+-- A completion that rolls back, or whose savepoint does, leaves the ticket active.
+BEGIN;
+UPDATE fj_jobs SET status = 'succeeded' WHERE id = 1;
+SELECT outcome FROM quota.tickets WHERE label = 'j1';
+ROLLBACK;
+SELECT quota.try_start('third') IS NULL AS still_refused;
+BEGIN;
+SAVEPOINT s;
+UPDATE fj_jobs SET status = 'succeeded' WHERE id = 1;
+ROLLBACK TO s;
+COMMIT;
+SELECT quota.try_start('third') IS NULL AS still_refused;
+SELECT label, outcome FROM quota.tickets WHERE label IN ('j1', 'j2') ORDER BY label;
+
+-- The completion commits: the ticket ends with it, and its slot is free.
+UPDATE fj_jobs SET status = 'succeeded' WHERE id = 1;
+SELECT label, outcome, ended_at IS NOT NULL AS ended FROM quota.tickets WHERE label = 'j1';
+SELECT quota.try_start('third') IS NOT NULL AS admitted_after_completion;
+-- Ending it again (another status, the delete) finishes nothing twice.
+UPDATE fj_jobs SET status = 'failed' WHERE id = 1;
+DELETE FROM fj_jobs WHERE id = 1;
+SELECT label, outcome FROM quota.tickets WHERE label = 'j1';
+-- A deleted job's ticket ends with the delete's outcome; an unrelated update, no WHEN
+-- match, finishes nothing.
+UPDATE fj_jobs SET args = args || '{"n": 3}' WHERE id = 2;
+SELECT label, outcome FROM quota.tickets WHERE label = 'j2';
+DELETE FROM fj_jobs WHERE id = 2;
+SELECT label, outcome FROM quota.tickets WHERE label = 'j2';
+
+-- Rows without a ticket finish nothing: no column value, no key, JSON null, not an
+-- object; nor does a ticket this database does not have.
+INSERT INTO fj_jobs (id, args) VALUES
+  (10, NULL), (11, '{}'), (12, '{"ticket": null}'), (13, '[1, 2]'), (14, '"x"'),
+  (15, '{"ticket": "00000000-0000-7000-8000-000000000000"}');
+UPDATE fj_jobs SET status = 'succeeded' WHERE id BETWEEN 10 AND 15;
+DELETE FROM fj_jobs WHERE id BETWEEN 10 AND 15;
+
+-- A ticket that is not a uuid fails the queue's statement (22P02), which changes nothing.
+\set VERBOSITY verbose
+INSERT INTO fj_jobs (id, args) VALUES (20, '{"ticket": "not-a-ticket"}'), (21, '{"ticket": 42}');
+UPDATE fj_jobs SET status = 'succeeded' WHERE id = 20;
+UPDATE fj_jobs SET status = 'succeeded' WHERE id = 21;
+\set VERBOSITY default
+SELECT id, status FROM fj_jobs WHERE id IN (20, 21) ORDER BY id;
+DELETE FROM fj_jobs WHERE id IN (20, 21);  -- fails as well
+ALTER TABLE fj_jobs DISABLE TRIGGER fj_gone;
+DELETE FROM fj_jobs WHERE id IN (20, 21);
+ALTER TABLE fj_jobs ENABLE TRIGGER fj_gone;
+
+-- I5: the firing role finishes only tickets it may finish. Another role's statement
+-- fails with 42501 and leaves job and ticket as they were; a member of the holder's
+-- role finishes it.
+INSERT INTO fj_jobs (id, args) SELECT 30, jsonb_build_object('ticket', quota.start('j30'));
+RESET ROLE;
+SET ROLE fj_other;
+DO $$
+BEGIN
+  UPDATE fj_jobs SET status = 'succeeded' WHERE id = 30;
+EXCEPTION WHEN insufficient_privilege THEN
+  RAISE NOTICE 'refused, %: %', SQLSTATE, regexp_replace(SQLERRM, '[0-9a-f-]{36}', '<ticket>');
+END $$;
+RESET ROLE;
+SET ROLE fj_app;
+SELECT j.status, t.outcome FROM fj_jobs j, quota.tickets t WHERE j.id = 30 AND t.label = 'j30';
+RESET ROLE;
+SET ROLE fj_member;
+UPDATE fj_jobs SET status = 'failed' WHERE id = 30;
+RESET ROLE;
+SELECT j.status, t.outcome FROM fj_jobs j, quota.tickets t WHERE j.id = 30 AND t.label = 'j30';
+
+-- The ticket in other places: a uuid column (here a domain over uuid), a varchar
+-- column in any form uuid input takes, json keys followed in depth, and a column whose
+-- name needs quotes in SQL (written as it is, without them).
+SET ROLE fj_app;
+SELECT quota.finish(id) FROM quota.tickets WHERE label = 'third';
+CREATE TRIGGER fj_uuid AFTER UPDATE ON fj_jobs FOR EACH ROW WHEN (NEW.status = 'uuid')
+  EXECUTE FUNCTION quota.finish_job('ticket');
+CREATE TRIGGER fj_text AFTER UPDATE ON fj_jobs FOR EACH ROW WHEN (NEW.status = 'text')
+  EXECUTE FUNCTION quota.finish_job('ticket_text', 'failed');
+CREATE TRIGGER fj_json AFTER UPDATE ON fj_jobs FOR EACH ROW WHEN (NEW.status = 'json')
+  EXECUTE FUNCTION quota.finish_job('payload->job->ticket', 'cancelled');
+CREATE TRIGGER fj_odd AFTER UPDATE ON fj_jobs FOR EACH ROW WHEN (NEW.status = 'odd')
+  EXECUTE FUNCTION quota.finish_job('Odd Col->the ticket');
+INSERT INTO fj_jobs (id, ticket) SELECT 40, quota.start('j40');
+INSERT INTO fj_jobs (id, ticket_text) SELECT 41, '{' || upper(replace(quota.start('j41')::text, '-', '')) || '}';
+UPDATE fj_jobs SET status = 'uuid' WHERE id = 40;
+UPDATE fj_jobs SET status = 'text' WHERE id = 41;
+INSERT INTO fj_jobs (id, payload) SELECT 42, json_build_object('job', json_build_object('ticket', quota.start('j42')));
+INSERT INTO fj_jobs (id, "Odd Col") SELECT 43, jsonb_build_object('the ticket', quota.start('j43'));
+UPDATE fj_jobs SET status = 'json' WHERE id = 42;
+UPDATE fj_jobs SET status = 'odd' WHERE id = 43;
+SELECT label, outcome FROM quota.tickets WHERE label IN ('j40', 'j41', 'j42', 'j43') ORDER BY label;
+
+-- Misused, it says how it is meant: wrong arguments (22023), a column that is not
+-- there (42703) or cannot hold a ticket (42804), fired other than AFTER UPDATE or
+-- DELETE FOR EACH ROW (39P01). Each fails the statement that fired it. fj_misuse
+-- creates trigger fj_bad as given, fires it, shows the error, and drops it.
+CREATE FUNCTION fj_misuse(how text, fire text DEFAULT 'UPDATE fj_jobs SET status = ''bad1'' WHERE id = 40')
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE st text; msg text; det text; hin text;
+BEGIN
+  EXECUTE 'CREATE TRIGGER fj_bad ' || how;
+  BEGIN
+    EXECUTE fire;
+    RAISE NOTICE 'no error';
+  EXCEPTION WHEN OTHERS THEN
+    GET STACKED DIAGNOSTICS st = RETURNED_SQLSTATE, msg = MESSAGE_TEXT,
+                            det = PG_EXCEPTION_DETAIL, hin = PG_EXCEPTION_HINT;
+    RAISE NOTICE E'%: %\nDETAIL: %\nHINT: %', st, msg, det, hin;
+  END;
+  DROP TRIGGER fj_bad ON fj_jobs;
+END $$;
+\set when 'AFTER UPDATE ON fj_jobs FOR EACH ROW WHEN (NEW.status = ''bad1'') EXECUTE FUNCTION quota.finish_job'
+SELECT fj_misuse(:'when' || '()');
+SELECT fj_misuse(:'when' || '(''args->'', ''succeeded'')');
+SELECT fj_misuse(:'when' || '(''args->ticket'', ''done'')');
+SELECT fj_misuse(:'when' || '(''args -> ticket'')');
+SELECT fj_misuse(:'when' || '(''id'')');
+SELECT fj_misuse(:'when' || '(''args'')');
+SELECT fj_misuse(:'when' || '(''ticket->x'')');
+SELECT fj_misuse(:'when' || '(''ctid'')');
+SELECT fj_misuse('BEFORE UPDATE ON fj_jobs FOR EACH ROW EXECUTE FUNCTION quota.finish_job(''args->ticket'')');
+SELECT fj_misuse('AFTER UPDATE ON fj_jobs FOR EACH STATEMENT EXECUTE FUNCTION quota.finish_job(''args->ticket'')');
+SELECT fj_misuse('AFTER INSERT ON fj_jobs FOR EACH ROW EXECUTE FUNCTION quota.finish_job(''args->ticket'')',
+                 'INSERT INTO fj_jobs (id) VALUES (50)');
+SELECT count(*) AS bad_rows FROM fj_jobs WHERE id = 50 OR status = 'bad1';
+-- Trigger functions cannot be called as functions.
+SELECT quota.finish_job();
+
+-- quota.stats counted the trigger's finishes as finish()'s.
+RESET ROLE;
+SELECT finished_succeeded, finished_failed, finished_cancelled
+  FROM quota.stats WHERE role = 'fj_app' AND datname = current_database();
+
+DROP FUNCTION fj_misuse(text, text);
+DROP TABLE fj_jobs;
+DROP DOMAIN fj_ticket;
+REVOKE CREATE ON SCHEMA public FROM fj_app;

@@ -21,6 +21,8 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import held_snapshot
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")
 
@@ -196,33 +198,9 @@ def prefill_history(n):
     psql("VACUUM ANALYZE quota.ledger")
 
 
-class HeldSnapshot:
-    """A session that holds a REPEATABLE READ snapshot open, as pg_dump or an idle
-    reporting session does, so that no row version dead since then can be pruned."""
-
-    def __init__(self, db=None):
-        self.db = db or ARGS.db
-
-    def __enter__(self):
-        self.proc = subprocess.Popen(
-            [os.path.join(ARGS.pgbin, "psql"), "-X", "-q", "-h", ARGS.host, "-p", ARGS.port,
-             "-U", "postgres", "-d", self.db],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
-        self.proc.stdin.write("SET application_name = 'bench_snapshot';\n"
-                              "BEGIN ISOLATION LEVEL REPEATABLE READ;\n"
-                              "SELECT count(*) FROM quota.usage;\n")
-        self.proc.stdin.flush()
-        for _ in range(200):
-            if psql("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'bench_snapshot'"
-                    " AND state = 'idle in transaction' AND backend_xmin IS NOT NULL") == "1":
-                return self
-            time.sleep(0.05)
-        raise SystemExit("the snapshot holder did not start")
-
-    def __exit__(self, *exc):
-        self.proc.stdin.write("COMMIT;\n")
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+def HeldSnapshot(db=None):
+    """An old snapshot held open in db (bench/held_snapshot.py)."""
+    return held_snapshot.HeldSnapshot(ARGS.pgbin, ARGS.host, ARGS.port, db or ARGS.db, psql)
 
 
 def ensure_many_roles():

@@ -212,6 +212,21 @@ pub fn log_line(level: u32, sqlstate: PgSqlErrorCode, line: &str) {
     }
 }
 
+/// Reports `e` as a WARNING, with its SQLSTATE, DETAIL and HINT in the server encoding,
+/// and returns: for what a statement should go on past (quota.finish_job()'s rows
+/// whose ticket it cannot finish). Interrupts are held while it is written, as in
+/// `log_line`.
+pub fn warn(e: &QuotaError) {
+    let out = Outgoing::from(e.clone());
+    let texts = out.palloc();
+    // SAFETY: as in log_line; below ERROR, report returns.
+    unsafe {
+        pg_sys::InterruptHoldoffCount += 1;
+        report(pg_sys::WARNING as c_int, texts);
+        pg_sys::InterruptHoldoffCount -= 1;
+    }
+}
+
 /// `text` in the server encoding, as a C string in the current memory context (a NUL
 /// in it, which no text datum can hold, ends it).
 fn palloc_server(text: &str) -> *mut c_char {

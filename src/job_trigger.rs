@@ -7,8 +7,11 @@
 //! A row with no ticket (the column NULL, a key missing, JSON null) and a ticket this
 //! database does not have (never issued here, or purged after quota.retention) finish
 //! nothing; a ticket that has ended already is left as it is (finish() returns false).
-//! Everything else finish() raises (another role's ticket: 42501) fails the queue's
-//! statement, as a constraint would.
+//! A row whose value is not a uuid (22P02), or whose ticket the firing role may not
+//! finish (42501), finishes nothing with a WARNING: that is the job's data, and raising
+//! would fail the queue's completion of every row of its statement, and have the queue
+//! run the job again, for ever. A mistake in the trigger's definition (its arguments,
+//! its column, how it fires) raises, as a broken constraint would.
 
 #![allow(clippy::result_large_err)]
 
@@ -43,7 +46,7 @@ pub unsafe fn fire(data: &pg_sys::TriggerData) -> Result<(), QuotaError> {
         // SAFETY: tgargs holds tgnargs NUL-terminated strings.
         .map(|i| unsafe { CStr::from_ptr(*trigger.tgargs.add(i)) }.to_bytes())
         .collect();
-    let spec = parse_job_trigger(&name, &args)?;
+    let spec = parse_job_trigger(&name, &args, server_text)?;
     finish::begin(c"quota.finish_job()");
     // UPDATE: the row as the queue left it; DELETE: the row removed.
     let tuple = if updated {
@@ -60,16 +63,26 @@ pub unsafe fn fire(data: &pg_sys::TriggerData) -> Result<(), QuotaError> {
     };
     let ticket = match text {
         Ticket::Uuid(u) => u,
-        Ticket::Text(t) => {
-            pgrx::Uuid::from_bytes(parse_uuid(&t).ok_or_else(|| QuotaError::TicketNotUuid {
-                trigger: name.clone(),
-                path: spec.path(server_text),
-                value: server_text(&t),
-            })?)
-        }
+        Ticket::Text(t) => match parse_uuid(&t) {
+            Some(bytes) => pgrx::Uuid::from_bytes(bytes),
+            None => {
+                // The job's data, not the trigger's definition: the queue's statement
+                // goes on (see the module's comment).
+                crate::error::warn(&QuotaError::TicketNotUuid {
+                    trigger: name,
+                    path: spec.path(server_text),
+                    value: server_text(&t),
+                });
+                return Ok(());
+            }
+        },
     };
     match finish::finish_ticket(ticket, spec.outcome) {
         Ok(_) | Err(QuotaError::UnknownTicket(_)) => Ok(()),
+        Err(e @ QuotaError::ForeignTicket { .. }) => {
+            crate::error::warn(&e);
+            Ok(())
+        }
         Err(e) => Err(e),
     }
 }
@@ -80,17 +93,20 @@ enum Ticket {
     Text(Vec<u8>),
 }
 
-/// The ticket in `tuple` where `spec` says, None where there is none.
+/// The column `spec` names in `rel`: its number and its base type, or the error that
+/// says why it cannot hold a ticket. `virtual_checked`: whether to look up if it is a
+/// virtual generated column (a catalog lookup; `ticket_text` does it only for NULLs).
 ///
 /// # Safety
-/// `rel`, `tupdesc` and `tuple` are the trigger's relation, its descriptor and a row of it.
-unsafe fn ticket_text(
+/// `rel` is an open relation.
+unsafe fn ticket_column(
     trigger: &str,
     spec: &JobTrigger,
     rel: pg_sys::Relation,
-    tupdesc: pg_sys::TupleDesc,
-    tuple: pg_sys::HeapTuple,
-) -> Result<Option<Ticket>, QuotaError> {
+    virtual_checked: bool,
+) -> Result<(i32, pg_sys::Oid), QuotaError> {
+    // SAFETY: the caller's open relation.
+    let tupdesc = unsafe { (*rel).rd_att };
     let column = CString::new(spec.column.clone()).expect("trigger arguments have no NUL");
     // SAFETY: a lookup in the descriptor; dropped columns are skipped.
     let attnum = unsafe { pg_sys::SPI_fnumber(tupdesc, column.as_ptr()) };
@@ -107,14 +123,6 @@ unsafe fn ticket_text(
     // SAFETY: attnum names a column (or a system column, below zero) of tupdesc.
     let type_oid = unsafe { pg_sys::getBaseType(pg_sys::SPI_gettypeid(tupdesc, attnum)) };
     let with_keys = !spec.keys.is_empty();
-    let wrong_type = || QuotaError::TicketColumnType {
-        trigger: trigger.to_string(),
-        column: server_text(&spec.column),
-        // SAFETY: format_type_be names any type oid (or says ???).
-        type_name: server_text(
-            unsafe { CStr::from_ptr(pg_sys::format_type_be(type_oid)) }.to_bytes(),
-        ),
-    };
     let readable = attnum > 0
         && match type_oid {
             pg_sys::UUIDOID | pg_sys::TEXTOID | pg_sys::VARCHAROID => !with_keys,
@@ -122,12 +130,80 @@ unsafe fn ticket_text(
             _ => false,
         };
     if !readable {
-        return Err(wrong_type());
+        return Err(QuotaError::TicketColumnType {
+            trigger: trigger.to_string(),
+            column: server_text(&spec.column),
+            // SAFETY: format_type_be names any type oid (or says ???).
+            type_name: server_text(
+                unsafe { CStr::from_ptr(pg_sys::format_type_be(type_oid)) }.to_bytes(),
+            ),
+        });
     }
+    // A virtual generated column (PostgreSQL 18) is never computed for triggers: it
+    // would read as NULL for every row, and finish nothing, silently.
+    // SAFETY: a catalog lookup of the relation's column.
+    if virtual_checked
+        && unsafe { pg_sys::get_attgenerated((*rel).rd_id, attnum as i16) } as u8 == b'v'
+    {
+        return Err(QuotaError::TicketColumnVirtual {
+            trigger: trigger.to_string(),
+            column: server_text(&spec.column),
+        });
+    }
+    Ok((attnum, type_oid))
+}
+
+/// 0.6.0: checks a quota.finish_job() trigger when it is created (hooks/guard.rs), as
+/// its firing would: how it fires (`tgtype`, pg_trigger's bits), its arguments, and the
+/// column on table `relid`. So a mistake in the definition is refused at CREATE
+/// TRIGGER rather than in the queue's first completion; a WHEN clause or a later ALTER
+/// TABLE can still only be met when it fires.
+pub fn check_created(
+    trigger: &str,
+    tgtype: i16,
+    relid: pg_sys::Oid,
+    args: &[&[u8]],
+) -> Result<(), QuotaError> {
+    let t = tgtype as u32;
+    let row_after = t & pg_sys::TRIGGER_TYPE_ROW != 0
+        && t & (pg_sys::TRIGGER_TYPE_BEFORE | pg_sys::TRIGGER_TYPE_INSTEAD) == 0;
+    let ends_jobs = t & (pg_sys::TRIGGER_TYPE_UPDATE | pg_sys::TRIGGER_TYPE_DELETE) != 0
+        && t & (pg_sys::TRIGGER_TYPE_INSERT | pg_sys::TRIGGER_TYPE_TRUNCATE) == 0;
+    if !row_after || !ends_jobs {
+        return Err(QuotaError::TriggerMisfired {
+            trigger: trigger.to_string(),
+        });
+    }
+    let spec = parse_job_trigger(trigger, args, server_text)?;
+    // SAFETY: CREATE TRIGGER holds a lock on the table; we add a weaker one.
+    unsafe {
+        let rel = pg_sys::relation_open(relid, pg_sys::AccessShareLock as i32);
+        let checked = ticket_column(trigger, &spec, rel, true);
+        pg_sys::relation_close(rel, pg_sys::AccessShareLock as i32);
+        checked.map(|_| ())
+    }
+}
+
+/// The ticket in `tuple` where `spec` says, None where there is none.
+///
+/// # Safety
+/// `rel`, `tupdesc` and `tuple` are the trigger's relation, its descriptor and a row of it.
+unsafe fn ticket_text(
+    trigger: &str,
+    spec: &JobTrigger,
+    rel: pg_sys::Relation,
+    tupdesc: pg_sys::TupleDesc,
+    tuple: pg_sys::HeapTuple,
+) -> Result<Option<Ticket>, QuotaError> {
+    // SAFETY: the trigger's open relation.
+    let (attnum, type_oid) = unsafe { ticket_column(trigger, spec, rel, false) }?;
     let mut isnull = false;
     // SAFETY: a column of the row, read through its descriptor.
     let value = unsafe { pg_sys::SPI_getbinval(tuple, tupdesc, attnum, &mut isnull) };
     if isnull {
+        // SAFETY: the trigger's open relation; NULL only for a virtual generated
+        // column, which ticket_column then refuses.
+        unsafe { ticket_column(trigger, spec, rel, true) }?;
         return Ok(None);
     }
     Ok(match type_oid {

@@ -35,8 +35,10 @@ mod charges;
 // Layer 5: the paths.
 mod admission;
 mod finish;
-mod hooks;
+// Layer 5, after finish (whose body it calls): quota.finish_job().
 mod job_trigger;
+// Layer 5, after job_trigger (the DDL hooks check its triggers when created).
+mod hooks;
 mod writer;
 // Layer 6: the SQL surface.
 mod api;

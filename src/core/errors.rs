@@ -79,7 +79,7 @@ impl Sqlstate {
 }
 
 /// How quota.finish_job() is called, for the hints of its errors.
-const JOB_TRIGGER_USAGE: &str = "Its arguments are the ticket's column (uuid or text, or json or jsonb with the keys to follow, as in 'args->ticket', without spaces) and, optionally, the outcome (succeeded, failed or cancelled; succeeded by default).";
+const JOB_TRIGGER_USAGE: &str = "Its arguments are the ticket's column (uuid or text, or json or jsonb with the keys to follow, as in 'args->ticket', with no spaces around ->) and, optionally, the outcome (succeeded, failed or cancelled; succeeded by default).";
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum QuotaError {
@@ -171,6 +171,12 @@ pub enum QuotaError {
         column: String,
         type_name: String,
     },
+    /// The column a quota.finish_job() trigger reads the ticket from is a virtual
+    /// generated column (PostgreSQL 18), which triggers do not see.
+    #[error(
+        "column \"{column}\" is a virtual generated column, which quota.finish_job() cannot read"
+    )]
+    TicketColumnVirtual { trigger: String, column: String },
     /// A job's ticket, read by a quota.finish_job() trigger, that is not a uuid.
     #[error("invalid input syntax for type uuid: \"{value}\"")]
     TicketNotUuid {
@@ -351,7 +357,9 @@ impl QuotaError {
             QuotaError::NotCalledAsTrigger => Sqlstate::FeatureNotSupported,
             QuotaError::TriggerMisfired { .. } => Sqlstate::TriggerProtocolViolated,
             QuotaError::TicketColumnMissing { .. } => Sqlstate::UndefinedColumn,
-            QuotaError::TicketColumnType { .. } => Sqlstate::DatatypeMismatch,
+            QuotaError::TicketColumnType { .. } | QuotaError::TicketColumnVirtual { .. } => {
+                Sqlstate::DatatypeMismatch
+            }
             QuotaError::TicketNotUuid { .. } => Sqlstate::InvalidTextRepresentation,
             QuotaError::NotPreloaded => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::NoWorkerSlot { .. } => Sqlstate::InsufficientResources,
@@ -454,11 +462,12 @@ impl QuotaError {
             QuotaError::BadShape { why, .. } => Some(format!("{why}.")),
             QuotaError::TriggerArguments { why, .. } => Some(why.clone()),
             QuotaError::TicketColumnMissing { trigger, .. }
-            | QuotaError::TicketColumnType { trigger, .. } => Some(format!(
+            | QuotaError::TicketColumnType { trigger, .. }
+            | QuotaError::TicketColumnVirtual { trigger, .. } => Some(format!(
                 "Trigger \"{trigger}\" reads the job's ticket from it with quota.finish_job()."
             )),
             QuotaError::TicketNotUuid { trigger, path, .. } => Some(format!(
-                "Trigger \"{trigger}\" read it from {path} of the job's row with quota.finish_job()."
+                "Trigger \"{trigger}\" read it from {path} of the job's row with quota.finish_job(), and finished nothing for that row."
             )),
             QuotaError::UnsupportedIndex { what, .. } => Some(format!(
                 "pg_quota writes its tables below SQL: it keeps plain indexes on columns up to date, and unique ones only on the table's key; {what} could reject other roles' tickets or be left unchecked."
@@ -517,11 +526,14 @@ impl QuotaError {
             }),
             QuotaError::TriggerArguments { .. } => Some(JOB_TRIGGER_USAGE.to_string()),
             QuotaError::TriggerMisfired { .. } => Some(format!(
-                "Create it as CREATE TRIGGER … AFTER UPDATE OR DELETE ON … FOR EACH ROW, with a WHEN clause for the rows whose job has ended. {JOB_TRIGGER_USAGE}"
+                "Create it as CREATE TRIGGER name AFTER UPDATE OR DELETE ON table FOR EACH ROW, with a WHEN clause for the rows whose job has ended. {JOB_TRIGGER_USAGE}"
             )),
             QuotaError::TicketColumnMissing { .. } | QuotaError::TicketColumnType { .. } => {
                 Some(JOB_TRIGGER_USAGE.to_string())
             }
+            QuotaError::TicketColumnVirtual { .. } => Some(
+                "Make it a stored generated column (GENERATED ALWAYS AS (expression) STORED), or name the column it is computed from.".to_string(),
+            ),
             QuotaError::InvalidOutcome(_) => {
                 Some("Valid outcomes are succeeded, failed and cancelled.".to_string())
             }

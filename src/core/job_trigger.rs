@@ -3,8 +3,10 @@
 //! row). What the trigger's arguments mean, and how a ticket is read from text, are
 //! decided here; job_trigger.rs reads the row.
 //!
-//!     CREATE TRIGGER … AFTER UPDATE OR DELETE ON jobs FOR EACH ROW [WHEN (…)]
-//!       EXECUTE FUNCTION quota.finish_job('args->ticket' [, 'succeeded'])
+//! ```sql
+//! CREATE TRIGGER name AFTER UPDATE OR DELETE ON jobs FOR EACH ROW [WHEN (condition)]
+//!   EXECUTE FUNCTION quota.finish_job('args->ticket' [, 'succeeded'])
+//! ```
 //!
 //! The first argument names where the ticket is: a column (uuid or text), or a json or
 //! jsonb column and the keys to follow, `column->key->key`, written without spaces and
@@ -14,7 +16,7 @@
 #![allow(clippy::result_large_err)]
 
 use super::errors::QuotaError;
-use super::ticket::{parse_outcome, printable, Outcome};
+use super::ticket::{parse_outcome, Outcome};
 
 /// What a `quota.finish_job()` trigger finishes, parsed from its arguments.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -52,25 +54,41 @@ fn split_path(path: &[u8]) -> Vec<&[u8]> {
 }
 
 /// Parses the arguments of trigger `trigger` (its name, for messages): the ticket's
-/// path and an optional outcome, each as the bytes of the server encoding.
-pub fn parse_job_trigger(trigger: &str, args: &[&[u8]]) -> Result<JobTrigger, QuotaError> {
+/// path and an optional outcome, each as the bytes of the server encoding, which
+/// `show` turns into text for messages (the pgrx layer converts from the server
+/// encoding).
+pub fn parse_job_trigger(
+    trigger: &str,
+    args: &[&[u8]],
+    show: impl Fn(&[u8]) -> String,
+) -> Result<JobTrigger, QuotaError> {
     let bad = |why: String| QuotaError::TriggerArguments {
         trigger: trigger.to_string(),
         why,
     };
     let (path, outcome) = match args {
         [path] => (*path, Outcome::Succeeded),
-        [path, outcome] => (*path, parse_outcome(outcome)?),
-        _ => return Err(bad(format!(
+        [path, outcome] => (
+            *path,
+            parse_outcome(outcome).map_err(|_| {
+                bad(format!(
+                    "The outcome \"{}\" is not succeeded, failed or cancelled.",
+                    show(outcome)
+                ))
+            })?,
+        ),
+        _ => {
+            return Err(bad(format!(
             "It has {} arguments; quota.finish_job() takes the ticket's column, and an outcome.",
             args.len()
-        ))),
+        )))
+        }
     };
     let parts = split_path(path);
     if let Some(i) = parts.iter().position(|p| p.is_empty()) {
         return Err(bad(format!(
             "The path \"{}\" has an empty {} at position {}.",
-            printable(path),
+            show(path),
             if i == 0 { "column name" } else { "key" },
             i + 1
         )));
@@ -116,11 +134,12 @@ pub fn parse_uuid(text: &[u8]) -> Option<[u8; 16]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::ticket::printable;
     use crate::core::Sqlstate;
 
     fn parse(args: &[&str]) -> Result<JobTrigger, QuotaError> {
         let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
-        parse_job_trigger("t", &args)
+        parse_job_trigger("t", &args, printable)
     }
 
     #[test]
@@ -170,7 +189,12 @@ mod tests {
             e.detail()
         );
         let e = parse(&["ticket", "done"]).unwrap_err();
-        assert_eq!(e, QuotaError::InvalidOutcome("done".into()));
+        assert_eq!(e.sqlstate(), Sqlstate::InvalidParameterValue);
+        assert!(
+            e.detail().unwrap().contains("\"done\" is not succeeded"),
+            "{:?}",
+            e.detail()
+        );
     }
 
     #[test]

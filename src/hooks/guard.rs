@@ -104,7 +104,7 @@ fn catalog_row<T>(
     catalog: pg_sys::Oid,
     index: u32,
     oid: pg_sys::Oid,
-    read: impl FnOnce(pg_sys::HeapTuple) -> T,
+    read: impl FnOnce(pg_sys::HeapTuple, pg_sys::TupleDesc) -> T,
 ) -> Option<T> {
     // SAFETY: an index scan of a catalog by OID; `read` sees the tuple while the scan
     // is open.
@@ -127,7 +127,7 @@ fn catalog_row<T>(
             &mut key,
         );
         let tup = pg_sys::systable_getnext(scan);
-        let found = (!tup.is_null()).then(|| read(tup));
+        let found = (!tup.is_null()).then(|| read(tup, (*rel).rd_att));
         pg_sys::systable_endscan(scan);
         pg_sys::table_close(rel, pg_sys::AccessShareLock as i32);
         found
@@ -141,7 +141,7 @@ fn trigger_of(trigoid: pg_sys::Oid) -> Option<(pg_sys::Oid, String)> {
         pg_sys::TriggerOidIndexId,
         trigoid,
         // SAFETY: a pg_trigger tuple, whose fixed part is FormData_pg_trigger.
-        |tup| unsafe {
+        |tup, _| unsafe {
             let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_trigger>(tup);
             (
                 (*form).tgrelid,
@@ -159,7 +159,7 @@ fn extension_name(extoid: pg_sys::Oid) -> Option<String> {
         pg_sys::ExtensionOidIndexId,
         extoid,
         // SAFETY: a pg_extension tuple, whose fixed part is FormData_pg_extension.
-        |tup| unsafe {
+        |tup, _| unsafe {
             let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_extension>(tup);
             crate::catalog::name_text((*form).extname.data.as_ptr())
         },
@@ -188,7 +188,8 @@ static mut CHANGED_AT: i32 = 0;
 static mut FIXING: bool = false;
 
 /// A trigger was created (object_access_hook, OAT_POST_CREATE): refused on pg_quota's
-/// tables, unless by pg_quota's own scripts.
+/// tables, unless by pg_quota's own scripts; a quota.finish_job() trigger anywhere is
+/// checked as its firing would check it (0.6.0, job_trigger.rs).
 pub fn trigger_created(trigoid: pg_sys::Oid) {
     if setting_up() {
         return;
@@ -200,6 +201,72 @@ pub fn trigger_created(trigoid: pg_sys::Oid) {
                 trigger: name,
             });
         }
+    }
+    if let Some(Some(job)) = catalog_row(
+        pg_sys::TriggerRelationId,
+        pg_sys::TriggerOidIndexId,
+        trigoid,
+        // SAFETY: a pg_trigger tuple and pg_trigger's descriptor.
+        |tup, desc| unsafe { job_trigger_of(tup, desc) },
+    ) {
+        let args: Vec<&[u8]> = job.args.split(|&b| b == 0).take(job.nargs).collect();
+        if let Err(e) = crate::job_trigger::check_created(&job.name, job.tgtype, job.relid, &args) {
+            raise(e);
+        }
+    }
+}
+
+/// A quota.finish_job() trigger as pg_trigger holds it.
+struct JobTriggerRow {
+    name: String,
+    relid: pg_sys::Oid,
+    tgtype: i16,
+    nargs: usize,
+    /// tgargs: the arguments, each followed by a NUL.
+    args: Vec<u8>,
+}
+
+/// The trigger in `tup` if its function is pg_quota's quota.finish_job().
+///
+/// # Safety
+/// `tup` is a pg_trigger tuple and `desc` pg_trigger's descriptor.
+unsafe fn job_trigger_of(tup: pg_sys::HeapTuple, desc: pg_sys::TupleDesc) -> Option<JobTriggerRow> {
+    // SAFETY: the caller's pg_trigger tuple; syscache and pg_depend lookups.
+    unsafe {
+        let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_trigger>(tup);
+        let func = (*form).tgfoid;
+        let ns = pg_sys::get_namespace_oid(c"quota".as_ptr(), true);
+        let ext = pg_sys::get_extension_oid(c"pg_quota".as_ptr(), true);
+        let fname = pg_sys::get_func_name(func);
+        if ns == pg_sys::InvalidOid
+            || ext == pg_sys::InvalidOid
+            || fname.is_null()
+            || CStr::from_ptr(fname) != c"finish_job"
+            || pg_sys::get_func_namespace(func) != ns
+            || pg_sys::getExtensionOfObject(pg_sys::ProcedureRelationId, func) != ext
+        {
+            return None;
+        }
+        let mut isnull = false;
+        let args = pg_sys::heap_getattr(
+            tup,
+            pg_sys::Anum_pg_trigger_tgargs as i32,
+            desc,
+            &mut isnull,
+        );
+        let args = if isnull {
+            Vec::new()
+        } else {
+            let bytea = pg_sys::pg_detoast_datum_packed(args.cast_mut_ptr());
+            pgrx::varlena::varlena_to_byte_slice(bytea).to_vec()
+        };
+        Some(JobTriggerRow {
+            name: crate::catalog::name_text((*form).tgname.data.as_ptr()),
+            relid: (*form).tgrelid,
+            tgtype: (*form).tgtype,
+            nargs: (*form).tgnargs as usize,
+            args,
+        })
     }
 }
 

@@ -366,14 +366,17 @@ expect_eq "the caller's own start() is charged to the caller" ht_caller \
 #    trigger functions that keep quota.summary consistent with SQL-level writes to the
 #    ledger and the placeholder that keeps pg_repack away (0.3.1), which nobody but
 #    their owner may execute (and only as triggers), and current_retention() (0.3.1),
-#    which quota.usage reads.
+#    which quota.usage reads. quota.finish_job() (0.6.0) is a trigger function of the
+#    public API, executable by PUBLIC as finish() is; called as a function, it refuses.
 # ------------------------------------------------------------------------------------
-expect_eq "the trigger functions are not executable by PUBLIC" "false false false" \
+expect_eq "the internal trigger functions are not executable by PUBLIC" "false false false" \
   "$(sql -c "SELECT string_agg(has_function_privilege('ht_tenant', p.oid, 'EXECUTE')::text, ' ')
-              FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace AND p.prorettype = 'trigger'::regtype")"
+              FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace AND p.prorettype = 'trigger'::regtype
+                AND p.proname <> 'finish_job'")"
 refused "a tenant cannot call a trigger function" 42501 $T "SELECT quota.ledger_written()"
-FUNCTIONS="quota.current_retention(), quota.finish(uuid,text), quota.ledger_written(), quota.renew(uuid,interval), quota.repack_placeholder(), quota.start(text,interval,text,interval,text,boolean), quota.stats_info_row(), quota.stats_reset(regrole), quota.stats_rows(), quota.summary_written(), quota.try_start(text,interval,text,interval,text,boolean), quota.usage_totals(), quota.wait_histogram_rows(), quota.writer_stats_rows()"
-expect_eq "schema quota has exactly finish, renew, start, try_start, current_retention, the 0.3.0 statistics functions, usage_totals (0.5.1) and the three trigger functions" \
+refused "quota.finish_job(), the public trigger function, refuses a call that is not a trigger's" 0A000 $T "SELECT quota.finish_job()"
+FUNCTIONS="quota.current_retention(), quota.finish(uuid,text), quota.finish_job(), quota.ledger_written(), quota.renew(uuid,interval), quota.repack_placeholder(), quota.start(text,interval,text,interval,text,boolean), quota.stats_info_row(), quota.stats_reset(regrole), quota.stats_rows(), quota.summary_written(), quota.try_start(text,interval,text,interval,text,boolean), quota.usage_totals(), quota.wait_histogram_rows(), quota.writer_stats_rows()"
+expect_eq "schema quota has exactly finish, renew, start, try_start, current_retention, the 0.3.0 statistics functions, usage_totals (0.5.1), the three internal trigger functions and finish_job (0.6.0)" \
   "$FUNCTIONS" \
   "$(sql -c "SELECT string_agg(p.oid::regprocedure::text, ', ' ORDER BY p.oid::regprocedure::text COLLATE \"C\") FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace")"
 expect_eq "stats_reset() is not executable by PUBLIC; the statistics readers are (they filter rows themselves)" \

@@ -98,8 +98,9 @@ stop_group() {
 
 # The recipe (USER_GUIDE "graphile-worker, at enqueue"): a job that succeeded is
 # deleted by graphile-worker while locked; one that failed its last attempt is unlocked
-# with its attempts used up. Either ends its ticket in that statement's transaction. A
-# job deleted while not running (graphile_worker.remove_job) is cancelled.
+# with its attempts used up (permanently_fail_jobs uses them up too). Either ends its
+# ticket in that statement's transaction. A job deleted while not running
+# (graphile_worker.remove_job) is cancelled.
 FINISH_TRIGGERS="
 CREATE TRIGGER quota_job_done AFTER DELETE ON graphile_worker._private_jobs FOR EACH ROW
   WHEN (OLD.locked_at IS NOT NULL)
@@ -107,8 +108,10 @@ CREATE TRIGGER quota_job_done AFTER DELETE ON graphile_worker._private_jobs FOR 
 CREATE TRIGGER quota_job_removed AFTER DELETE ON graphile_worker._private_jobs FOR EACH ROW
   WHEN (OLD.locked_at IS NULL)
   EXECUTE FUNCTION quota.finish_job('payload->ticket', 'cancelled');
-CREATE TRIGGER quota_job_failed AFTER UPDATE OF locked_at ON graphile_worker._private_jobs FOR EACH ROW
-  WHEN (OLD.locked_at IS NOT NULL AND NEW.locked_at IS NULL AND NEW.attempts >= NEW.max_attempts)
+CREATE TRIGGER quota_job_failed AFTER UPDATE OF locked_at, attempts ON graphile_worker._private_jobs
+  FOR EACH ROW
+  WHEN (NEW.locked_at IS NULL AND NEW.attempts >= NEW.max_attempts
+        AND (OLD.locked_at IS NOT NULL OR OLD.attempts < OLD.max_attempts))
   EXECUTE FUNCTION quota.finish_job('payload->ticket', 'failed');"
 
 run_placement() {

@@ -10,14 +10,17 @@ a normal run. Standard library only; Linux only (CPU from /proc).
             timestamptz), 16 clients on 16 roles, in a database of its own; then a
             plain VACUUM. Bytes of pg_quota's relations (tables, indexes, TOAST) per
             retained ticket against the job table's bytes per job. Target: <= 1x.
-  growth    the same load for SLICES slices of SLICE_S seconds with quota.retention at
-            RETENTION_S seconds (ALTER SYSTEM, the server's value: the writer purges
-            what no configured retention counts), autovacuum as configured: pg_quota's
-            bytes and rows after each slice. Target: they stop growing.
+  growth    the same load, in a fresh database, for SLICES slices of SLICE_S seconds
+            with quota.retention at RETENTION_S seconds (ALTER SYSTEM, the server's
+            value: the writer purges what no configured retention counts), autovacuum
+            as configured: pg_quota's bytes and rows after each slice. Target: they
+            stop growing.
   steady    JOBT (bench/scripts/jobt.sql on bench.jobs, 16 clients on bench_r1..16)
             CPU per job, server and clients, before and after the roles' history grows
             by HISTORY tickets (ended an hour ago, inserted below the API). Target: the
-            CPU per job grows by at most 10%.
+            CPU per job grows by at most 10%. The roles have no retained limit
+            (bench/setup.sql), as in the runs the issue measured: this is what history
+            costs the heap and the indexes; the history phase below counts it.
   history   start()+finish() (bench/scripts/pgq.sql, one client) of a role with HISTORY
             retained tickets against a role with none, both with a retained limit that
             applies (2,000,000), rounds interleaved. Target: at most 1.25x the cost.
@@ -65,6 +68,7 @@ STEADY_S, STEADY_ROUNDS = (5, 1) if ARGS.quick else (10, 3)
 HISTORY_S, HISTORY_ROUNDS = (3, 1) if ARGS.quick else (10, 3)
 CHURN, CYCLES_AFTER, SNAPSHOT_ROUNDS = (2_000, 1_000, 1) if ARGS.quick else (11_000, 3_000, 3)
 SPACE_DB = "bench_space"
+GROWTH_DB = "bench_growth"
 
 
 def psql(sql, user="postgres", db=None):
@@ -182,20 +186,21 @@ def minjobs_script():
     return f.name
 
 
-def ensure_space_db():
-    psql(f"DROP DATABASE IF EXISTS {SPACE_DB}")
-    psql(f"CREATE DATABASE {SPACE_DB}")
+def ensure_queue_db(db):
+    """A database of its own for a queue load: pg_quota and the minimal job table."""
+    psql(f"DROP DATABASE IF EXISTS {db}")
+    psql(f"CREATE DATABASE {db}")
     for sql in ("CREATE EXTENSION pg_quota", "CREATE SCHEMA bench",
                 "CREATE TABLE bench.minjobs (id bigserial PRIMARY KEY, role name NOT NULL DEFAULT current_user, "
                 "ticket uuid, payload text DEFAULT '{}', done timestamptz)",
                 "GRANT USAGE ON SCHEMA bench TO PUBLIC",
                 "GRANT SELECT, INSERT, UPDATE, DELETE ON bench.minjobs TO PUBLIC",
                 "GRANT USAGE ON SEQUENCE bench.minjobs_id_seq TO PUBLIC"):
-        psql(sql, db=SPACE_DB)
+        psql(sql, db=db)
 
 
 def space(script):
-    ensure_space_db()
+    ensure_queue_db(SPACE_DB)
     done, took = on_roles(script, SPACE_DB, per_client=JOBS // CLIENTS)
     psql("VACUUM", db=SPACE_DB)
     total, per = quota_bytes(SPACE_DB)
@@ -211,15 +216,17 @@ def space(script):
 
 
 def growth(script):
+    # A fresh database: in the space phase's, the files are sized for its load already.
+    ensure_queue_db(GROWTH_DB)
     psql(f"ALTER SYSTEM SET quota.retention = '{RETENTION_S}s'")
     psql("SELECT pg_catalog.pg_reload_conf()")
     time.sleep(1)
     out = []
     try:
         for k in range(SLICES):
-            done, _ = on_roles(script, SPACE_DB, seconds=SLICE_S)
-            total, _ = quota_bytes(SPACE_DB)
-            rows = int(psql("SELECT count(*) FROM quota.tickets", db=SPACE_DB))
+            done, _ = on_roles(script, GROWTH_DB, seconds=SLICE_S)
+            total, _ = quota_bytes(GROWTH_DB)
+            rows = int(psql("SELECT count(*) FROM quota.tickets", db=GROWTH_DB))
             out.append(dict(slice=k + 1, jobs=done, bytes=total, rows=rows))
             print(f"  growth: slice {k + 1}: {done} jobs, pg_quota {total:,} bytes, {rows:,} tickets", flush=True)
     finally:
@@ -250,7 +257,21 @@ def jobt_cpu(rounds, tag):
     return out
 
 
+def settle():
+    """No work of the earlier phases left running (their databases' cleanup would be
+    counted as the server's CPU): they are dropped, autovacuum has nothing in progress,
+    and a checkpoint has written what they dirtied."""
+    for db in (SPACE_DB, GROWTH_DB):
+        psql(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+    for _ in range(120):
+        if psql("SELECT count(*) FROM pg_stat_progress_vacuum") == "0":
+            break
+        time.sleep(0.5)
+    psql("CHECKPOINT")
+
+
 def steady():
+    settle()
     jobt_cpu(1, "warm-up")
     before = jobt_cpu(STEADY_ROUNDS, "before")
     t0 = time.monotonic()
@@ -335,10 +356,15 @@ def report(sp, gr, st, hi, sn, seconds):
               "| slice | jobs | pg_quota bytes | tickets in the ledger |", "|---:|---:|---:|---:|"]
     for g in gr:
         lines.append(f"| {g['slice']} | {g['jobs']:,} | {g['bytes']:,} | {g['rows']:,} |")
-    half = gr[len(gr) // 2 - 1]["bytes"] if len(gr) > 1 else gr[0]["bytes"]
-    lines += ["", f"Last slice against the middle one: {gr[-1]['bytes'] / max(1, half):.2f}x the bytes.", ""]
-    targets.append(("growth: bytes after the last slice vs after the middle one (stops growing: ~1.0)",
-                    gr[-1]["bytes"] / max(1, half), "<=", 1.05))
+    # Whether it stopped growing: the bytes after the last slice against two slices
+    # before (the last 2 * SLICE_S seconds, several retention periods), and where it
+    # settled, per ticket the ledger then held.
+    back = gr[-3]["bytes"] if len(gr) >= 3 else gr[0]["bytes"]
+    settled = gr[-1]["bytes"] / max(1, gr[-1]["rows"])
+    lines += ["", f"The last slice against two before it: {gr[-1]['bytes'] / max(1, back):.2f}x the bytes; "
+              f"after the last slice, {settled:,.0f} bytes per ticket in the ledger.", ""]
+    targets.append((f"growth: bytes after the last slice vs two slices ({2 * SLICE_S} s) before (stopped: ~1.0)",
+                    gr[-1]["bytes"] / max(1, back), "<=", 1.05))
 
     b = med([r["server_us"] + r["clients_us"] for r in st[0]])
     a = med([r["server_us"] + r["clients_us"] for r in st[1]])

@@ -212,13 +212,20 @@ pub fn log_line(level: u32, sqlstate: PgSqlErrorCode, line: &str) {
     }
 }
 
-/// Reports `e` as a WARNING, with its SQLSTATE, DETAIL and HINT in the server encoding,
-/// and returns: for what a statement should go on past (quota.finish_job()'s rows
-/// whose ticket it cannot finish). Interrupts are held while it is written, as in
-/// `log_line`.
+/// Reports `e` as a WARNING, with its SQLSTATE, DETAIL and HINT, and returns: for what
+/// a statement should go on past (quota.finish_job()'s rows whose ticket it cannot
+/// finish). Interrupts are held while it is written, as in `log_line`. Its texts are
+/// made ASCII (core::ticket::ascii_escaped): a WARNING is converted to the client's
+/// encoding as it is sent, and a character that encoding lacks would raise an ERROR
+/// from inside errfinish, over the Rust frames of the caller.
 pub fn warn(e: &QuotaError) {
-    let out = Outgoing::from(e.clone());
+    let ascii = |t: &str| crate::core::ticket::ascii_escaped(t, usize::MAX);
+    let mut out = Outgoing::from(e.clone());
+    out.message = ascii(&out.message);
+    out.detail = out.detail.as_deref().map(ascii);
+    out.hint = out.hint.as_deref().map(ascii);
     let texts = out.palloc();
+    drop(out);
     // SAFETY: as in log_line; below ERROR, report returns.
     unsafe {
         pg_sys::InterruptHoldoffCount += 1;

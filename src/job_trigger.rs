@@ -71,7 +71,7 @@ pub unsafe fn fire(data: &pg_sys::TriggerData) -> Result<(), QuotaError> {
                 crate::error::warn(&QuotaError::TicketNotUuid {
                     trigger: name,
                     path: spec.path(server_text),
-                    value: server_text(&t),
+                    value: crate::core::ticket::ascii_escaped(&server_text(&t), 64),
                 });
                 return Ok(());
             }
@@ -79,8 +79,17 @@ pub unsafe fn fire(data: &pg_sys::TriggerData) -> Result<(), QuotaError> {
     };
     match finish::finish_ticket(ticket, spec.outcome) {
         Ok(_) | Err(QuotaError::UnknownTicket(_)) => Ok(()),
-        Err(e @ QuotaError::ForeignTicket { .. }) => {
-            crate::error::warn(&e);
+        Err(QuotaError::ForeignTicket { ticket, .. }) => {
+            // SAFETY: the current user's name, from the syscache (it exists: we run as it).
+            let firing_role = server_text(
+                unsafe { CStr::from_ptr(pg_sys::GetUserNameFromId(pg_sys::GetUserId(), false)) }
+                    .to_bytes(),
+            );
+            crate::error::warn(&QuotaError::JobTicketForeign {
+                trigger: name,
+                ticket,
+                firing_role,
+            });
             Ok(())
         }
         Err(e) => Err(e),
@@ -155,15 +164,15 @@ unsafe fn ticket_column(
 
 /// 0.6.0: checks a quota.finish_job() trigger when it is created (hooks/guard.rs), as
 /// its firing would: how it fires (`tgtype`, pg_trigger's bits), its arguments, and the
-/// column on table `relid`. So a mistake in the definition is refused at CREATE
-/// TRIGGER rather than in the queue's first completion; a WHEN clause or a later ALTER
-/// TABLE can still only be met when it fires.
+/// column on table `relid`, whose number it returns (the hook makes the trigger depend
+/// on it). So a mistake in the definition is refused at CREATE TRIGGER rather than in
+/// the queue's first completion; a column renamed later is met when it fires.
 pub fn check_created(
     trigger: &str,
     tgtype: i16,
     relid: pg_sys::Oid,
     args: &[&[u8]],
-) -> Result<(), QuotaError> {
+) -> Result<i32, QuotaError> {
     let t = tgtype as u32;
     let row_after = t & pg_sys::TRIGGER_TYPE_ROW != 0
         && t & (pg_sys::TRIGGER_TYPE_BEFORE | pg_sys::TRIGGER_TYPE_INSTEAD) == 0;
@@ -180,7 +189,7 @@ pub fn check_created(
         let rel = pg_sys::relation_open(relid, pg_sys::AccessShareLock as i32);
         let checked = ticket_column(trigger, &spec, rel, true);
         pg_sys::relation_close(rel, pg_sys::AccessShareLock as i32);
-        checked.map(|_| ())
+        checked.map(|(attnum, _)| attnum)
     }
 }
 
@@ -219,7 +228,10 @@ unsafe fn ticket_text(
 
 /// Follows `keys` from a json (or jsonb) document: the last key's value as text, None
 /// where a key is missing, a value on the way is not an object, or the value is null,
-/// as `->` and `->>` answer.
+/// as `->` and `->>` answer. For `json`, PostgreSQL de-escapes the strings it walks
+/// through, and raises where it cannot (`\u0000`, a lone surrogate), as `->>` does:
+/// that fails the queue's statement (USER_GUIDE says so; `jsonb` stores them already
+/// de-escaped, and never raises here).
 ///
 /// # Safety
 /// `doc` is a non-null json (jsonb when `jsonb`) datum.

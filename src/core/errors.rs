@@ -177,6 +177,14 @@ pub enum QuotaError {
         "column \"{column}\" is a virtual generated column, which quota.finish_job() cannot read"
     )]
     TicketColumnVirtual { trigger: String, column: String },
+    /// A job's ticket that the role firing a quota.finish_job() trigger may not finish
+    /// (a WARNING). As for ForeignTicket, nothing names the ticket's owner.
+    #[error("permission denied to finish ticket {ticket}")]
+    JobTicketForeign {
+        trigger: String,
+        ticket: String,
+        firing_role: String,
+    },
     /// A job's ticket, read by a quota.finish_job() trigger, that is not a uuid.
     #[error("invalid input syntax for type uuid: \"{value}\"")]
     TicketNotUuid {
@@ -352,7 +360,9 @@ impl QuotaError {
             QuotaError::InvalidOutcome(_) | QuotaError::UnknownTicket(_) => {
                 Sqlstate::InvalidParameterValue
             }
-            QuotaError::ForeignTicket { .. } => Sqlstate::InsufficientPrivilege,
+            QuotaError::ForeignTicket { .. } | QuotaError::JobTicketForeign { .. } => {
+                Sqlstate::InsufficientPrivilege
+            }
             QuotaError::TriggerArguments { .. } => Sqlstate::InvalidParameterValue,
             QuotaError::NotCalledAsTrigger => Sqlstate::FeatureNotSupported,
             QuotaError::TriggerMisfired { .. } => Sqlstate::TriggerProtocolViolated,
@@ -466,6 +476,9 @@ impl QuotaError {
             | QuotaError::TicketColumnVirtual { trigger, .. } => Some(format!(
                 "Trigger \"{trigger}\" reads the job's ticket from it with quota.finish_job()."
             )),
+            QuotaError::JobTicketForeign { trigger, firing_role, .. } => Some(format!(
+                "Trigger \"{trigger}\" fired as role \"{firing_role}\", which may not finish it, and finished nothing for that row."
+            )),
             QuotaError::TicketNotUuid { trigger, path, .. } => Some(format!(
                 "Trigger \"{trigger}\" read it from {path} of the job's row with quota.finish_job(), and finished nothing for that row."
             )),
@@ -531,6 +544,9 @@ impl QuotaError {
             QuotaError::TicketColumnMissing { .. } | QuotaError::TicketColumnType { .. } => {
                 Some(JOB_TRIGGER_USAGE.to_string())
             }
+            QuotaError::JobTicketForeign { firing_role, .. } => Some(format!(
+                "Complete the job as the role that started the ticket, or make \"{firing_role}\" a member of it (GRANT). A deferred trigger fires as the role current at COMMIT on PostgreSQL 15 to 17."
+            )),
             QuotaError::TicketColumnVirtual { .. } => Some(
                 "Make it a stored generated column (GENERATED ALWAYS AS (expression) STORED), or name the column it is computed from.".to_string(),
             ),

@@ -112,6 +112,28 @@ pub fn printable(bytes: &[u8]) -> String {
     }
 }
 
+/// `text` with every character outside printable ASCII written as `\uXXXX` (or
+/// `\UXXXXXXXX`), and cut to `max` characters (then ending in `...`): for a WARNING that
+/// quotes a job's data, which PostgreSQL converts to the client's encoding as it sends
+/// it. A character the client's encoding lacks would raise an ERROR from inside the
+/// report (error::warn), and the data may be long; ASCII reads the same in every
+/// encoding.
+pub fn ascii_escaped(text: &str, max: usize) -> String {
+    let mut out = String::new();
+    for (n, c) in text.chars().enumerate() {
+        if n == max {
+            out.push_str("...");
+            break;
+        }
+        match c as u32 {
+            0x20..=0x7E => out.push(c),
+            u @ 0..=0xFFFF => out.push_str(&format!("\\u{u:04X}")),
+            u => out.push_str(&format!("\\U{u:08X}")),
+        }
+    }
+    out
+}
+
 /// Builds a version 7 UUID (RFC 9562) from a Unix time in microseconds and 8 random
 /// bytes, ordered after `prev` (the last id this process issued, if any).
 ///
@@ -169,6 +191,19 @@ fn successor(p: [u8; 16]) -> [u8; 16] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ascii_escaped_reads_the_same_in_every_encoding() {
+        assert_eq!(
+            ascii_escaped("t\u{e2}che-\u{65e5}\n\u{1F600}", 64),
+            "t\\u00E2che-\\u65E5\\u000A\\U0001F600"
+        );
+        assert_eq!(
+            ascii_escaped(&"x".repeat(70), 64),
+            format!("{}...", "x".repeat(64))
+        );
+        assert_eq!(ascii_escaped("plain", 5), "plain");
+    }
 
     #[test]
     fn label_of_200_four_byte_characters_is_accepted() {

@@ -210,8 +210,33 @@ pub fn trigger_created(trigoid: pg_sys::Oid) {
         |tup, desc| unsafe { job_trigger_of(tup, desc) },
     ) {
         let args: Vec<&[u8]> = job.args.split(|&b| b == 0).take(job.nargs).collect();
-        if let Err(e) = crate::job_trigger::check_created(&job.name, job.tgtype, job.relid, &args) {
-            raise(e);
+        match crate::job_trigger::check_created(&job.name, job.tgtype, job.relid, &args) {
+            Err(e) => raise(e),
+            // The trigger depends on the column it reads, as on the columns of its WHEN
+            // clause: DROP COLUMN is refused (or, with CASCADE, drops the trigger), and so
+            // is ALTER COLUMN ... TYPE, so that a dump restores the trigger and a new
+            // partition gets it. CREATE OR REPLACE TRIGGER removed the old version's
+            // dependencies before this hook runs.
+            Ok(attnum) => {
+                let trigger = pg_sys::ObjectAddress {
+                    classId: pg_sys::TriggerRelationId,
+                    objectId: trigoid,
+                    objectSubId: 0,
+                };
+                let column = pg_sys::ObjectAddress {
+                    classId: pg_sys::RelationRelationId,
+                    objectId: job.relid,
+                    objectSubId: attnum,
+                };
+                // SAFETY: a pg_depend row between two objects that exist.
+                unsafe {
+                    pg_sys::recordDependencyOn(
+                        &trigger,
+                        &column,
+                        pg_sys::DependencyType::DEPENDENCY_NORMAL,
+                    )
+                };
+            }
         }
     }
 }

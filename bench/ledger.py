@@ -230,8 +230,13 @@ def growth(script):
             out.append(dict(slice=k + 1, jobs=done, bytes=total, rows=rows))
             print(f"  growth: slice {k + 1}: {done} jobs, pg_quota {total:,} bytes, {rows:,} tickets", flush=True)
     finally:
-        psql("ALTER SYSTEM RESET quota.retention")
-        psql("SELECT pg_catalog.pg_reload_conf()")
+        # Put the server's retention back (scripts/bench starts a new cluster each run,
+        # so no earlier value is lost); a failure here must not hide the one above.
+        try:
+            psql("ALTER SYSTEM RESET quota.retention")
+            psql("SELECT pg_catalog.pg_reload_conf()")
+        except SystemExit as e:
+            print(f"  growth: could not reset quota.retention: {e}", file=sys.stderr, flush=True)
     return out
 
 

@@ -11,6 +11,7 @@
 # wrote them (0.5.1 sent `caf\u{FFFD}` as UTF-8 bytes that PostgreSQL then took for
 # LATIN1: `cafï¿½`), in the error and in the server log's refusal line; an error the
 # ledger writer relays reaches the client in its encoding, with no mojibake.
+# 0.6.0: quota.finish_job() with non-ASCII names, and its ASCII warnings (at the end).
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-$((5624 + PORT_OFFSET))}"
 with_cluster encodings
@@ -131,6 +132,30 @@ expect_eq "a trigger on the ledger is refused with 0A000, not an internal error"
   "$(state postgres enc_latin1 "CREATE TRIGGER \"trïgger\" AFTER INSERT ON quota.ledger FOR EACH ROW EXECUTE FUNCTION public.noop()")"
 expect_eq "... naming it as the client wrote it" 'trïgger' \
   "$(refusal_of postgres enc_latin1 "CREATE TRIGGER \"trïgger\" AFTER INSERT ON quota.ledger FOR EACH ROW EXECUTE FUNCTION public.noop()" | grep -o 'trïgger' | head -n1)"
+
+# quota.finish_job() (0.6.0) in a LATIN1 database: a column and a key with non-ASCII
+# names find the ticket; its errors name the trigger and the path as the client wrote
+# them; a WARNING that quotes a job's non-ASCII value is written in ASCII (it is sent in
+# the client's encoding, which may lack the character), and the statement goes on.
+sql -d enc_latin1 -c "CREATE TABLE jöbs (id int PRIMARY KEY, status text, \"pâyload\" jsonb)" \
+  -c "CREATE TRIGGER \"fïnish\" AFTER UPDATE ON jöbs FOR EACH ROW WHEN (NEW.status = 'done')
+        EXECUTE FUNCTION quota.finish_job('pâyload->clé')" >/dev/null
+t=$(as enc_tenant enc_latin1 "SELECT quota.start('job')")
+sql -d enc_latin1 -c "INSERT INTO jöbs VALUES (1, 'todo', jsonb_build_object('clé', '${t:-$NIL}'::text)),
+                                             (2, 'todo', '{\"clé\": \"tâche\"}')" >/dev/null
+warning=$(timeout 20 "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U postgres -d enc_latin1 \
+  -c "UPDATE jöbs SET status = 'done'" 2>&1 >/dev/null | sed -n 's/^WARNING:  //p' || true)
+expect_eq "finish_job() reads the ticket through a non-ASCII column and key: the job's ticket ended" succeeded \
+  "$(sql -d enc_latin1 -c "SELECT outcome FROM quota.ledger WHERE id = '${t:-$NIL}'")"
+expect_eq "... and a non-ASCII value that is no uuid is quoted in ASCII in a WARNING" \
+  'invalid input syntax for type uuid: "t\u00E2che"' "$warning"
+expect_eq "... while the statement went on (both jobs done)" 2 \
+  "$(sql -d enc_latin1 -c "SELECT count(*) FROM jöbs WHERE status = 'done'")"
+expect_eq "a misused finish_job() names the trigger and the path as the client wrote them" \
+  'invalid arguments for quota.finish_job() in trigger "fïnish2"' \
+  "$(refusal_of postgres enc_latin1 "CREATE TRIGGER \"fïnish2\" AFTER UPDATE ON jöbs FOR EACH ROW EXECUTE FUNCTION quota.finish_job('pâyload->')")"
+expect_eq "... and its column" 'column "pâyløad" of relation "jöbs" does not exist' \
+  "$(refusal_of postgres enc_latin1 "CREATE TRIGGER \"fïnish2\" AFTER UPDATE ON jöbs FOR EACH ROW EXECUTE FUNCTION quota.finish_job('pâyløad->clé')")"
 
 check "no server process was terminated by a signal" test "$(grep -c 'terminated by signal' "$CL/server.log" || true)" = 0
 finish_checks

@@ -218,6 +218,22 @@ INSERT INTO fj_jobs (id, payload) VALUES (61, '{"job": {"ticket": "\u0000"}}');
 UPDATE fj_jobs SET status = 'json' WHERE id = 61;
 DELETE FROM fj_jobs WHERE id IN (60, 61, 62);
 
+-- On a partitioned jobs table: the trigger is cloned to each partition, those created
+-- or attached later included (each clone goes through the CREATE TRIGGER check), and a
+-- row updated within its partition finishes its ticket.
+CREATE TABLE fj_parted (id int, status text, args jsonb) PARTITION BY LIST (status);
+CREATE TABLE fj_parted_open PARTITION OF fj_parted FOR VALUES IN ('todo', 'done');
+CREATE TRIGGER fj_parted_done AFTER UPDATE ON fj_parted FOR EACH ROW
+  WHEN (NEW.status = 'done') EXECUTE FUNCTION quota.finish_job('args->ticket');
+CREATE TABLE fj_parted_rest PARTITION OF fj_parted DEFAULT;
+ALTER TABLE fj_parted DETACH PARTITION fj_parted_rest;
+ALTER TABLE fj_parted ATTACH PARTITION fj_parted_rest DEFAULT;
+SELECT tgrelid::regclass AS on_table FROM pg_trigger WHERE tgname = 'fj_parted_done' ORDER BY 1;
+INSERT INTO fj_parted SELECT 1, 'todo', jsonb_build_object('ticket', quota.start('j70'));
+UPDATE fj_parted SET status = 'done' WHERE id = 1;
+SELECT label, outcome FROM quota.tickets WHERE label = 'j70';
+DROP TABLE fj_parted;
+
 -- Trigger functions cannot be called as functions.
 SELECT quota.finish_job();
 

@@ -21,16 +21,22 @@ fn refusal(kind: RefusalKind) -> Refusal {
     }
 }
 
-#[test]
-fn refusal_names_role_count_and_guc() {
-    let e = QuotaError::Refused {
-        role: "alice".into(),
+/// A refusal of `role` in database "app", of no tenant, with no age-out time and a
+/// retained limit that something set.
+fn refused(role: &str, refusal: Refusal) -> QuotaError {
+    QuotaError::Refused {
+        role: role.into(),
         tenant: None,
         database: "app".into(),
-        refusal: refusal(RefusalKind::Active),
+        refusal,
         next_ageout: None,
         default_retained_for: None,
-    };
+    }
+}
+
+#[test]
+fn refusal_names_role_count_and_guc() {
+    let e = refused("alice", refusal(RefusalKind::Active));
     assert_eq!(e.sqlstate().code(), "53400");
     let msg = e.to_string();
     assert!(msg.contains("\"alice\""), "{msg}");
@@ -47,14 +53,7 @@ fn refusal_names_role_count_and_guc() {
 fn refusal_of_one_ticket_is_singular() {
     let mut r = refusal(RefusalKind::Active);
     r.usage.active = 1;
-    let e = QuotaError::Refused {
-        role: "carol".into(),
-        tenant: None,
-        database: "app".into(),
-        refusal: r,
-        next_ageout: None,
-        default_retained_for: None,
-    };
+    let e = refused("carol", r);
     assert!(e.to_string().contains("has 1 active ticket,"), "{e}");
 }
 
@@ -74,14 +73,7 @@ fn retained_refusal_hint_says_when_capacity_returns() {
 
 #[test]
 fn database_cap_refusal_names_database_count_and_guc() {
-    let e = QuotaError::Refused {
-        role: "dave".into(),
-        tenant: None,
-        database: "app".into(),
-        refusal: refusal(RefusalKind::Database),
-        next_ageout: None,
-        default_retained_for: None,
-    };
+    let e = refused("dave", refusal(RefusalKind::Database));
     assert_eq!(e.sqlstate().code(), "53400");
     assert_eq!(
         e.to_string(),
@@ -99,14 +91,7 @@ fn refusal_counting_waiters_says_so() {
     let mut r = refusal(RefusalKind::Active);
     r.usage.active = 2;
     r.usage.ahead = 1;
-    let e = QuotaError::Refused {
-        role: "erin".into(),
-        tenant: None,
-        database: "app".into(),
-        refusal: r,
-        next_ageout: None,
-        default_retained_for: None,
-    };
+    let e = refused("erin", r);
     assert_eq!(
         e.to_string(),
         "role \"erin\" has 2 active tickets and 1 earlier start waiting for capacity, which fill the limit of 3 set by quota.max_active_per_role"
@@ -118,14 +103,7 @@ fn refusal_counting_waiters_says_so() {
         "Active tickets: 2 of 3. Retained tickets: 7 of unlimited. 1 earlier start() is still waiting for capacity and goes first."
     );
     r.usage.ahead = 2;
-    let e = QuotaError::Refused {
-        role: "erin".into(),
-        tenant: None,
-        database: "app".into(),
-        refusal: r,
-        next_ageout: None,
-        default_retained_for: None,
-    };
+    let e = refused("erin", r);
     assert!(e
         .detail()
         .unwrap()
@@ -139,14 +117,7 @@ fn refusal_counting_waiters_says_so() {
 fn refusal_over_the_limit_reads_true() {
     let mut r = refusal(RefusalKind::Active);
     r.usage.active = 5;
-    let e = QuotaError::Refused {
-        role: "frank".into(),
-        tenant: None,
-        database: "app".into(),
-        refusal: r,
-        next_ageout: None,
-        default_retained_for: None,
-    };
+    let e = refused("frank", r);
     assert_eq!(
         e.to_string(),
         "role \"frank\" has 5 active tickets, more than the limit of 3 set by quota.max_active_per_role"

@@ -6,7 +6,7 @@
 --
 -- 1. quota.finish_job(), a trigger function that finishes a job's ticket when a job
 --    queue ends the job, in the queue's own transaction: its status update, or the
---    delete of its row (USER_GUIDE "Finishing in the queue's transaction"). New, with
+--    delete of its row (USER_GUIDE, "quota.finish_job() RETURNS trigger"). New, with
 --    PostgreSQL's default privileges, as quota.finish() has: it finishes only the
 --    tickets the role that fires it may finish (I5), and CREATE TRIGGER needs the
 --    table's TRIGGER privilege besides.

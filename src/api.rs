@@ -215,8 +215,8 @@ fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> bool {
 }
 
 /// 0.6.0: a trigger that finishes a job's ticket when the queue ends the job, in the
-/// queue's own transaction (job_trigger.rs; USER_GUIDE "Finishing in the queue's
-/// transaction"). Written out by hand rather than with pgrx's `#[pg_trigger]`, whose
+/// queue's own transaction (job_trigger.rs; USER_GUIDE, "quota.finish_job() RETURNS
+/// trigger"). Written out by hand rather than with pgrx's `#[pg_trigger]`, whose
 /// wrapper answers a call that is not a trigger's with a Rust panic (XX000).
 #[pg_guard]
 #[no_mangle]

@@ -203,11 +203,18 @@ pub fn log_line(level: u32, sqlstate: PgSqlErrorCode, line: &str) {
         detail: None,
         hint: None,
     };
+    report_below_error(level as c_int, texts);
+}
+
+/// `report` at a level below ERROR, which returns, with interrupts held while it is
+/// written (see `log_line`).
+fn report_below_error(level: c_int, texts: Texts) {
+    debug_assert!(level < pg_sys::PGERROR as c_int);
     // SAFETY: HOLD_INTERRUPTS/RESUME_INTERRUPTS, as PostgreSQL's macros do it; below
     // ERROR, report returns.
     unsafe {
         pg_sys::InterruptHoldoffCount += 1;
-        report(level as c_int, texts);
+        report(level, texts);
         pg_sys::InterruptHoldoffCount -= 1;
     }
 }
@@ -226,12 +233,7 @@ pub fn warn(e: &QuotaError) {
     out.hint = out.hint.as_deref().map(ascii);
     let texts = out.palloc();
     drop(out);
-    // SAFETY: as in log_line; below ERROR, report returns.
-    unsafe {
-        pg_sys::InterruptHoldoffCount += 1;
-        report(pg_sys::WARNING as c_int, texts);
-        pg_sys::InterruptHoldoffCount -= 1;
-    }
+    report_below_error(pg_sys::WARNING as c_int, texts);
 }
 
 /// `text` in the server encoding, as a C string in the current memory context (a NUL

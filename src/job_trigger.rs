@@ -54,11 +54,9 @@ pub unsafe fn fire(data: &pg_sys::TriggerData) -> Result<(), QuotaError> {
     } else {
         data.tg_trigtuple
     };
-    // SAFETY: the relation the trigger fired on, open for the call.
-    let tupdesc = unsafe { (*data.tg_relation).rd_att };
-    // SAFETY: the tuple and its descriptor, as the trigger manager passed them.
-    let Some(text) = (unsafe { ticket_text(&name, &spec, data.tg_relation, tupdesc, tuple) })?
-    else {
+    // SAFETY: the relation the trigger fired on and the row, as the trigger manager
+    // passed them.
+    let Some(text) = (unsafe { ticket_text(&name, &spec, data.tg_relation, tuple) })? else {
         return Ok(());
     };
     let ticket = match text {
@@ -103,8 +101,7 @@ enum Ticket {
 }
 
 /// The column `spec` names in `rel`: its number and its base type, or the error that
-/// says why it cannot hold a ticket. `virtual_checked`: whether to look up if it is a
-/// virtual generated column (a catalog lookup; `ticket_text` does it only for NULLs).
+/// says why it cannot hold a ticket.
 ///
 /// # Safety
 /// `rel` is an open relation.
@@ -112,7 +109,6 @@ unsafe fn ticket_column(
     trigger: &str,
     spec: &JobTrigger,
     rel: pg_sys::Relation,
-    virtual_checked: bool,
 ) -> Result<(i32, pg_sys::Oid), QuotaError> {
     // SAFETY: the caller's open relation.
     let tupdesc = unsafe { (*rel).rd_att };
@@ -148,18 +144,30 @@ unsafe fn ticket_column(
             ),
         });
     }
-    // A virtual generated column (PostgreSQL 18) is never computed for triggers: it
-    // would read as NULL for every row, and finish nothing, silently.
-    // SAFETY: a catalog lookup of the relation's column.
-    if virtual_checked
-        && unsafe { pg_sys::get_attgenerated((*rel).rd_id, attnum as i16) } as u8 == b'v'
-    {
+    Ok((attnum, type_oid))
+}
+
+/// Refuses column `attnum` of `rel` if it is a virtual generated column (PostgreSQL
+/// 18), which is never computed for triggers: it would read as NULL for every row, and
+/// finish nothing, silently. A catalog lookup: made at CREATE TRIGGER, and at firing
+/// only for a NULL, the one value such a column shows.
+///
+/// # Safety
+/// `rel` is an open relation.
+unsafe fn refuse_virtual(
+    trigger: &str,
+    spec: &JobTrigger,
+    rel: pg_sys::Relation,
+    attnum: i32,
+) -> Result<(), QuotaError> {
+    // SAFETY: a catalog lookup of the caller's relation's column.
+    if unsafe { pg_sys::get_attgenerated((*rel).rd_id, attnum as i16) } as u8 == b'v' {
         return Err(QuotaError::TicketColumnVirtual {
             trigger: trigger.to_string(),
             column: server_text(&spec.column),
         });
     }
-    Ok((attnum, type_oid))
+    Ok(())
 }
 
 /// 0.6.0: checks a quota.finish_job() trigger when it is created (hooks/guard.rs), as
@@ -187,32 +195,31 @@ pub fn check_created(
     // SAFETY: CREATE TRIGGER holds a lock on the table; we add a weaker one.
     unsafe {
         let rel = pg_sys::relation_open(relid, pg_sys::AccessShareLock as i32);
-        let checked = ticket_column(trigger, &spec, rel, true);
+        let checked = ticket_column(trigger, &spec, rel)
+            .and_then(|(attnum, _)| refuse_virtual(trigger, &spec, rel, attnum).map(|()| attnum));
         pg_sys::relation_close(rel, pg_sys::AccessShareLock as i32);
-        checked.map(|(attnum, _)| attnum)
+        checked
     }
 }
 
 /// The ticket in `tuple` where `spec` says, None where there is none.
 ///
 /// # Safety
-/// `rel`, `tupdesc` and `tuple` are the trigger's relation, its descriptor and a row of it.
+/// `rel` and `tuple` are the trigger's relation and a row of it.
 unsafe fn ticket_text(
     trigger: &str,
     spec: &JobTrigger,
     rel: pg_sys::Relation,
-    tupdesc: pg_sys::TupleDesc,
     tuple: pg_sys::HeapTuple,
 ) -> Result<Option<Ticket>, QuotaError> {
     // SAFETY: the trigger's open relation.
-    let (attnum, type_oid) = unsafe { ticket_column(trigger, spec, rel, false) }?;
+    let (attnum, type_oid) = unsafe { ticket_column(trigger, spec, rel) }?;
     let mut isnull = false;
-    // SAFETY: a column of the row, read through its descriptor.
-    let value = unsafe { pg_sys::SPI_getbinval(tuple, tupdesc, attnum, &mut isnull) };
+    // SAFETY: a column of the row, read through the relation's descriptor.
+    let value = unsafe { pg_sys::SPI_getbinval(tuple, (*rel).rd_att, attnum, &mut isnull) };
     if isnull {
-        // SAFETY: the trigger's open relation; NULL only for a virtual generated
-        // column, which ticket_column then refuses.
-        unsafe { ticket_column(trigger, spec, rel, true) }?;
+        // SAFETY: the trigger's open relation.
+        unsafe { refuse_virtual(trigger, spec, rel, attnum) }?;
         return Ok(None);
     }
     Ok(match type_oid {

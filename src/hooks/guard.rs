@@ -140,16 +140,25 @@ fn trigger_of(trigoid: pg_sys::Oid) -> Option<(pg_sys::Oid, String)> {
         pg_sys::TriggerRelationId,
         pg_sys::TriggerOidIndexId,
         trigoid,
-        // SAFETY: a pg_trigger tuple, whose fixed part is FormData_pg_trigger.
-        |tup, _| unsafe {
-            let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_trigger>(tup);
-            (
-                (*form).tgrelid,
-                // Not name_data_to_str, which panics on a name that is not UTF-8.
-                crate::catalog::name_text((*form).tgname.data.as_ptr()),
-            )
-        },
+        // SAFETY: a pg_trigger tuple.
+        |tup, _| unsafe { table_and_name(tup) },
     )
+}
+
+/// The table and name of the trigger in `tup`.
+///
+/// # Safety
+/// `tup` is a pg_trigger tuple, whose fixed part is FormData_pg_trigger.
+unsafe fn table_and_name(tup: pg_sys::HeapTuple) -> (pg_sys::Oid, String) {
+    // SAFETY: the caller's pg_trigger tuple.
+    unsafe {
+        let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_trigger>(tup);
+        (
+            (*form).tgrelid,
+            // Not name_data_to_str, which panics on a name that is not UTF-8.
+            crate::catalog::name_text((*form).tgname.data.as_ptr()),
+        )
+    }
 }
 
 /// The name of extension `extoid`.
@@ -194,23 +203,26 @@ pub fn trigger_created(trigoid: pg_sys::Oid) {
     if setting_up() {
         return;
     }
-    if let Some((rel, name)) = trigger_of(trigoid) {
-        if let Some(table) = our_table(rel) {
-            raise(QuotaError::TriggerRefused {
-                table: format!("quota.{table}"),
-                trigger: name,
-            });
-        }
-    }
-    if let Some(Some(job)) = catalog_row(
+    // One read of the new trigger's row: its table and name, and what a
+    // quota.finish_job() trigger needs checked.
+    let Some(((rel, name), job)) = catalog_row(
         pg_sys::TriggerRelationId,
         pg_sys::TriggerOidIndexId,
         trigoid,
         // SAFETY: a pg_trigger tuple and pg_trigger's descriptor.
-        |tup, desc| unsafe { job_trigger_of(tup, desc) },
-    ) {
+        |tup, desc| unsafe { (table_and_name(tup), job_trigger_of(tup, desc)) },
+    ) else {
+        return;
+    };
+    if let Some(table) = our_table(rel) {
+        raise(QuotaError::TriggerRefused {
+            table: format!("quota.{table}"),
+            trigger: name,
+        });
+    }
+    if let Some(job) = job {
         let args: Vec<&[u8]> = job.args.split(|&b| b == 0).take(job.nargs).collect();
-        match crate::job_trigger::check_created(&job.name, job.tgtype, job.relid, &args) {
+        match crate::job_trigger::check_created(&name, job.tgtype, rel, &args) {
             Err(e) => raise(e),
             // The trigger depends on the column it reads, as on the columns of its WHEN
             // clause: DROP COLUMN is refused (or, with CASCADE, drops the trigger), and so
@@ -225,7 +237,7 @@ pub fn trigger_created(trigoid: pg_sys::Oid) {
                 };
                 let column = pg_sys::ObjectAddress {
                     classId: pg_sys::RelationRelationId,
-                    objectId: job.relid,
+                    objectId: rel,
                     objectSubId: attnum,
                 };
                 // SAFETY: a pg_depend row between two objects that exist.
@@ -241,10 +253,8 @@ pub fn trigger_created(trigoid: pg_sys::Oid) {
     }
 }
 
-/// A quota.finish_job() trigger as pg_trigger holds it.
+/// What pg_trigger holds of a quota.finish_job() trigger, besides its table and name.
 struct JobTriggerRow {
-    name: String,
-    relid: pg_sys::Oid,
     tgtype: i16,
     nargs: usize,
     /// tgargs: the arguments, each followed by a NUL.
@@ -286,8 +296,6 @@ unsafe fn job_trigger_of(tup: pg_sys::HeapTuple, desc: pg_sys::TupleDesc) -> Opt
             pgrx::varlena::varlena_to_byte_slice(bytea).to_vec()
         };
         Some(JobTriggerRow {
-            name: crate::catalog::name_text((*form).tgname.data.as_ptr()),
-            relid: (*form).tgrelid,
             tgtype: (*form).tgtype,
             nargs: (*form).tgnargs as usize,
             args,

@@ -167,6 +167,18 @@ def quota_bytes(db):
     return sum(per.values()), per
 
 
+def ledger_tables(db):
+    """The ledger's tables: quota.active and quota.history (0.6.0), or the one table
+    quota.ledger of the older layouts."""
+    split = psql("SELECT to_regclass('quota.history') IS NOT NULL", db=db) == "t"
+    return ["quota.active", "quota.history"] if split else ["quota.ledger"]
+
+
+def ended_table(db):
+    """Where rows of ended tickets go when written by hand."""
+    return ledger_tables(db)[-1]
+
+
 def index_sizes(db, schema_table):
     rows = psql("SELECT i.indexrelid::regclass, pg_catalog.pg_relation_size(i.indexrelid) FROM pg_catalog.pg_index i "
                 f"WHERE i.indrelid = '{schema_table}'::regclass ORDER BY 1", db=db)
@@ -208,10 +220,7 @@ def space(script):
     jobs_bytes = int(psql("SELECT pg_catalog.pg_total_relation_size('bench.minjobs')", db=SPACE_DB))
     jobs = int(psql("SELECT count(*) FROM bench.minjobs", db=SPACE_DB))
     return dict(done=done, rate=done / took, quota=total, per=per, retained=kept,
-                ledger_indexes=index_sizes(SPACE_DB, "quota.ledger")
-                if psql("SELECT to_regclass('quota.ledger') IS NOT NULL AND "
-                        "(SELECT relkind FROM pg_class WHERE oid = to_regclass('quota.ledger')) = 'r'",
-                        db=SPACE_DB) == "t" else [],
+                ledger_indexes=[x for t in ledger_tables(SPACE_DB) for x in index_sizes(SPACE_DB, t)],
                 jobs_bytes=jobs_bytes, jobs=jobs)
 
 
@@ -245,10 +254,10 @@ def add_history(roles, n):
     ledger's summary is emptied by its trigger and counted afresh when next needed)."""
     each = n // len(roles)
     for r in roles:
-        psql(f"INSERT INTO quota.ledger (id, role, label, started_at, ended_at, outcome) "
+        psql(f"INSERT INTO {ended_table(ARGS.db)} (id, role, label, started_at, ended_at, outcome) "
              f"SELECT gen_random_uuid(), '{r}'::regrole, 'history', now() - interval '2 hours', "
              f"now() - interval '1 hour', 'succeeded' FROM generate_series(1, {each})")
-    psql("VACUUM ANALYZE quota.ledger")
+    psql("VACUUM ANALYZE " + ", ".join(ledger_tables(ARGS.db)))
 
 
 def jobt_cpu(rounds, tag):
@@ -315,7 +324,7 @@ def snapshot():
     script = os.path.join(SCRIPTS, "pgq.sql")
     out = []
     for k in range(SNAPSHOT_ROUNDS):
-        psql("VACUUM quota.ledger")
+        psql("VACUUM " + ", ".join(ledger_tables(ARGS.db)))
         pgbench(script, role, ARGS.db, transactions=500)  # warm-up
         done, took = pgbench(script, role, ARGS.db, transactions=CYCLES_AFTER)
         before = done / took

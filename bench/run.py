@@ -186,16 +186,24 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def ledger_tables():
+    """quota.active and quota.history (0.6.0), or the one table quota.ledger before."""
+    split = psql("SELECT to_regclass('quota.history') IS NOT NULL") == "t"
+    return ["quota.active", "quota.history"] if split else ["quota.ledger"]
+
+
 def prefill_history(n):
+    tables = ledger_tables()
+    deletes = "".join(f"DELETE FROM {t} WHERE role = 'bench_history'::regrole;\n" for t in tables)
     psql(f"""
-      DELETE FROM quota.ledger WHERE role = 'bench_history'::regrole;
+      {deletes}
       DELETE FROM quota.summary WHERE role = 'bench_history'::regrole;
-      INSERT INTO quota.ledger (id, role, label, started_at, ended_at, outcome)
+      INSERT INTO {tables[-1]} (id, role, label, started_at, ended_at, outcome)
         SELECT gen_random_uuid(), 'bench_history'::regrole, 'history',
                now() - interval '2 hours', now() - interval '1 hour', 'succeeded'
           FROM generate_series(1, {n});
       INSERT INTO quota.summary VALUES ('bench_history'::regrole, {n});""")
-    psql("VACUUM ANALYZE quota.ledger")
+    psql("VACUUM ANALYZE " + ", ".join(tables))
 
 
 def HeldSnapshot(db=None):

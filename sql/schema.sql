@@ -9,8 +9,15 @@
 -- in it and it is empty, before this script runs (src/guard.rs, in the ProcessUtility
 -- hook; the library is preloaded, or this script fails at its first C function).
 
--- The ledger: one row per ticket. Only the ledger writer inserts and purges, and only
--- quota.finish() updates, acting as the owner. Nobody else has any privilege on it (I5).
+-- The ledger: one row per ticket, in two tables (0.6.0). quota.active holds the tickets
+-- that have not ended, quota.history the ended ones; the view quota.ledger shows both,
+-- as the one table of 0.1.0 to 0.5.2 did. A finish (and the writer's end of a lapsed
+-- lease) deletes the ticket's row from quota.active and inserts its ended version into
+-- quota.history, in one transaction: nothing updates quota.history, so a finish leaves
+-- no dead version in its indexes, and quota.active stays as small as the work in flight.
+-- Only the ledger writer inserts and purges, and only quota.finish() (and
+-- quota.finish_job()) moves and quota.renew() updates, below SQL, acting as the owner.
+-- Nobody else has any privilege on them (I5).
 -- "role" is a regrole, so that pg_dump writes role names and a restore into another
 -- cluster, where roles have other OIDs, keeps each charge with its role.
 -- From 0.2.0: lease_until (the ticket stops being active then; NULL = never),
@@ -21,8 +28,11 @@
 -- role itself) and txid (for a transactional start, the full transaction id of the
 -- transaction that charged it: the row commits or rolls back with that transaction;
 -- NULL for a charge the ledger writer committed).
-CREATE TABLE quota.ledger (
-    id          uuid        PRIMARY KEY,
+--
+-- quota.history is 0.5.2's quota.ledger table renamed (sql/pg_quota--0.5.2--0.6.0.sql
+-- renames it and moves its unended rows to quota.active), with its indexes.
+CREATE TABLE quota.history (
+    id          uuid        CONSTRAINT history_pkey PRIMARY KEY,
     role        regrole     NOT NULL,
     label       text,
     started_at  timestamptz NOT NULL,
@@ -33,48 +43,134 @@ CREATE TABLE quota.ledger (
     pid             integer,
     tenant          text,
     txid            xid8,
-    CONSTRAINT ledger_outcome_check
+    CONSTRAINT history_outcome_check
         CHECK (outcome IN ('succeeded', 'failed', 'cancelled', 'expired')),
-    CONSTRAINT ledger_ended_has_outcome
+    CONSTRAINT history_ended_has_outcome
         CHECK ((ended_at IS NULL) = (outcome IS NULL))
 );
+-- Only ended tickets. NOT VALID: the update from 0.5.2 moves every unended row out in
+-- the same transaction instead of scanning the history to validate it; new rows are
+-- checked (pg_quota's own writes, below SQL, put only ended tickets here).
+ALTER TABLE quota.history ADD CONSTRAINT history_ended_check
+    CHECK (ended_at IS NOT NULL) NOT VALID;
 
--- Serves every count admission needs for one role: active tickets (ended_at IS NULL,
--- which btree keeps together at the end of each role's range), among them those whose
--- lease ran out (ordered by lease_until), and ended tickets past the cutoff.
-CREATE INDEX ledger_role_ended_idx ON quota.ledger (role, ended_at, lease_until);
--- The database's active tickets (quota.max_active_per_database) and its leases that
--- ran out (the writer's expiry sweep), without walking every role.
-CREATE INDEX ledger_open_idx ON quota.ledger (ended_at, lease_until);
--- Idempotent starts: a role's tickets by key.
-CREATE INDEX ledger_role_key_idx ON quota.ledger (role, idempotency_key);
--- 0.5.0: what admission counts for one tenant of a role, as ledger_role_ended_idx
+-- A role's ended tickets by when they ended: its retained count at the window's edge,
+-- its oldest retained ticket, its purge.
+CREATE INDEX history_role_ended_idx ON quota.history (role, ended_at, lease_until);
+-- The database's ended tickets by when they ended (quota.usage_totals).
+CREATE INDEX history_open_idx ON quota.history (ended_at, lease_until);
+-- Idempotent starts: a role's retained tickets by key.
+CREATE INDEX history_role_key_idx ON quota.history (role, idempotency_key);
+-- 0.5.0: what admission counts for one tenant of a role, as history_role_ended_idx
 -- for the role; only tenants' tickets have entries.
-CREATE INDEX ledger_tenant_idx ON quota.ledger (role, tenant, ended_at, lease_until)
+CREATE INDEX history_tenant_idx ON quota.history (role, tenant, ended_at, lease_until)
     WHERE tenant IS NOT NULL;
 -- 0.5.0: a role's transactional tickets by the transaction that charged them: those
--- not yet folded into the role's summary row are counted from here (see quota.summary).
-CREATE INDEX ledger_txid_idx ON quota.ledger (role, txid) WHERE txid IS NOT NULL;
+-- not yet folded into the role's summary row are counted from here and from
+-- active_txid_idx (see quota.summary).
+CREATE INDEX history_txid_idx ON quota.history (role, txid) WHERE txid IS NOT NULL;
 
--- One row per role: how many ledger rows it has. Kept by the writer in the same
--- transaction as each insert and purge, so admission never scans a role's history.
--- A role without a row has its rows counted from the ledger instead.
+-- One row per role: how many ledger rows (in quota.active and quota.history together)
+-- it has. Kept by the writer in the same transaction as each insert and purge, so
+-- admission never scans a role's history. A role without a row has its rows counted
+-- from the ledger instead.
 -- From 0.5.0: a transactional start commits its ticket in the caller's transaction,
 -- which must not update this row (every enqueue of a role would queue on it until its
 -- commit). tickets counts the role's transactional tickets whose txid is below folded
 -- (NULL: none), which the writer folds in from time to time; the others are counted
--- from ledger_txid_idx.
+-- from active_txid_idx and history_txid_idx.
 CREATE TABLE quota.summary (
     role    regrole PRIMARY KEY,
     tickets bigint  NOT NULL CHECK (tickets >= 0),
     folded  xid8
 );
 
-REVOKE ALL ON quota.ledger, quota.summary FROM PUBLIC;
+-- 0.6.0: the tickets that have not ended. Its columns are the history's.
+CREATE TABLE quota.active (
+    id          uuid        CONSTRAINT active_pkey PRIMARY KEY,
+    role        regrole     NOT NULL,
+    label       text,
+    started_at  timestamptz NOT NULL,
+    ended_at    timestamptz,
+    outcome     text,
+    lease_until     timestamptz,
+    idempotency_key text,
+    pid             integer,
+    tenant          text,
+    txid            xid8,
+    CONSTRAINT active_unended_check CHECK (ended_at IS NULL AND outcome IS NULL)
+);
+-- A role's active tickets by when their leases run out (ended_at is NULL in every
+-- row; it is in the key so that one scan serves both tables): its active count, its
+-- earliest lease, its lapsed leases.
+CREATE INDEX active_role_idx ON quota.active (role, ended_at, lease_until);
+-- The database's active tickets (quota.max_active_per_database) and its leases that
+-- ran out (the writer's expiry sweep), without walking every role.
+CREATE INDEX active_open_idx ON quota.active (ended_at, lease_until);
+-- Idempotent starts: a role's active tickets by key; only keyed tickets have entries.
+CREATE INDEX active_role_key_idx ON quota.active (role, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
+-- What admission counts for one tenant of a role.
+CREATE INDEX active_tenant_idx ON quota.active (role, tenant, ended_at, lease_until)
+    WHERE tenant IS NOT NULL;
+-- A role's transactional tickets by the transaction that charged them.
+CREATE INDEX active_txid_idx ON quota.active (role, txid) WHERE txid IS NOT NULL;
+
+REVOKE ALL ON quota.history, quota.active, quota.summary FROM PUBLIC;
 
 -- pg_dump carries the charges across a dump and restore.
-SELECT pg_catalog.pg_extension_config_dump('quota.ledger', '');
+SELECT pg_catalog.pg_extension_config_dump('quota.history', '');
 SELECT pg_catalog.pg_extension_config_dump('quota.summary', '');
+SELECT pg_catalog.pg_extension_config_dump('quota.active', '');
+
+-- The ledger as 0.1.0 to 0.5.2 had it: every ticket, ended or not, with the same
+-- columns. For superusers (USER_GUIDE, "Tables"); the views below read it. A
+-- superuser's INSERT, UPDATE or DELETE on it goes to the table the row belongs in
+-- (quota.ledger_route).
+CREATE VIEW quota.ledger AS
+SELECT id, role, label, started_at, ended_at, outcome, lease_until, idempotency_key,
+       pid, tenant, txid
+  FROM quota.active
+UNION ALL
+SELECT id, role, label, started_at, ended_at, outcome, lease_until, idempotency_key,
+       pid, tenant, txid
+  FROM quota.history;
+
+REVOKE ALL ON quota.ledger FROM PUBLIC;
+
+-- Writes through quota.ledger, as a superuser makes them by hand: a row goes to
+-- quota.active while it has not ended, to quota.history once it has. An UPDATE or
+-- DELETE acts on the ticket's id, in whichever table it is.
+CREATE FUNCTION quota.ledger_route() RETURNS trigger
+    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    was_there boolean;
+BEGIN
+    IF TG_OP IN ('UPDATE', 'DELETE') THEN
+        -- The row as it is now, wherever it is; if a finish or a purge committed
+        -- meanwhile, neither table has it and nothing is written back.
+        DELETE FROM quota.active WHERE id OPERATOR(pg_catalog.=) OLD.id;
+        was_there := FOUND;
+        DELETE FROM quota.history WHERE id OPERATOR(pg_catalog.=) OLD.id;
+        was_there := was_there OR FOUND;
+        IF NOT was_there THEN
+            RETURN NULL;
+        END IF;
+    END IF;
+    IF TG_OP = 'DELETE' THEN
+        RETURN OLD;
+    END IF;
+    IF NEW.ended_at IS NULL THEN
+        INSERT INTO quota.active VALUES (NEW.*);
+    ELSE
+        INSERT INTO quota.history VALUES (NEW.*);
+    END IF;
+    RETURN NEW;
+END
+$$;
+REVOKE ALL ON FUNCTION quota.ledger_route() FROM PUBLIC;
+CREATE TRIGGER ledger_route INSTEAD OF INSERT OR UPDATE OR DELETE ON quota.ledger
+    FOR EACH ROW EXECUTE FUNCTION quota.ledger_route();
 
 -- pg_quota writes its tables below SQL, so these triggers fire only for writes made
 -- through SQL: a superuser's INSERT, UPDATE, DELETE, TRUNCATE or COPY (pg_restore).
@@ -86,14 +182,28 @@ SELECT pg_catalog.pg_extension_config_dump('quota.summary', '');
 CREATE FUNCTION quota.ledger_written() RETURNS trigger
     LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    TRUNCATE quota.summary;
+    -- 0.6.0: once per transaction. Writes through the view quota.ledger run one
+    -- statement per row (its INSTEAD OF trigger); the summary, once emptied, stays
+    -- locked (ACCESS EXCLUSIVE) and empty until this transaction ends, since only the
+    -- ledger writer fills it. The mark is transaction-local (and undone with a
+    -- savepoint's rollback, as the TRUNCATE is).
+    IF pg_catalog.current_setting('pg_quota_internal.summary_emptied', true)
+       IS DISTINCT FROM pg_catalog.pg_current_xact_id()::pg_catalog.text THEN
+        TRUNCATE quota.summary;
+        PERFORM pg_catalog.set_config('pg_quota_internal.summary_emptied',
+                                      pg_catalog.pg_current_xact_id()::pg_catalog.text, true);
+    END IF;
     RETURN NULL;
 END
 $$;
 REVOKE ALL ON FUNCTION quota.ledger_written() FROM PUBLIC;
-CREATE TRIGGER ledger_written AFTER INSERT OR UPDATE OR DELETE ON quota.ledger
+CREATE TRIGGER ledger_written AFTER INSERT OR UPDATE OR DELETE ON quota.history
     FOR EACH STATEMENT EXECUTE FUNCTION quota.ledger_written();
-CREATE TRIGGER ledger_truncated AFTER TRUNCATE ON quota.ledger
+CREATE TRIGGER ledger_truncated AFTER TRUNCATE ON quota.history
+    FOR EACH STATEMENT EXECUTE FUNCTION quota.ledger_written();
+CREATE TRIGGER ledger_written AFTER INSERT OR UPDATE OR DELETE ON quota.active
+    FOR EACH STATEMENT EXECUTE FUNCTION quota.ledger_written();
+CREATE TRIGGER ledger_truncated AFTER TRUNCATE ON quota.active
     FOR EACH STATEMENT EXECUTE FUNCTION quota.ledger_written();
 -- Fire also under session_replication_role = replica: pg_quota's counters rely on them
 -- (src/scopes.rs) and are not used while they are missing or disabled. From 0.3.1 the
@@ -101,8 +211,10 @@ CREATE TRIGGER ledger_truncated AFTER TRUNCATE ON quota.ledger
 -- change to their state empties the summary (src/guard.rs). (Logical replication's
 -- apply worker fires no statement triggers at all: replicating pg_quota's tables into
 -- another server is not supported.)
-ALTER TABLE quota.ledger ENABLE ALWAYS TRIGGER ledger_written;
-ALTER TABLE quota.ledger ENABLE ALWAYS TRIGGER ledger_truncated;
+ALTER TABLE quota.history ENABLE ALWAYS TRIGGER ledger_written;
+ALTER TABLE quota.history ENABLE ALWAYS TRIGGER ledger_truncated;
+ALTER TABLE quota.active ENABLE ALWAYS TRIGGER ledger_written;
+ALTER TABLE quota.active ENABLE ALWAYS TRIGGER ledger_truncated;
 
 -- Summary rows come only from the writer. Rows that SQL inserts or updates (a
 -- superuser by hand, or pg_restore of a dump) are skipped; deleting them is harmless,
@@ -123,7 +235,7 @@ ALTER TABLE quota.summary ENABLE ALWAYS TRIGGER summary_written;
 -- meanwhile, and swaps. pg_quota's own writes fire no trigger, so every ticket committed
 -- during the copy was lost. A trigger of that name makes pg_repack skip the table before
 -- it copies anything (it takes it for the leftover of an interrupted run) and go on
--- with the other tables. These two are disabled and do nothing. The library refuses
+-- with the other tables. These are disabled and do nothing. The library refuses
 -- any other trigger on pg_quota's tables, and DROP or RENAME of pg_quota's own
 -- (src/guard.rs).
 CREATE FUNCTION quota.repack_placeholder() RETURNS trigger
@@ -133,15 +245,20 @@ BEGIN
 END
 $$;
 REVOKE ALL ON FUNCTION quota.repack_placeholder() FROM PUBLIC;
-CREATE TRIGGER repack_trigger AFTER INSERT ON quota.ledger
+CREATE TRIGGER repack_trigger AFTER INSERT ON quota.history
     FOR EACH STATEMENT EXECUTE FUNCTION quota.repack_placeholder();
-ALTER TABLE quota.ledger DISABLE TRIGGER repack_trigger;
+ALTER TABLE quota.history DISABLE TRIGGER repack_trigger;
 CREATE TRIGGER repack_trigger AFTER INSERT ON quota.summary
     FOR EACH STATEMENT EXECUTE FUNCTION quota.repack_placeholder();
 ALTER TABLE quota.summary DISABLE TRIGGER repack_trigger;
-COMMENT ON TRIGGER repack_trigger ON quota.ledger IS
+CREATE TRIGGER repack_trigger AFTER INSERT ON quota.active
+    FOR EACH STATEMENT EXECUTE FUNCTION quota.repack_placeholder();
+ALTER TABLE quota.active DISABLE TRIGGER repack_trigger;
+COMMENT ON TRIGGER repack_trigger ON quota.history IS
     'pg_quota: keeps pg_repack off this table, whose changes its trigger cannot see; see "Reclaiming space" in the user guide';
 COMMENT ON TRIGGER repack_trigger ON quota.summary IS
+    'pg_quota: keeps pg_repack off this table, whose changes its trigger cannot see; see "Reclaiming space" in the user guide';
+COMMENT ON TRIGGER repack_trigger ON quota.active IS
     'pg_quota: keeps pg_repack off this table, whose changes its trigger cannot see; see "Reclaiming space" in the user guide';
 
 GRANT USAGE ON SCHEMA quota TO PUBLIC;

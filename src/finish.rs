@@ -14,7 +14,8 @@ use crate::core::{parse_outcome, Outcome, QuotaError};
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::{self, Rels};
 use crate::ledger::scan::{scan_open, Key, Latest};
-use crate::ledger::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE, COL_TENANT};
+use crate::ledger::write::Tables;
+use crate::ledger::{COL_ENDED_AT, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE, COL_TENANT};
 use crate::scopes::ScopeKey;
 use crate::{scopes, shmem};
 
@@ -58,8 +59,7 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
 pub fn finish_ticket(ticket: pgrx::Uuid, outcome: Outcome) -> Result<bool, QuotaError> {
     // SAFETY: plain read of the clock.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let ledger = OpenRel::open(rels::rels().ledger, "ledger", COL_ID);
-    let rels = rels::rels();
+    let (tables, rels) = Tables::open_current();
 
     loop {
         // The latest snapshot, not the transaction's: under REPEATABLE READ a ticket
@@ -71,7 +71,7 @@ pub fn finish_ticket(ticket: pgrx::Uuid, outcome: Outcome) -> Result<bool, Quota
         // SAFETY: makes this transaction's earlier writes visible to new snapshots.
         unsafe { pg_sys::CommandCounterIncrement() };
         let snap = Latest::take();
-        let Some(found) = find(&ledger, &rels, &snap, ticket, |values, nulls| {
+        let Some(found) = find(&tables, &rels, &snap, ticket, |values, nulls| {
             values[COL_ENDED_AT - 1] = now.into();
             nulls[COL_ENDED_AT - 1] = false;
             values[COL_OUTCOME - 1] = outcome.as_str().into_datum().unwrap();
@@ -83,7 +83,8 @@ pub fn finish_ticket(ticket: pgrx::Uuid, outcome: Outcome) -> Result<bool, Quota
         if found.ended.is_some() || found.lease_until.is_some_and(|l| l <= now) {
             return Ok(false);
         }
-        match ledger.update(found.tid, found.new_tuple, &[COL_ENDED_AT, COL_OUTCOME]) {
+        found.require_in_ledger(ticket);
+        match tables.end(found.tid, found.new_tuple, &[COL_ENDED_AT, COL_OUTCOME]) {
             pg_sys::TM_Result::TM_Ok => {
                 // The scope's active counter drops when this transaction commits.
                 note_finish(found.holder, found.tenant, outcome);
@@ -116,18 +117,17 @@ pub fn renew(
 ) -> Result<pg_sys::TimestampTz, QuotaError> {
     begin(c"quota.renew()");
     let ticket = ticket.ok_or(QuotaError::NullArgument("ticket"))?;
-    let rels = rels::rels();
-    rels.require_v2("quota.renew()");
+    rels::rels().require_v2("quota.renew()");
     // SAFETY: plain read of the clock.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let until = crate::timestamps::lease_end(now, lease)?;
-    let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
+    let (tables, rels) = Tables::open_current();
     loop {
         // As in finish().
         // SAFETY: makes this transaction's earlier writes visible to new snapshots.
         unsafe { pg_sys::CommandCounterIncrement() };
         let snap = Latest::take();
-        let Some(found) = find(&ledger, &rels, &snap, ticket, |values, nulls| {
+        let Some(found) = find(&tables, &rels, &snap, ticket, |values, nulls| {
             values[COL_LEASE_UNTIL - 1] = until.into();
             nulls[COL_LEASE_UNTIL - 1] = false;
         }) else {
@@ -143,7 +143,13 @@ pub fn renew(
         if found.ended.is_some() {
             return ended(found.outcome_expired);
         }
-        match ledger.update(found.tid, found.new_tuple, &[COL_LEASE_UNTIL]) {
+        found.require_in_ledger(ticket);
+        // An unended ticket is in the table tickets start in (0.6.0: quota.active),
+        // where it stays.
+        match tables
+            .ledger
+            .update(found.tid, found.new_tuple, &[COL_LEASE_UNTIL])
+        {
             pg_sys::TM_Result::TM_Ok => {}
             // Changed by another transaction that committed meanwhile, or by this
             // command (seen after the next CommandCounterIncrement): look again.
@@ -176,23 +182,79 @@ struct Found {
     outcome_expired: bool,
     lease_until: Option<pg_sys::TimestampTz>,
     new_tuple: pg_sys::HeapTuple,
+    /// Whether it was found in quota.history (0.6.0), whose rows have all ended.
+    in_history: bool,
 }
 
-/// Finds the ticket through the primary key under `snap`, and forms its replacement
-/// tuple: a copy that `change` edits.
+impl Found {
+    /// An unended ticket is changed where tickets start (quota.active from 0.6.0): its
+    /// location is one there. One that quota.history holds unended was written there by
+    /// SQL that bypassed the table's CHECK (a superuser's, with the CHECK dropped or
+    /// not valid): an error that says where it is, rather than a change at that
+    /// location of the other table.
+    fn require_in_ledger(&self, ticket: pgrx::Uuid) {
+        if self.in_history {
+            pgrx::pg_sys::panic::ErrorReport::new(
+                pgrx::PgSqlErrorCode::ERRCODE_DATA_CORRUPTED,
+                format!("ticket {ticket} is in quota.history but has not ended"),
+                "pg_quota",
+            )
+            .set_hint("Rows of quota.history must have ended: as a superuser, give it ended_at and outcome, or move it with UPDATE quota.ledger SET ended_at = NULL WHERE id = … (which puts it in quota.active).")
+            .report(pgrx::PgLogLevel::ERROR);
+        }
+    }
+}
+
+/// Finds the ticket through the primary key under `snap` (0.6.0: in quota.active,
+/// else in quota.history, under the one snapshot, so a finish committed meanwhile is
+/// seen in one or the other), and forms its replacement tuple: a copy that `change`
+/// edits.
 fn find(
-    ledger: &OpenRel,
+    tables: &Tables,
     rels: &Rels,
     snap: &Latest,
     ticket: pgrx::Uuid,
     change: impl Fn(&mut [pg_sys::Datum], &mut [bool]),
+) -> Option<Found> {
+    let found = find_in(
+        &tables.ledger,
+        rels.ledger_pkey,
+        rels,
+        snap,
+        ticket,
+        &change,
+    );
+    if found.is_some() || !rels.split() {
+        return found;
+    }
+    let mut found = find_in(
+        tables.history(),
+        rels.history_pkey,
+        rels,
+        snap,
+        ticket,
+        &change,
+    );
+    if let Some(f) = found.as_mut() {
+        f.in_history = true;
+    }
+    found
+}
+
+fn find_in(
+    ledger: &OpenRel,
+    pkey: pg_sys::Oid,
+    rels: &Rels,
+    snap: &Latest,
+    ticket: pgrx::Uuid,
+    change: &impl Fn(&mut [pg_sys::Datum], &mut [bool]),
 ) -> Option<Found> {
     let ncols = rels.ncols;
     let key = ticket.into_datum().unwrap();
     let mut found = None;
     scan_open(
         ledger.heap,
-        ledger.index(rels.ledger_pkey),
+        ledger.index(pkey),
         snap,
         &[Key::UuidEq(key)],
         |slot| {
@@ -226,6 +288,7 @@ fn find(
                     outcome_expired,
                     lease_until,
                     new_tuple: ledger.form(&mut values, &mut nulls),
+                    in_history: false,
                 });
             }
             false

@@ -17,8 +17,7 @@ use crate::compat::{self, nap};
 use crate::core::QuotaError;
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::rels;
-use crate::ledger::write::{new_ticket_id, record, Admitted};
-use crate::ledger::COL_ID;
+use crate::ledger::write::{new_ticket_id, record, Admitted, Tables};
 use crate::queue::caller::{self as queue, Patience};
 
 /// One try in the caller's transaction; see super::attempt.
@@ -29,7 +28,8 @@ pub(crate) fn attempt(
 ) -> Result<Result<(pgrx::Uuid, bool), Refused>, QuotaError> {
     // The ledger is opened for writing before the scope lock is taken: a wait for it
     // (behind maintenance, bounded) must not hold up the role's other starts.
-    let ledger = OpenRel::open(rels().ledger, "ledger", COL_ID);
+    let (tables, _) = Tables::open_current();
+    let ledger = &tables.ledger;
     // No writer is needed here, but one folds transactional tickets into their roles'
     // summary rows and purges them when it runs (writer/fold.rs).
     crate::workers::start_soon();
@@ -59,13 +59,13 @@ pub(crate) fn attempt(
                 // of the others too while it inserts.
                 Ok(charged.map(|()| {
                     crate::waiters::leave();
-                    caller.args.key.map(|_| insert(caller, &ledger, lease_us))
+                    caller.args.key.map(|_| insert(caller, ledger, lease_us))
                 }))
             },
         );
         match taken {
             Ok(Ok(Ok(id))) => {
-                let id = id.unwrap_or_else(|| insert(caller, &ledger, lease_us));
+                let id = id.unwrap_or_else(|| insert(caller, ledger, lease_us));
                 return Ok(Ok((id, false)));
             }
             Ok(Ok(Err(e))) => return Err(e),

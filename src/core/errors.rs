@@ -231,6 +231,11 @@ pub enum QuotaError {
     /// (see guard.rs).
     #[error("cannot create trigger \"{trigger}\" on table \"{table}\"")]
     TriggerRefused { table: String, trigger: String },
+    /// 0.6.0: COPY into the view quota.ledger under session_replication_role = replica,
+    /// where its INSTEAD OF trigger does not fire and every row would be dropped
+    /// without an error (a restore of an older dump with --disable-triggers).
+    #[error("cannot copy into the view quota.ledger while session_replication_role is replica")]
+    LedgerCopyUnderReplica,
     /// CREATE EXTENSION pg_quota while a schema "quota" exists that a role other than
     /// a superuser owns (`owner`, quoted as an identifier).
     #[error(
@@ -386,6 +391,7 @@ impl QuotaError {
             QuotaError::UnsupportedIndex { .. } | QuotaError::TriggerRefused { .. } => {
                 Sqlstate::FeatureNotSupported
             }
+            QuotaError::LedgerCopyUnderReplica => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::TriggerRequired { action, .. } => {
                 if *action == "drop" {
                     Sqlstate::DependentObjectsStillExist
@@ -614,6 +620,9 @@ impl QuotaError {
             ),
             QuotaError::TriggerRefused { .. } => Some(
                 "To compact pg_quota's tables, see \"Reclaiming space\" in pg_quota's user guide; pg_repack skips them by itself, and --exclude-extension=pg_quota leaves them out.".to_string(),
+            ),
+            QuotaError::LedgerCopyUnderReplica => Some(
+                "The view sends each row to quota.active or quota.history through a trigger, which PostgreSQL does not fire under replica: copy with session_replication_role = origin (pg_restore without --disable-triggers), or copy unended tickets into quota.active and ended ones into quota.history.".to_string(),
             ),
             QuotaError::TriggerRequired { action, .. } => Some(if *action == "drop" {
                 "To stop it firing, use ALTER TABLE … DISABLE TRIGGER; pg_quota then counts from the ledger. To remove it, drop extension pg_quota.".to_string()

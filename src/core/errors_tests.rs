@@ -377,3 +377,19 @@ fn foreign_ticket_refusal_does_not_name_the_owner() {
     assert_eq!(e.detail().unwrap(), "The ticket belongs to another role.");
     assert!(!all.contains("role \""), "{all}");
 }
+
+#[test]
+fn ledger_copy_under_replica_is_refused_with_a_way_out() {
+    let e = QuotaError::LedgerCopyUnderReplica;
+    assert_eq!(e.sqlstate().code(), "55000");
+    assert_eq!(
+        e.to_string(),
+        "cannot copy into the view quota.ledger while session_replication_role is replica"
+    );
+    let hint = e.hint().expect("a hint");
+    assert!(hint.contains("--disable-triggers"), "{hint}");
+    assert!(
+        hint.contains("quota.active") && hint.contains("quota.history"),
+        "{hint}"
+    );
+}

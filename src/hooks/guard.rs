@@ -1,5 +1,6 @@
 //! Layer 5, the paths (part of hooks/): what DDL may do to pg_quota's own tables,
-//! quota.ledger and quota.summary (I9).
+//! quota.active, quota.history and quota.summary (0.6.0; quota.ledger and
+//! quota.summary before) (I9).
 //!
 //! pg_quota writes these tables below SQL (heap.rs), where no trigger fires. Two kinds
 //! of DDL would silently break the accounting, so the hooks (mod.rs) route them here:
@@ -37,18 +38,28 @@ use crate::core::QuotaError;
 use crate::error::raise;
 
 /// pg_quota's data triggers, by table: the counters and the summary rely on them.
-const DATA_TRIGGERS: [(&str, &str); 3] = [
+/// quota.ledger is a table before 0.6.0, quota.active and quota.history from 0.6.0;
+/// a schema has one or the other.
+const DATA_TRIGGERS: [(&str, &str); 7] = [
     ("ledger", "ledger_written"),
     ("ledger", "ledger_truncated"),
+    ("active", "ledger_written"),
+    ("active", "ledger_truncated"),
+    ("history", "ledger_written"),
+    ("history", "ledger_truncated"),
     ("summary", "summary_written"),
 ];
+
+/// 0.6.0: the trigger that sends a superuser's writes through the view quota.ledger to
+/// the table each row belongs in.
+const ROUTE: (&str, &str) = ("ledger", "ledger_route");
 
 /// The placeholder that keeps pg_repack off each table (see above).
 const PLACEHOLDER: &str = "repack_trigger";
 
 /// Whether `name` is one of the triggers pg_quota creates on `table`.
 fn is_own_trigger(table: &str, name: &str) -> bool {
-    name == PLACEHOLDER || DATA_TRIGGERS.contains(&(table, name))
+    name == PLACEHOLDER || DATA_TRIGGERS.contains(&(table, name)) || (table, name) == ROUTE
 }
 
 /// Whether the running command sets up pg_quota's tables as they are meant to be, so
@@ -67,8 +78,9 @@ fn setting_up() -> bool {
     }
 }
 
-/// Which of pg_quota's tables `relid` is ("ledger" or "summary"), if it is one: a
-/// relation of that name in schema `quota` that belongs to extension pg_quota.
+/// Which of pg_quota's tables `relid` is ("ledger", "active", "history" or "summary"),
+/// if it is one: a relation of that name in schema `quota` that belongs to extension
+/// pg_quota (0.6.0: "ledger" is the view over the two others).
 pub fn our_table(relid: pg_sys::Oid) -> Option<&'static str> {
     if relid == pg_sys::InvalidOid {
         return None;
@@ -86,6 +98,8 @@ pub fn our_table(relid: pg_sys::Oid) -> Option<&'static str> {
         }
         let table = match CStr::from_ptr(name).to_bytes() {
             b"ledger" => "ledger",
+            b"active" => "active",
+            b"history" => "history",
             b"summary" => "summary",
             _ => return None,
         };
@@ -359,7 +373,8 @@ unsafe fn relation_of(names: *mut pg_sys::List) -> pg_sys::Oid {
 
 /// Refuses DROP TRIGGER and ALTER TRIGGER … RENAME of pg_quota's own triggers, before
 /// the command runs. DROP TABLE and DROP EXTENSION drop them along with the table,
-/// which is fine.
+/// which is fine. 0.6.0: refuses COPY FROM into the view quota.ledger under
+/// session_replication_role = replica (its trigger would not fire).
 ///
 /// # Safety
 /// `node` is a parse tree node.
@@ -370,6 +385,30 @@ pub unsafe fn before_utility(node: *mut pg_sys::Node) {
             return;
         }
         let mut targets: Vec<(pg_sys::Oid, String, &'static str)> = Vec::new();
+        if pgrx::is_a(node, pg_sys::NodeTag::T_CopyStmt) {
+            // 0.6.0: COPY FROM into the view quota.ledger goes through its INSTEAD OF
+            // trigger, which does not fire under session_replication_role = replica:
+            // every row would be dropped, with COPY reporting them all.
+            let stmt = node as *mut pg_sys::CopyStmt;
+            if (*stmt).is_from
+                && !(*stmt).relation.is_null()
+                && pg_sys::SessionReplicationRole == pg_sys::SESSION_REPLICATION_ROLE_REPLICA as i32
+            {
+                let rel = pg_sys::RangeVarGetRelidExtended(
+                    (*stmt).relation,
+                    pg_sys::NoLock as i32,
+                    pg_sys::RVROption::RVR_MISSING_OK,
+                    None,
+                    std::ptr::null_mut(),
+                );
+                if our_table(rel) == Some("ledger")
+                    && pg_sys::get_rel_relkind(rel) == pg_sys::RELKIND_VIEW as std::ffi::c_char
+                {
+                    raise(QuotaError::LedgerCopyUnderReplica);
+                }
+            }
+            return;
+        }
         if pgrx::is_a(node, pg_sys::NodeTag::T_DropStmt) {
             let stmt = node as *mut pg_sys::DropStmt;
             if (*stmt).removeType != pg_sys::ObjectType::OBJECT_TRIGGER || (*stmt).objects.is_null()
@@ -516,7 +555,7 @@ pub fn after_utility() {
         let state = Spi::get_one::<String>(&format!(
             "SELECT t.tgenabled::pg_catalog.text
                FROM pg_catalog.pg_trigger t
-              WHERE t.tgrelid OPERATOR(pg_catalog.=) 'quota.{table}'::pg_catalog.regclass
+              WHERE t.tgrelid OPERATOR(pg_catalog.=) pg_catalog.to_regclass('quota.{table}')
                 AND t.tgname OPERATOR(pg_catalog.=) '{trigger}'"
         ));
         match state.ok().flatten().as_deref() {

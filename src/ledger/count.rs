@@ -93,13 +93,60 @@ pub fn unfolded(r: &Rels, snap: &Latest, role: pg_sys::Oid, from: u64) -> i64 {
     if !r.v5() {
         return 0;
     }
-    count(
+    in_both(r, |heap, idx| {
+        count_index(
+            heap,
+            idx.txid,
+            snap,
+            &[Key::OidEq(role), Key::Xid8AtLeast(from)],
+            None,
+        )
+    })
+}
+
+/// The indexes of one ledger table that `in_both` hands over.
+pub struct Idx {
+    pub role: pg_sys::Oid,
+    pub key: pg_sys::Oid,
+    pub txid: pg_sys::Oid,
+}
+
+/// The sum of `f` over the ledger's tables (0.6.0: quota.active, then quota.history;
+/// before, the one table), each with its indexes.
+pub fn in_both(r: &Rels, mut f: impl FnMut(pg_sys::Oid, &Idx) -> i64) -> i64 {
+    let mut n = f(
         r.ledger,
-        r.ledger_txid_idx,
-        snap,
-        &[Key::OidEq(role), Key::Xid8AtLeast(from)],
-        None,
-    )
+        &Idx {
+            role: r.ledger_idx,
+            key: r.ledger_key_idx,
+            txid: r.ledger_txid_idx,
+        },
+    );
+    if r.split() {
+        n += f(
+            r.history,
+            &Idx {
+                role: r.history_idx,
+                key: r.history_key_idx,
+                txid: r.history_txid_idx,
+            },
+        );
+    }
+    n
+}
+
+/// `count`, holding a read lock on `index` for the scan (see scan::scan_index): a
+/// Reader locks the first table's common indexes, not quota.history's.
+fn count_index(
+    heap: pg_sys::Oid,
+    index: pg_sys::Oid,
+    snap: &Latest,
+    keys: &[Key],
+    stop_at: Option<i64>,
+) -> i64 {
+    let mut locks = crate::ledger::rels::Locks::new();
+    locks.take(index, pg_sys::AccessShareLock);
+    count(heap, index, snap, keys, stop_at)
 }
 
 /// How many of `role`'s transactional tickets have a txid from `from` up to, not
@@ -111,42 +158,50 @@ pub fn unfolded_below(r: &Rels, snap: &Latest, role: pg_sys::Oid, from: u64, to:
     if !r.v5() || from >= to {
         return 0;
     }
-    count(
-        r.ledger,
-        r.ledger_txid_idx,
-        snap,
-        &[Key::OidEq(role), Key::Xid8AtLeast(from), Key::Xid8Below(to)],
-        None,
-    )
+    in_both(r, |heap, idx| {
+        count_index(
+            heap,
+            idx.txid,
+            snap,
+            &[Key::OidEq(role), Key::Xid8AtLeast(from), Key::Xid8Below(to)],
+            None,
+        )
+    })
 }
 
 /// At most `at_most` of `role`'s transactional tickets whose txid this cluster has not
 /// issued yet, `next` being its next full transaction id read after `snap` was taken
 /// (0.5.2): tickets restored from a dump of a cluster further on (or written so by a
 /// superuser's SQL). Every transaction `snap` sees committed has an id below `next`, so
-/// none of them is this cluster's own. Their locations, lowest txid first.
+/// none of them is this cluster's own. Their tables and locations, lowest txid first
+/// in each table.
 pub fn foreign(
     r: &Rels,
     snap: &Latest,
     role: pg_sys::Oid,
     next: u64,
     at_most: usize,
-) -> Vec<pg_sys::ItemPointerData> {
+) -> Vec<(pg_sys::Oid, pg_sys::ItemPointerData)> {
     let mut out = Vec::new();
     if !r.v5() || at_most == 0 {
         return out;
     }
-    scan_index(
-        r.ledger,
-        r.ledger_txid_idx,
-        snap,
-        &[Key::OidEq(role), Key::Xid8AtLeast(next)],
-        |slot| {
-            // SAFETY: the slot holds a visible ledger tuple.
-            out.push(unsafe { (*slot).tts_tid });
-            out.len() < at_most
-        },
-    );
+    in_both(r, |heap, idx| {
+        if out.len() < at_most {
+            scan_index(
+                heap,
+                idx.txid,
+                snap,
+                &[Key::OidEq(role), Key::Xid8AtLeast(next)],
+                |slot| {
+                    // SAFETY: the slot holds a visible ledger tuple.
+                    out.push((heap, unsafe { (*slot).tts_tid }));
+                    out.len() < at_most
+                },
+            );
+        }
+        0
+    });
     out
 }
 
@@ -185,16 +240,18 @@ pub fn summary_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> Option<(i64, 
     rows
 }
 
-/// How many ledger rows `role` has, counted one by one.
+/// How many ledger rows `role` has (in both tables), counted one by one.
 pub fn ledger_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> i64 {
-    count(r.ledger, r.ledger_idx, snap, &[Key::OidEq(role)], None)
+    in_both(r, |heap, idx| {
+        count_index(heap, idx.role, snap, &[Key::OidEq(role)], None)
+    })
 }
 
 /// How many of `role`'s ended tickets are past `cutoff`.
 pub fn expired(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::TimestampTz) -> i64 {
-    count(
-        r.ledger,
-        r.ledger_idx,
+    count_index(
+        r.history,
+        r.history_idx,
         snap,
         &[Key::OidEq(role), Key::TsLess(cutoff)],
         None,
@@ -209,9 +266,9 @@ pub fn oldest_ended(
     cutoff: pg_sys::TimestampTz,
 ) -> Option<pg_sys::TimestampTz> {
     let mut oldest = None;
-    scan(
-        r.ledger,
-        r.ledger_idx,
+    scan_index(
+        r.history,
+        r.history_idx,
         snap,
         &[Key::OidEq(role), Key::TsAtLeast(cutoff)],
         |slot| {
@@ -322,9 +379,9 @@ pub fn tenant_ended_since(
     if !r.v5() {
         return 0;
     }
-    count(
-        r.ledger,
-        r.ledger_tenant_idx,
+    count_index(
+        r.history,
+        r.history_tenant_idx,
         snap,
         &[
             Key::OidEq(role),
@@ -346,8 +403,8 @@ pub fn tenant_oldest_ended(
     let mut oldest = None;
     if r.v5() {
         scan_index(
-            r.ledger,
-            r.ledger_tenant_idx,
+            r.history,
+            r.history_tenant_idx,
             snap,
             &[
                 Key::OidEq(role),
@@ -440,9 +497,25 @@ pub struct Keyed {
 /// only).
 pub fn with_key(r: &Rels, snap: &Latest, role: pg_sys::Oid, key: pg_sys::Datum) -> Vec<Keyed> {
     let mut out = Vec::new();
+    in_both(r, |heap, idx| {
+        keyed(r, heap, idx.key, snap, role, key, &mut out);
+        0
+    });
+    out
+}
+
+fn keyed(
+    r: &Rels,
+    heap: pg_sys::Oid,
+    index: pg_sys::Oid,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    key: pg_sys::Datum,
+    out: &mut Vec<Keyed>,
+) {
     scan_index(
-        r.ledger,
-        r.ledger_key_idx,
+        heap,
+        index,
         snap,
         &[Key::OidEq(role), Key::TextEq(key)],
         |slot| {
@@ -465,26 +538,46 @@ pub fn with_key(r: &Rels, snap: &Latest, role: pg_sys::Oid, key: pg_sys::Datum) 
             true
         },
     );
-    out
 }
 
 /// The smallest role above `after` that has a transactional ticket (0.5.0) visible to
 /// `snap`: one probe of ledger_txid_idx.
 pub fn next_txn_role(r: &Rels, snap: &Latest, after: pg_sys::Oid) -> Option<pg_sys::Oid> {
-    let mut found = None;
+    let mut found: Option<pg_sys::Oid> = None;
     if r.v5() {
-        scan_index(
-            r.ledger,
-            r.ledger_txid_idx,
-            snap,
-            &[Key::OidGreater(after)],
-            |slot| {
-                found = attr(slot, COL_ROLE as i32).map(|d| pg_sys::Oid::from(d.value() as u32));
+        in_both(r, |heap, idx| {
+            scan_index(heap, idx.txid, snap, &[Key::OidGreater(after)], |slot| {
+                let role = attr(slot, COL_ROLE as i32).map(|d| d.value() as u32);
+                if let Some(role) = role {
+                    if found.is_none_or(|f| role < u32::from(f)) {
+                        found = Some(pg_sys::Oid::from(role));
+                    }
+                }
                 false
-            },
-        );
+            });
+            0
+        });
     }
     found
+}
+
+/// The distinct roles with rows in `index` of each ledger table (`which` picks it)
+/// visible to `snap`, smallest first (`distinct_oids` over each, merged).
+fn roles_in(
+    r: &Rels,
+    snap: &Latest,
+    which: impl Fn(&Idx) -> pg_sys::Oid,
+) -> std::collections::BTreeSet<u32> {
+    let mut roles = std::collections::BTreeSet::new();
+    in_both(r, |heap, idx| {
+        let mut locks = crate::ledger::rels::Locks::new();
+        locks.take(which(idx), pg_sys::AccessShareLock);
+        distinct_oids(heap, which(idx), COL_ROLE, snap, |role| {
+            roles.insert(u32::from(role));
+        });
+        0
+    });
+    roles
 }
 
 /// The roles with ledger rows visible to `snap` that `keep` accepts, walking the
@@ -494,13 +587,11 @@ pub fn roles_where(
     snap: &Latest,
     mut keep: impl FnMut(pg_sys::Oid) -> bool,
 ) -> Vec<pg_sys::Oid> {
-    let mut out = Vec::new();
-    distinct_oids(r.ledger, r.ledger_idx, COL_ROLE, snap, |role| {
-        if keep(role) {
-            out.push(role);
-        }
-    });
-    out
+    roles_in(r, snap, |idx| idx.role)
+        .into_iter()
+        .map(pg_sys::Oid::from)
+        .filter(|&role| keep(role))
+        .collect()
 }
 
 /// The ticket of `role` (of its tenant `tenant`, 0.5.0) with idempotency key `key`
@@ -582,15 +673,15 @@ pub fn db_rows(r: &Rels, snap: &Latest) -> (i64, bool) {
         }
         true
     });
-    let mut txn_roles = std::collections::HashSet::new();
-    if r.v5() {
-        distinct_oids(r.ledger, r.ledger_txid_idx, COL_ROLE, snap, |role| {
-            txn_roles.insert(u32::from(role));
-        });
-    }
+    let txn_roles = if r.v5() {
+        roles_in(r, snap, |idx| idx.txid)
+    } else {
+        Default::default()
+    };
     let mut rows = 0i64;
     let mut missing = false;
-    distinct_oids(r.ledger, r.ledger_idx, COL_ROLE, snap, |role| {
+    for role in roles_in(r, snap, |idx| idx.role) {
+        let role = pg_sys::Oid::from(role);
         rows += match summary.get(&u32::from(role)) {
             Some(&(tickets, folded)) if txn_roles.contains(&u32::from(role)) => {
                 tickets + unfolded(r, snap, role, folded)
@@ -601,7 +692,7 @@ pub fn db_rows(r: &Rels, snap: &Latest) -> (i64, bool) {
                 ledger_rows(r, snap, role)
             }
         };
-    });
+    }
     (rows, missing)
 }
 
@@ -653,9 +744,10 @@ pub fn db_ended_before(r: &Rels, snap: &Latest, cutoff: pg_sys::TimestampTz, end
         return 0;
     }
     let mut locks = crate::ledger::rels::Locks::new();
-    locks.take(r.ledger_open_idx, pg_sys::AccessShareLock);
-    let side =
-        |key: Key| move |limit: i64| count(r.ledger, r.ledger_open_idx, snap, &[key], Some(limit));
+    locks.take(r.history_open_idx, pg_sys::AccessShareLock);
+    let side = |key: Key| {
+        move |limit: i64| count(r.history, r.history_open_idx, snap, &[key], Some(limit))
+    };
     crate::core::stats::smaller_side(
         ended,
         side(Key::TsLess(cutoff)),

@@ -112,7 +112,7 @@ impl OpenRel {
     /// awaits a conflicting lock on it (SKIP LOCKED): true if we now hold the lock, so
     /// that `update` of that version cannot wait for anyone. heap_update itself has no
     /// such mode (it asserts that callers wait), so the writer locks first, as
-    /// SELECT … FOR NO KEY UPDATE SKIP LOCKED does, and never waits for a caller's open
+    /// SELECT … FOR UPDATE SKIP LOCKED does, and never waits for a caller's open
     /// transaction. False too if the version was updated or deleted meanwhile.
     pub fn lock_nowait(&self, tid: pg_sys::ItemPointerData) -> bool {
         // SAFETY: the relation is open with RowExclusiveLock; heap_lock_tuple fills
@@ -126,7 +126,9 @@ impl OpenRel {
                 self.heap,
                 &mut tuple,
                 pg_sys::GetCurrentCommandId(true),
-                pg_sys::LockTupleMode::LockTupleNoKeyExclusive,
+                // Exclusive, as a delete needs (0.6.0: the sweep's end of a ticket is a
+                // delete from quota.active); more than an update needs, never less.
+                pg_sys::LockTupleMode::LockTupleExclusive,
                 pg_sys::LockWaitPolicy::LockWaitSkip,
                 false,
                 &mut buffer,

@@ -28,6 +28,9 @@ pub const LOCK_WAIT: Duration = Duration::from_secs(5);
 /// REINDEX CONCURRENTLY (which swaps names) and renames do not matter.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct Rels {
+    /// Where tickets are inserted and stay while they have not ended: quota.active
+    /// (0.6.0's schema), or the one table quota.ledger of the older schemas. Its
+    /// indexes below.
     pub ledger: pg_sys::Oid,
     /// A valid btree index whose first column is the ledger's id.
     pub ledger_pkey: pg_sys::Oid,
@@ -39,8 +42,8 @@ pub struct Rels {
     /// tickets (the database cap) and its leases that ran out (the expiry sweep).
     /// InvalidOid with an older schema.
     pub ledger_open_idx: pg_sys::Oid,
-    /// 0.2.0: a valid btree index on (role, idempotency_key, …). InvalidOid with an
-    /// older schema.
+    /// 0.2.0: a valid btree index on (role, idempotency_key, …) (0.6.0: WHERE
+    /// idempotency_key IS NOT NULL). InvalidOid with an older schema.
     pub ledger_key_idx: pg_sys::Oid,
     /// 0.5.0: a valid btree index on (role, tenant, ended_at, lease_until, …) WHERE
     /// tenant IS NOT NULL. InvalidOid with an older schema.
@@ -49,8 +52,19 @@ pub struct Rels {
     /// transactional tickets by the transaction that charged them. InvalidOid with an
     /// older schema.
     pub ledger_txid_idx: pg_sys::Oid,
+    /// Where ended tickets are: quota.history (0.6.0's schema, whose rows all have
+    /// ended), or the same table as `ledger` before, and its indexes with the same
+    /// meanings (history_key_idx on every row).
+    pub history: pg_sys::Oid,
+    pub history_pkey: pg_sys::Oid,
+    pub history_idx: pg_sys::Oid,
+    pub history_open_idx: pg_sys::Oid,
+    pub history_key_idx: pg_sys::Oid,
+    pub history_tenant_idx: pg_sys::Oid,
+    pub history_txid_idx: pg_sys::Oid,
     /// The ledger's column count: NCOLS_V1 (0.1.x's schema, still in place until
-    /// ALTER EXTENSION pg_quota UPDATE), NCOLS_V2 (0.2.0 to 0.4.x) or NCOLS_V5.
+    /// ALTER EXTENSION pg_quota UPDATE), NCOLS_V2 (0.2.0 to 0.4.x) or NCOLS_V5 (0.5.0
+    /// on, both tables).
     pub ncols: usize,
     pub summary: pg_sys::Oid,
     /// A valid btree index whose first column is the summary's role.
@@ -74,6 +88,21 @@ impl Rels {
     /// Whether the database has 0.5.0's schema (tenants, transactional starts).
     pub fn v5(&self) -> bool {
         self.ncols == NCOLS_V5 && self.summary_ncols > SUMMARY_COL_FOLDED - 1
+    }
+
+    /// Whether the database has 0.6.0's schema: the ledger in two tables, quota.active
+    /// and quota.history. Before, both fields name the one table.
+    pub fn split(&self) -> bool {
+        self.history != self.ledger
+    }
+
+    /// The name of the table tickets start in, for messages: "active" or "ledger".
+    pub fn ledger_name(&self) -> &'static str {
+        if self.split() {
+            "active"
+        } else {
+            "ledger"
+        }
     }
 
     /// Raises the clear error of a 0.5.0 feature used on an older schema.
@@ -122,6 +151,13 @@ unsafe extern "C-unwind" fn relcache_changed(_arg: pg_sys::Datum, relid: pg_sys:
                 r.ledger_key_idx,
                 r.ledger_tenant_idx,
                 r.ledger_txid_idx,
+                r.history,
+                r.history_pkey,
+                r.history_idx,
+                r.history_open_idx,
+                r.history_key_idx,
+                r.history_tenant_idx,
+                r.history_txid_idx,
                 r.summary,
                 r.summary_idx,
             ];
@@ -237,6 +273,13 @@ fn relid(ns: pg_sys::Oid, name: &std::ffi::CStr, ext: pg_sys::Oid) -> pg_sys::Oi
         || unsafe { pg_sys::getExtensionOfObject(pg_sys::RelationRelationId, oid) } != ext
     {
         raise(QuotaError::NotExtensionMember { relation: shown });
+    }
+    // SAFETY: a syscache lookup.
+    if unsafe { pg_sys::get_rel_relkind(oid) } != pg_sys::RELKIND_RELATION as std::ffi::c_char {
+        raise(QuotaError::BadShape {
+            relation: shown,
+            why: "It is not a table".into(),
+        });
     }
     oid
 }
@@ -376,7 +419,168 @@ fn find_index(
     }
 }
 
+/// The indexes of a ledger table (quota.ledger before 0.6.0, quota.active or
+/// quota.history from 0.6.0), as `Rels` names them; a missing one is an error naming
+/// `name`. `key_partial`: its key index is on keyed tickets only (quota.active's).
+#[derive(Clone, Copy)]
+struct TableIndexes {
+    pkey: pg_sys::Oid,
+    idx: pg_sys::Oid,
+    open: pg_sys::Oid,
+    key: pg_sys::Oid,
+    tenant: pg_sys::Oid,
+    txid: pg_sys::Oid,
+}
+
+/// The index pg_quota needs on `table` or a clear error (XX000-free: BadShape).
+fn missing(table: &str, cols: &str) -> ! {
+    raise(QuotaError::BadShape {
+        relation: format!("quota.{table}"),
+        why: format!("It has no valid btree index on ({cols}), which pg_quota created and needs"),
+    })
+}
+
+/// # Safety
+/// `l` is an open, locked ledger table with `ncols` columns.
+unsafe fn table_indexes(
+    l: pg_sys::Relation,
+    name: &str,
+    ncols: usize,
+    key_partial: bool,
+) -> TableIndexes {
+    let v2 = ncols >= NCOLS_V2;
+    let v5 = ncols == NCOLS_V5;
+    let need =
+        |found: Option<pg_sys::Oid>, cols: &str| found.unwrap_or_else(|| missing(name, cols));
+    let key_predicate: &[(usize, bool)] = if key_partial {
+        &[(COL_KEY, false)]
+    } else {
+        &[]
+    };
+    TableIndexes {
+        pkey: need(find_index(l, &[COL_ID], &[]), "id"),
+        idx: if v2 {
+            need(
+                find_index(l, &[COL_ROLE, COL_ENDED_AT, COL_LEASE_UNTIL], &[]),
+                "role, ended_at, lease_until",
+            )
+        } else {
+            need(
+                find_index(l, &[COL_ROLE, COL_ENDED_AT], &[]),
+                "role, ended_at",
+            )
+        },
+        open: if v2 {
+            need(
+                find_index(l, &[COL_ENDED_AT, COL_LEASE_UNTIL], &[]),
+                "ended_at, lease_until",
+            )
+        } else {
+            pg_sys::InvalidOid
+        },
+        key: if v2 {
+            need(
+                find_index(l, &[COL_ROLE, COL_KEY], key_predicate),
+                if key_partial {
+                    "role, idempotency_key) WHERE (idempotency_key IS NOT NULL"
+                } else {
+                    "role, idempotency_key"
+                },
+            )
+        } else {
+            pg_sys::InvalidOid
+        },
+        tenant: if v5 {
+            need(
+                find_index(
+                    l,
+                    &[COL_ROLE, COL_TENANT, COL_ENDED_AT, COL_LEASE_UNTIL],
+                    &[(COL_TENANT, false)],
+                ),
+                "role, tenant, ended_at, lease_until) WHERE (tenant IS NOT NULL",
+            )
+        } else {
+            pg_sys::InvalidOid
+        },
+        txid: if v5 {
+            need(
+                find_index(l, &[COL_ROLE, COL_TXID], &[(COL_TXID, false)]),
+                "role, txid) WHERE (txid IS NOT NULL",
+            )
+        } else {
+            pg_sys::InvalidOid
+        },
+    }
+}
+
+/// The shape of a ledger table (see `check_shape`).
+///
+/// # Safety
+/// `l` is an open, locked relation.
+unsafe fn ledger_shape(l: pg_sys::Relation, name: &str) -> usize {
+    let role_types: &[pg_sys::Oid] = &[pg_sys::OIDOID, pg_sys::REGROLEOID];
+    check_shape(
+        l,
+        name,
+        &[
+            ("id", &[pg_sys::UUIDOID]),
+            ("role", role_types),
+            ("label", &[pg_sys::TEXTOID]),
+            ("started_at", &[pg_sys::TIMESTAMPTZOID]),
+            ("ended_at", &[pg_sys::TIMESTAMPTZOID]),
+            ("outcome", &[pg_sys::TEXTOID]),
+            ("lease_until", &[pg_sys::TIMESTAMPTZOID]),
+            ("idempotency_key", &[pg_sys::TEXTOID]),
+            ("pid", &[pg_sys::INT4OID]),
+            ("tenant", &[pg_sys::TEXTOID]),
+            ("txid", &[pg_sys::XID8OID]),
+        ],
+        &[NCOLS_V1, NCOLS_V2, NCOLS_V5],
+    )
+}
+
+/// Whether `ns` has 0.6.0's schema, the ledger in two tables (then checked by
+/// `relid`): quota.ledger is not a table there (0.6.0's is a view), or quota.history is
+/// a member of extension `ext`. Otherwise the schema is an older one, whose ledger is
+/// the one table quota.ledger (then checked by `relid`). Either way a relation that is
+/// missing, swapped or renamed away is named in the error.
+fn has_history(ns: pg_sys::Oid, ext: pg_sys::Oid) -> bool {
+    // SAFETY: syscache and pg_depend lookups.
+    unsafe {
+        let ledger = pg_sys::get_relname_relid(c"ledger".as_ptr(), ns);
+        if ledger != pg_sys::InvalidOid
+            && pg_sys::get_rel_relkind(ledger) != pg_sys::RELKIND_RELATION as std::ffi::c_char
+        {
+            return true;
+        }
+        let oid = pg_sys::get_relname_relid(c"history".as_ptr(), ns);
+        oid != pg_sys::InvalidOid
+            && ext != pg_sys::InvalidOid
+            && pg_sys::getExtensionOfObject(pg_sys::RelationRelationId, oid) == ext
+    }
+}
+
+/// pg_quota's relations as the catalogs say now: found by name, then locked, then found
+/// again until the names lead to the relations locked (0.6.0: ALTER EXTENSION UPDATE
+/// renames quota.ledger to quota.history, so a name found before the lock, from a
+/// syscache that had not yet processed the rename's invalidation, can be a table that
+/// is something else by the time it is locked), as RangeVarGetRelidExtended does.
 fn discover() -> Rels {
+    loop {
+        // SAFETY: processes the shared invalidation queue, as any lock acquisition does.
+        unsafe { pg_sys::AcceptInvalidationMessages() };
+        let (found, locks) = discover_once();
+        // SAFETY: as above; after the locks, every change committed before them is seen.
+        unsafe { pg_sys::AcceptInvalidationMessages() };
+        let (again, _) = discover_once();
+        drop(locks);
+        if again == found {
+            return found;
+        }
+    }
+}
+
+fn discover_once() -> (Rels, Locks) {
     // SAFETY: catalog lookups; the heaps are locked before they are opened.
     unsafe {
         let ext = pg_sys::get_extension_oid(c"pg_quota".as_ptr(), true);
@@ -386,53 +590,48 @@ fn discover() -> Rels {
                 relation: "quota.ledger".into(),
             });
         }
-        let ledger = relid(ns, c"ledger", ext);
+        let split = has_history(ns, ext);
+        let (ledger, ledger_name, history) = if split {
+            (
+                relid(ns, c"active", ext),
+                "active",
+                relid(ns, c"history", ext),
+            )
+        } else {
+            let l = relid(ns, c"ledger", ext);
+            (l, "ledger", l)
+        };
         let summary = relid(ns, c"summary", ext);
         let mut locks = Locks::new();
         locks.take(ledger, pg_sys::AccessShareLock);
+        if split {
+            locks.take(history, pg_sys::AccessShareLock);
+        }
         locks.take(summary, pg_sys::AccessShareLock);
-        let role_types: &[pg_sys::Oid] = &[pg_sys::OIDOID, pg_sys::REGROLEOID];
+        let triggers: &[&std::ffi::CStr] = &[c"ledger_written", c"ledger_truncated"];
         let l = pg_sys::table_open(ledger, pg_sys::NoLock as i32);
-        let ncols = check_shape(
-            l,
-            "ledger",
-            &[
-                ("id", &[pg_sys::UUIDOID]),
-                ("role", role_types),
-                ("label", &[pg_sys::TEXTOID]),
-                ("started_at", &[pg_sys::TIMESTAMPTZOID]),
-                ("ended_at", &[pg_sys::TIMESTAMPTZOID]),
-                ("outcome", &[pg_sys::TEXTOID]),
-                ("lease_until", &[pg_sys::TIMESTAMPTZOID]),
-                ("idempotency_key", &[pg_sys::TEXTOID]),
-                ("pid", &[pg_sys::INT4OID]),
-                ("tenant", &[pg_sys::TEXTOID]),
-                ("txid", &[pg_sys::XID8OID]),
-            ],
-            &[NCOLS_V1, NCOLS_V2, NCOLS_V5],
-        );
-        let v2 = ncols >= NCOLS_V2;
-        let v5 = ncols == NCOLS_V5;
-        let ledger_pkey = find_index(l, &[COL_ID], &[]);
-        let ledger_idx = if v2 {
-            find_index(l, &[COL_ROLE, COL_ENDED_AT, COL_LEASE_UNTIL], &[])
-        } else {
-            find_index(l, &[COL_ROLE, COL_ENDED_AT], &[])
-        };
-        let ledger_open_idx = v2.then(|| find_index(l, &[COL_ENDED_AT, COL_LEASE_UNTIL], &[]));
-        let ledger_key_idx = v2.then(|| find_index(l, &[COL_ROLE, COL_KEY], &[]));
-        let ledger_tenant_idx = v5.then(|| {
-            find_index(
-                l,
-                &[COL_ROLE, COL_TENANT, COL_ENDED_AT, COL_LEASE_UNTIL],
-                &[(COL_TENANT, false)],
-            )
-        });
-        let ledger_txid_idx =
-            v5.then(|| find_index(l, &[COL_ROLE, COL_TXID], &[(COL_TXID, false)]));
-        let counters_ok = triggers_always(l, &[c"ledger_written", c"ledger_truncated"]);
+        let ncols = ledger_shape(l, ledger_name);
+        let own = table_indexes(l, ledger_name, ncols, split);
+        let mut counters_ok = triggers_always(l, triggers);
         pg_sys::table_close(l, pg_sys::NoLock as i32);
+        let hist = if split {
+            let h = pg_sys::table_open(history, pg_sys::NoLock as i32);
+            let hcols = ledger_shape(h, "history");
+            if hcols != ncols {
+                raise(QuotaError::BadShape {
+                    relation: "quota.history".into(),
+                    why: format!("It has {hcols} columns; quota.active has {ncols}"),
+                });
+            }
+            let hist = table_indexes(h, "history", ncols, false);
+            counters_ok &= triggers_always(h, triggers);
+            pg_sys::table_close(h, pg_sys::NoLock as i32);
+            hist
+        } else {
+            own
+        };
         let s = pg_sys::table_open(summary, pg_sys::NoLock as i32);
+        let role_types: &[pg_sys::Oid] = &[pg_sys::OIDOID, pg_sys::REGROLEOID];
         let summary_ncols = check_shape(
             s,
             "summary",
@@ -445,50 +644,28 @@ fn discover() -> Rels {
         );
         let summary_idx = find_index(s, &[1], &[]);
         pg_sys::table_close(s, pg_sys::NoLock as i32);
-        let missing = |table: &str, cols: &str| -> ! {
-            raise(QuotaError::BadShape {
-                relation: format!("quota.{table}"),
-                why: format!(
-                    "It has no valid btree index on ({cols}), which pg_quota created and needs"
-                ),
-            })
-        };
-        Rels {
+        let rels = Rels {
             ledger,
-            ledger_pkey: ledger_pkey.unwrap_or_else(|| missing("ledger", "id")),
-            ledger_idx: ledger_idx.unwrap_or_else(|| {
-                missing(
-                    "ledger",
-                    if v2 {
-                        "role, ended_at, lease_until"
-                    } else {
-                        "role, ended_at"
-                    },
-                )
-            }),
-            ledger_open_idx: ledger_open_idx.map_or(pg_sys::InvalidOid, |i| {
-                i.unwrap_or_else(|| missing("ledger", "ended_at, lease_until"))
-            }),
-            ledger_key_idx: ledger_key_idx.map_or(pg_sys::InvalidOid, |i| {
-                i.unwrap_or_else(|| missing("ledger", "role, idempotency_key"))
-            }),
-            ledger_tenant_idx: ledger_tenant_idx.map_or(pg_sys::InvalidOid, |i| {
-                i.unwrap_or_else(|| {
-                    missing(
-                        "ledger",
-                        "role, tenant, ended_at, lease_until) WHERE (tenant IS NOT NULL",
-                    )
-                })
-            }),
-            ledger_txid_idx: ledger_txid_idx.map_or(pg_sys::InvalidOid, |i| {
-                i.unwrap_or_else(|| missing("ledger", "role, txid) WHERE (txid IS NOT NULL"))
-            }),
+            ledger_pkey: own.pkey,
+            ledger_idx: own.idx,
+            ledger_open_idx: own.open,
+            ledger_key_idx: own.key,
+            ledger_tenant_idx: own.tenant,
+            ledger_txid_idx: own.txid,
+            history,
+            history_pkey: hist.pkey,
+            history_idx: hist.idx,
+            history_open_idx: hist.open,
+            history_key_idx: hist.key,
+            history_tenant_idx: hist.tenant,
+            history_txid_idx: hist.txid,
             ncols,
             summary,
             summary_idx: summary_idx.unwrap_or_else(|| missing("summary", "role")),
             summary_ncols,
             counters_ok,
-        }
+        };
+        (rels, locks)
     }
 }
 
@@ -540,6 +717,8 @@ pub struct Reader {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct Tags {
     pub ledger: u32,
+    /// 0.6.0: quota.history's (the ledger's again with an older schema).
+    pub history: u32,
     pub summary: u32,
 }
 
@@ -554,13 +733,16 @@ fn tags_of(rels: &Rels) -> Option<Tags> {
     // SAFETY: both relations are locked by the caller.
     unsafe {
         let l = pg_sys::table_open(rels.ledger, pg_sys::NoLock as i32);
+        let h = pg_sys::table_open(rels.history, pg_sys::NoLock as i32);
         let s = pg_sys::table_open(rels.summary, pg_sys::NoLock as i32);
         let fresh = |r: pg_sys::Relation| compat::has_uncommitted_relfilenode(r);
-        let tags = (!fresh(l) && !fresh(s)).then(|| Tags {
+        let tags = (!fresh(l) && !fresh(h) && !fresh(s)).then(|| Tags {
             ledger: compat::relfilenode(l),
+            history: compat::relfilenode(h),
             summary: compat::relfilenode(s),
         });
         pg_sys::table_close(s, pg_sys::NoLock as i32);
+        pg_sys::table_close(h, pg_sys::NoLock as i32);
         pg_sys::table_close(l, pg_sys::NoLock as i32);
         tags
     }
@@ -574,9 +756,15 @@ impl Reader {
         // under us (REINDEX CONCURRENTLY waits for the tables' lockers first).
         let first = rels();
         locks.take(first.ledger, pg_sys::AccessShareLock);
+        if first.split() {
+            locks.take(first.history, pg_sys::AccessShareLock);
+        }
         locks.take(first.summary, pg_sys::AccessShareLock);
         let rels = rels();
-        if rels.ledger != first.ledger || rels.summary != first.summary {
+        if rels.ledger != first.ledger
+            || rels.history != first.history
+            || rels.summary != first.summary
+        {
             // Reinstalled in between: start over with the new tables.
             drop(locks);
             return Reader::open();
@@ -593,6 +781,11 @@ impl Reader {
             // holds the counters' lock and must not wait for a lock (see scopes::get).
             locks.take(rels.ledger_txid_idx, pg_sys::AccessShareLock);
             locks.take(rels.ledger_tenant_idx, pg_sys::AccessShareLock);
+            // 0.6.0: a role's unfolded transactional tickets may have ended, so a
+            // rebuild counts them in quota.history's partial index too.
+            if rels.split() {
+                locks.take(rels.history_txid_idx, pg_sys::AccessShareLock);
+            }
         }
         let tags = tags_of(&rels);
         // SAFETY: single-threaded backend state. Found under the tables' locks, so

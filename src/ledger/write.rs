@@ -69,6 +69,97 @@ pub fn delete_counting(
     (n, apart_n)
 }
 
+/// The ledger's tables opened for writing: the one tickets start in, and (0.6.0's
+/// schema) quota.history, where ended tickets go.
+pub struct Tables {
+    pub ledger: OpenRel,
+    /// quota.history, opened when first needed (a purge with nothing to purge reads it
+    /// all the same), if the schema has it.
+    history: std::cell::OnceCell<OpenRel>,
+    /// quota.history's OID as the `Rels` the tables were opened with say, if the schema
+    /// has it.
+    history_oid: Option<pg_sys::Oid>,
+}
+
+impl Tables {
+    /// Opens the table tickets start in (quota.history where needed, see `history`),
+    /// as `rels` names them: `rels` must be current, as a Reader's are (or see
+    /// `open_current`).
+    pub fn open(rels: &Rels) -> Tables {
+        Tables {
+            ledger: OpenRel::open(rels.ledger, rels.ledger_name(), COL_ID),
+            history: std::cell::OnceCell::new(),
+            history_oid: rels.split().then_some(rels.history),
+        }
+    }
+
+    /// Opens the tables as they are once locked, and the relations they are: a `Rels`
+    /// read before the lock may be one an ALTER EXTENSION UPDATE committed meanwhile
+    /// made stale (quota.ledger renamed quota.history, 0.6.0), which the lock's
+    /// processing of invalidations shows. Opened under a stale one, the locks stay to
+    /// the end of the transaction, harmlessly.
+    pub fn open_current() -> (Tables, Rels) {
+        loop {
+            let before = crate::ledger::rels::rels();
+            let tables = Tables::open(&before);
+            let now = crate::ledger::rels::rels();
+            if now == before {
+                return (tables, now);
+            }
+        }
+    }
+
+    /// The table of ended tickets: quota.history, or the one ledger table.
+    pub fn history(&self) -> &OpenRel {
+        let Some(oid) = self.history_oid else {
+            return &self.ledger;
+        };
+        self.history
+            .get_or_init(|| OpenRel::open(oid, "history", COL_ID))
+    }
+
+    /// The open table whose OID is `relid` (one of the two).
+    pub fn by_oid(&self, relid: pg_sys::Oid) -> &OpenRel {
+        // SAFETY: open relations; rd_id is their OID.
+        if unsafe { (*self.history().heap).rd_id } == relid {
+            self.history()
+        } else {
+            &self.ledger
+        }
+    }
+
+    /// Ends the unended ticket at `tid` of the ledger, `ended` being its ended version
+    /// (formed by the ledger's `form`; `changed` its columns that differ). With one
+    /// table, `ended` replaces the row as an update. With two (0.6.0), the row is
+    /// deleted from quota.active and `ended` inserted into quota.history, in this
+    /// transaction: a concurrent count under one snapshot sees the ticket in exactly one
+    /// of them, and while this transaction is open the deleted row's xmax marks it as
+    /// being changed (counts::being_changed), as the update's did. The delete waits for
+    /// a concurrent writer of the row, as the update did; on any result but TM_Ok
+    /// nothing is inserted. Frees `ended`.
+    pub fn end(
+        &self,
+        tid: pg_sys::ItemPointerData,
+        ended: pg_sys::HeapTuple,
+        changed: &[usize],
+    ) -> pg_sys::TM_Result::Type {
+        if self.history_oid.is_none() {
+            return self.ledger.update(tid, ended, changed);
+        }
+        let history = self.history();
+        let result = self.ledger.delete(tid);
+        if result == pg_sys::TM_Result::TM_Ok {
+            // The tables have the same columns (rels.rs checks), so a tuple formed for
+            // one is a tuple of the other.
+            history.insert_tuple(ended);
+        } else {
+            // SAFETY: formed by `form`, palloc'd, not used after.
+            unsafe { pg_sys::heap_freetuple(ended) };
+        }
+        result
+    }
+}
+
 /// How many rows a purge deleted: all of them, and those its role's summary row
 /// counted (every writer-committed ticket, and the transactional ones below its
 /// `folded`).
@@ -80,7 +171,7 @@ pub struct Purged {
 /// Deletes `role`'s tickets that ended before `cutoff`.
 pub fn purge_before(
     rels: &Rels,
-    ledger: &OpenRel,
+    tables: &Tables,
     role: pg_sys::Oid,
     cutoff: pg_sys::TimestampTz,
 ) -> Purged {
@@ -90,8 +181,8 @@ pub fn purge_before(
     let folded = summary_rows(rels, &Latest::take(), role).map_or(0, |(_, f)| f);
     let v5 = rels.v5();
     let (all, summarized) = delete_counting(
-        ledger,
-        rels.ledger_idx,
+        tables.history(),
+        rels.history_idx,
         &[Key::OidEq(role), Key::TsLess(cutoff)],
         |slot| {
             let txid = if v5 {

@@ -108,6 +108,8 @@ pub struct Counter {
     /// exclusively; every reader holds it shared at least.
     state: AtomicU8,
     ledger_node: AtomicU32,
+    /// 0.6.0: quota.history's relfilenode (the ledger's with an older schema).
+    history_node: AtomicU32,
     summary_node: AtomicU32,
     /// When the counter was last read, in seconds (see `now_secs`): the least recently
     /// used one gives its entry up when a scope's window is full.
@@ -135,8 +137,8 @@ pub struct Counter {
 }
 
 const _: () = assert!(
-    std::mem::size_of::<Counter>() == 80,
-    "USER_GUIDE.md gives 80 bytes"
+    std::mem::size_of::<Counter>() == 88,
+    "USER_GUIDE.md gives 88 bytes"
 );
 
 /// `Counter::earliest` when nothing is known: every refusal probes.
@@ -273,6 +275,7 @@ fn read(e: &Counter, tags: Tags) -> Option<(i64, i64)> {
 fn current(e: &Counter, tags: Tags) -> Option<(i64, i64)> {
     (e.valid.load(Ordering::Acquire)
         && e.ledger_node.load(Ordering::Relaxed) == tags.ledger
+        && e.history_node.load(Ordering::Relaxed) == tags.history
         && e.summary_node.load(Ordering::Relaxed) == tags.summary)
         .then(|| {
             (
@@ -425,6 +428,7 @@ pub fn pin(key: ScopeKey, tags: Option<Tags>) -> Option<Pin> {
             // Without tags (counters not usable now), every counter is judged stale.
             let tags = tags.unwrap_or(Tags {
                 ledger: 0,
+                history: 0,
                 summary: 0,
             });
             let (e, _) = at(k, counters::place_pinned(judged(k, tags), now_secs())?)?;
@@ -527,6 +531,7 @@ fn rebuild(
     e.rows.store(rows, Ordering::Release);
     e.earliest.store(earliest, Ordering::Release);
     e.ledger_node.store(tags.ledger, Ordering::Relaxed);
+    e.history_node.store(tags.history, Ordering::Relaxed);
     e.summary_node.store(tags.summary, Ordering::Relaxed);
     e.valid.store(true, Ordering::Release);
     Some((active, rows))

@@ -14,8 +14,7 @@ use crate::ledger::count::{db_active, retained_with_key};
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::Reader;
 use crate::ledger::scan::{text_datum, Latest};
-use crate::ledger::write::{add_to_summary, new_ticket_id, purge_before, record, Admitted};
-use crate::ledger::COL_ID;
+use crate::ledger::write::{add_to_summary, new_ticket_id, purge_before, record, Admitted, Tables};
 use crate::queue::{self, serve, Request, REPLY_ADMITTED, REPLY_REFUSED};
 use crate::scopes::counts::{self, Tenant};
 use crate::scopes::{Change, ScopeKey};
@@ -244,7 +243,10 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
     // The locks the writes need, before the clock is read: `now` is every admitted
     // ticket's started_at and the start of its lease, so no lock wait (the writer waits
     // up to its lock_timeout for maintenance) may come between it and the insert.
-    let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
+    let tables = Tables::open(&rels);
+    let ledger = &tables.ledger;
+    // Its purges write quota.history (0.6.0): opened here too, before the clock.
+    tables.history();
     let summary = OpenRel::open(rels.summary, "summary", 1);
     // SAFETY: the slots are CLAIMED by us; their callers do not touch them until DONE.
     let requests: Vec<&Request> = batch
@@ -491,7 +493,7 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
         let keep = longest[&u32::from(oid)]
             .max(for_all)
             .max(configured_retention(oid));
-        let purged = purge_before(&rels, &ledger, oid, cutoff(now, keep));
+        let purged = purge_before(&rels, &tables, oid, cutoff(now, keep));
         delta.push((oid, n - purged.summarized));
         changes.push(Change {
             key,
@@ -500,8 +502,8 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
             lease_floor: floors[&key],
         });
     }
-    record(&ledger, rels.ncols, now, &admitted);
-    drop(ledger);
+    record(ledger, rels.ncols, now, &admitted);
+    drop(tables);
 
     for (role, n) in delta {
         add_to_summary(&rels, &summary, role, n);

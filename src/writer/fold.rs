@@ -23,6 +23,7 @@ use crate::ledger::count::{foreign, next_txn_role, summary_rows, unfolded_below}
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::{Reader, Rels};
 use crate::ledger::scan::Latest;
+use crate::ledger::write::Tables;
 use crate::ledger::write::{adopted_version, fold_into_summary, horizon, purge_before};
 use crate::ledger::COL_TXID;
 use crate::scopes::{Change, ScopeKey};
@@ -64,7 +65,7 @@ fn fold() {
     if !rels.v5() {
         return;
     }
-    let ledger = OpenRel::open(rels.ledger, "ledger", crate::ledger::COL_ID);
+    let tables = Tables::open(&rels);
     let summary = OpenRel::open(rels.summary, "summary", 1);
     // SAFETY: plain clock read.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
@@ -83,7 +84,7 @@ fn fold() {
             break;
         };
         after = role;
-        let adopted = adopt(&rels, &ledger, &snap, role, next, &mut adopt_left);
+        let adopted = adopt(&rels, &tables, &snap, role, next, &mut adopt_left);
         if adopt_left == 0 && adopted > 0 {
             // The role may have more: the next pass, at once, starts with it again.
             // (Without progress, its tickets are all being changed by open
@@ -109,7 +110,7 @@ fn fold() {
             }
         }
         let keep = for_all.max(super::batch::configured_retention(role));
-        let purged = purge_before(&rels, &ledger, role, cutoff(now, keep));
+        let purged = purge_before(&rels, &tables, role, cutoff(now, keep));
         if purged.all > 0 {
             fold_into_summary(&rels, &summary, role, -purged.summarized, 0);
             changes.push(Change::new(ScopeKey::role(role), 0, -purged.all));
@@ -121,7 +122,7 @@ fn fold() {
     AFTER.set(after);
     drop(snap);
     drop(summary);
-    drop(ledger);
+    drop(tables);
     drop(reader);
     // Published before the commit, applied after it (see scopes/).
     OVERFLOW.with_borrow_mut(|o| *o = crate::scopes::publish(&changes));
@@ -134,15 +135,17 @@ fn fold() {
 /// Returns how many it adopted.
 fn adopt(
     rels: &Rels,
-    ledger: &OpenRel,
+    tables: &Tables,
     snap: &Latest,
     role: pg_sys::Oid,
     next: u64,
     left: &mut usize,
 ) -> i64 {
     let mut adopted = 0;
-    for tid in foreign(rels, snap, role, next, *left) {
+    for (relid, tid) in foreign(rels, snap, role, next, *left) {
         *left -= 1;
+        // Changed in place, in whichever table it is.
+        let ledger = tables.by_oid(relid);
         if !ledger.lock_nowait(tid) {
             continue;
         }

@@ -10,8 +10,7 @@ use crate::ledger::count::roles_where;
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::Reader;
 use crate::ledger::scan::{attr, scan, Key, Latest};
-use crate::ledger::write::delete_where;
-use crate::ledger::COL_ID;
+use crate::ledger::write::{delete_where, Tables};
 use crate::shmem;
 
 use super::txn::try_in_transaction;
@@ -57,11 +56,23 @@ fn purge_dropped_roles() {
     if gone.is_empty() {
         return;
     }
-    let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
+    // Opened as the relations are once locked: the Reader's locks are gone, and an
+    // ALTER EXTENSION UPDATE may have committed since.
+    let (tables, rels) = Tables::open_current();
     for &role in &gone {
-        delete_where(&ledger, rels.ledger_idx, &[Key::OidEq(role)], |_| true);
+        delete_where(&tables.ledger, rels.ledger_idx, &[Key::OidEq(role)], |_| {
+            true
+        });
+        if rels.split() {
+            delete_where(
+                tables.history(),
+                rels.history_idx,
+                &[Key::OidEq(role)],
+                |_| true,
+            );
+        }
     }
-    drop(ledger);
+    drop(tables);
     let summary = OpenRel::open(rels.summary, "summary", 1);
     delete_where(&summary, rels.summary_idx, &[], |slot| {
         attr(slot, 1).is_some_and(|d| gone.contains(&pg_sys::Oid::from(d.value() as u32)))

@@ -4,11 +4,11 @@
 
 use pgrx::pg_sys;
 
-use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::{self, Reader};
 use crate::ledger::scan::{attr, scan_index, text_attr, Key, Latest};
 use crate::ledger::write::expired_version;
-use crate::ledger::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE, COL_TENANT};
+use crate::ledger::write::Tables;
+use crate::ledger::{COL_ENDED_AT, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE, COL_TENANT};
 use crate::scopes::{tenant_key, ScopeKey};
 use crate::shmem;
 
@@ -59,11 +59,11 @@ pub fn sweep_expired_and_wake() {
 /// purge find the tickets. A ticket that a finish() or renew() is changing right now
 /// is left for a later sweep: the writer never waits for a caller's transaction.
 fn sweep_expired() {
-    let rels = rels::rels();
-    if !rels.v2() {
+    if !rels::rels().v2() {
         return;
     }
     let reader = Reader::open();
+    let rels = reader.rels;
     // SAFETY: plain clock read.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let snap = Latest::take();
@@ -93,7 +93,10 @@ fn sweep_expired() {
     if due.is_empty() {
         return;
     }
-    let ledger = OpenRel::open(rels.ledger, "ledger", COL_ID);
+    let tables = Tables::open(&rels);
+    let ledger = &tables.ledger;
+    // quota.history (0.6.0) before any row lock: no lock wait while holding one.
+    tables.history();
     let mut ended = Vec::new();
     for (tid, key, until) in due {
         // A finish() or renew() of the ticket in an open transaction: leave it to a
@@ -101,14 +104,14 @@ fn sweep_expired() {
         if !ledger.lock_nowait(tid) {
             continue;
         }
-        let Some(tuple) = expired_version(&ledger, rels.ncols, tid, until) else {
+        let Some(tuple) = expired_version(ledger, rels.ncols, tid, until) else {
             continue;
         };
-        if ledger.update(tid, tuple, &[COL_ENDED_AT, COL_OUTCOME]) == pg_sys::TM_Result::TM_Ok {
+        if tables.end(tid, tuple, &[COL_ENDED_AT, COL_OUTCOME]) == pg_sys::TM_Result::TM_Ok {
             crate::scopes::add_change(&mut ended, key, -1, 0, None);
         }
     }
-    drop(ledger);
+    drop(tables);
     drop(reader);
     // Published before the commit, applied after it (see scopes.rs).
     let overflow = crate::scopes::publish(&ended);

@@ -3,6 +3,9 @@
 # try_start() and finish() keep working while CREATE INDEX CONCURRENTLY waits with its
 # index not yet ready, and REINDEX CONCURRENTLY of every pg_quota index under load
 # leaves every index intact (amcheck with heapallindexed).
+# From 0.6.0 the ledger is two tables, quota.active (tickets not ended) and
+# quota.history (ended ones); quota.ledger is a view over both. The builds below run on
+# both tables and quota.summary.
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-$((5680 + PORT_OFFSET))}"
 with_cluster concurrent_index
@@ -10,9 +13,10 @@ with_cluster concurrent_index
 amcheck() {  # amcheck INDEX: bt_index_check with heapallindexed; prints its error if any
   sql -c "SELECT bt_index_check('$1'::regclass, true)" >/dev/null
 }
+# 0.6.0: the ledger's tables are quota.active and quota.history.
+TABLES="'quota.active'::regclass, 'quota.history'::regclass, 'quota.summary'::regclass"
 all_indexes() {
-  sql -c "SELECT indexrelid::regclass FROM pg_index
-           WHERE indrelid IN ('quota.ledger'::regclass, 'quota.summary'::regclass) ORDER BY 1"
+  sql -c "SELECT indexrelid::regclass FROM pg_index WHERE indrelid IN ($TABLES) ORDER BY 1"
 }
 
 sql -c "CREATE EXTENSION pg_quota" -c "CREATE EXTENSION amcheck" \
@@ -53,24 +57,29 @@ cic_release() {
   timeout 30 bash -c "until [ -e '$CL/cic.rc' ]; do sleep 0.1; done" || true
 }
 
-ticket=$(psql_as ci_tenant -c "SELECT quota.start('to finish during the ledger build')")
-cic_held ledger ledger_extra started_at
-expect_eq "CREATE INDEX CONCURRENTLY on quota.ledger waits with its index not ready" 1 "$held"
-expect_eq "start() works while the ledger's new index is not ready" t \
-  "$(psql_as ci_tenant -c "SELECT quota.start('during ledger build') IS NOT NULL" 2>&1)"
-expect_eq "try_start() works while the ledger's new index is not ready" t \
-  "$(psql_as ci_tenant -c "SELECT quota.try_start('during ledger build') IS NOT NULL" 2>&1)"
-expect_eq "finish() works while the ledger's new index is not ready" t \
-  "$(psql_as ci_tenant -c "SELECT quota.finish('$ticket')" 2>&1)"
-expect_eq "finish(start()) works while the ledger's new index is not ready" t \
-  "$(psql_as ci_tenant -c "SELECT quota.finish(quota.start('during ledger build'))" 2>&1)"
-cic_release
-expect_eq "CREATE INDEX CONCURRENTLY on quota.ledger completes: $(tr '\n' ' ' < "$CL/cic.out")" 0 "$(cat "$CL/cic.rc" 2>/dev/null)"
-expect_eq "quota.ledger_extra is valid and ready" t \
-  "$(sql -c "SELECT indisvalid AND indisready FROM pg_index WHERE indexrelid = to_regclass('quota.ledger_extra')")"
-check "bt_index_check(quota.ledger_extra, heapallindexed) passes" amcheck quota.ledger_extra
-expect_eq "start() works after the ledger's concurrent build" t \
-  "$(psql_as ci_tenant -c "SELECT quota.finish(quota.start('after ledger build'))" 2>&1)"
+# 0.6.0: the ledger is quota.active (a start() inserts there) and quota.history (a
+# finish() deletes the row from quota.active and inserts it here): each in turn gets a
+# build held not ready while tickets start and finish.
+for t in active history; do
+  ticket=$(psql_as ci_tenant -c "SELECT quota.start('to finish during the $t build')")
+  cic_held $t ${t}_extra started_at
+  expect_eq "CREATE INDEX CONCURRENTLY on quota.$t waits with its index not ready" 1 "$held"
+  expect_eq "start() works while quota.$t's new index is not ready" t \
+    "$(psql_as ci_tenant -c "SELECT quota.start('during $t build') IS NOT NULL" 2>&1)"
+  expect_eq "try_start() works while quota.$t's new index is not ready" t \
+    "$(psql_as ci_tenant -c "SELECT quota.try_start('during $t build') IS NOT NULL" 2>&1)"
+  expect_eq "finish() works while quota.$t's new index is not ready" t \
+    "$(psql_as ci_tenant -c "SELECT quota.finish('$ticket')" 2>&1)"
+  expect_eq "finish(start()) works while quota.$t's new index is not ready" t \
+    "$(psql_as ci_tenant -c "SELECT quota.finish(quota.start('during $t build'))" 2>&1)"
+  cic_release
+  expect_eq "CREATE INDEX CONCURRENTLY on quota.$t completes: $(tr '\n' ' ' < "$CL/cic.out")" 0 "$(cat "$CL/cic.rc" 2>/dev/null)"
+  expect_eq "quota.${t}_extra is valid and ready" t \
+    "$(sql -c "SELECT indisvalid AND indisready FROM pg_index WHERE indexrelid = to_regclass('quota.${t}_extra')")"
+  check "bt_index_check(quota.${t}_extra, heapallindexed) passes" amcheck quota.${t}_extra
+  expect_eq "start() works after quota.$t's concurrent build" t \
+    "$(psql_as ci_tenant -c "SELECT quota.finish(quota.start('after $t build'))" 2>&1)"
+done
 
 # The same on quota.summary, whose row the writer updates on every start (and inserts
 # for a role's first start: ci_fresh has none yet).
@@ -96,7 +105,7 @@ done
 expect_eq "start() works after the summary's concurrent build" t \
   "$(psql_as ci_tenant -c "SELECT quota.finish(quota.start('after summary build'))" 2>&1)"
 check "the summary equals the ledger after the concurrent builds" summary_matches_ledger
-sql -c "DROP INDEX quota.ledger_extra" -c "DROP INDEX quota.summary_extra"
+sql -c "DROP INDEX quota.active_extra" -c "DROP INDEX quota.history_extra" -c "DROP INDEX quota.summary_extra"
 
 # ------------------------------------------------------------------------------------
 # 2. REINDEX INDEX CONCURRENTLY of every pg_quota index while two clients loop
@@ -106,16 +115,27 @@ sql -c "DROP INDEX quota.ledger_extra" -c "DROP INDEX quota.summary_extra"
 # History makes each build take a while, so that the load's writes land inside the
 # builds, not only between them. A superuser writes it with SQL, and its summary row
 # too where the summary takes one (0.1.0; later versions recount from the ledger).
+# 0.6.0: the ledger is two tables, and the load's own tickets stay in quota.active
+# only for a moment, so both get rows of their own: ended tickets in quota.history,
+# tickets never ended (no lease, each with its idempotency key) in quota.active,
+# written into each table directly (through the view quota.ledger each row would go
+# through its INSTEAD OF trigger, one by one).
 sql -c "CREATE ROLE ci_history" \
-    -c "INSERT INTO quota.ledger SELECT gen_random_uuid(), 'ci_history'::regrole, 'old', now() - interval '1 h', now(), 'succeeded'
+    -c "INSERT INTO quota.history SELECT gen_random_uuid(), 'ci_history'::regrole, 'old', now() - interval '1 h', now(), 'succeeded'
           FROM generate_series(1, 200000)" \
-    -c "INSERT INTO quota.summary VALUES ('ci_history'::regrole, 200000)" -c "VACUUM ANALYZE quota.ledger"
+    -c "INSERT INTO quota.active (id, role, label, started_at, idempotency_key)
+          SELECT gen_random_uuid(), 'ci_history'::regrole, 'open', now() - interval '1 h', 'open ' || i
+          FROM generate_series(1, 100000) i" \
+    -c "INSERT INTO quota.summary VALUES ('ci_history'::regrole, 300000)" -c "VACUUM ANALYZE quota.active, quota.history"
 # Writer-committed, tenants' and transactional tickets (0.5.0), so that every index,
-# the partial ones included, takes entries during the builds.
+# the partial ones included, takes entries during the builds; and (0.6.0, where
+# active_role_key_idx has entries only for keyed tickets) tickets with an idempotency
+# key, each its own.
 for _ in $(seq 1 70); do
   echo "SELECT quota.finish(quota.start('load'));"
   echo "SELECT quota.finish(quota.start('load', tenant => 'acme'));"
   echo "SELECT quota.finish(quota.start('load', tenant => 'beta', transactional => true));"
+  echo "SELECT quota.finish(quota.start('load', idempotency_key => gen_random_uuid()::text));"
 done > "$CL/load.sql"
 chmod 644 "$CL/load.sql"
 rm -f "$CL/stop"
@@ -139,8 +159,10 @@ wait_done() {  # wait_done N: until the clients have finished N more tickets (8 
   timeout 8 bash -c "until [ \"\$(cat '$CL'/load_out.* | grep -c '^t$')\" -ge $want ]; do sleep 0.1; done" || true
 }
 wait_done 50
-for idx in ledger_pkey ledger_role_ended_idx ledger_open_idx ledger_role_key_idx ledger_tenant_idx ledger_txid_idx summary_pkey \
-           ledger_pkey ledger_role_ended_idx ledger_open_idx ledger_role_key_idx ledger_tenant_idx ledger_txid_idx summary_pkey; do
+# 0.6.0: the indexes of quota.active and quota.history (the ledger's tables) and quota.summary.
+OWN="active_pkey active_role_idx active_open_idx active_role_key_idx active_tenant_idx active_txid_idx
+     history_pkey history_role_ended_idx history_open_idx history_role_key_idx history_tenant_idx history_txid_idx summary_pkey"
+for idx in $OWN $OWN; do
   before=$(done_count)
   out=$(timeout 40 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$CL" -p "$PORT" -U postgres \
           -d postgres -c "REINDEX INDEX CONCURRENTLY quota.$idx" 2>&1) && rc=0 || rc=$?
@@ -154,11 +176,11 @@ done_total=$(done_count)
 check "the clients finished tickets during the rebuilds ($done_total)" test "$done_total" -gt 150
 errors=$(cat "$CL"/load_err.* | grep -E 'ERROR|FATAL' || true)
 check "the clients saw no error${errors:+: $(sort <<<"$errors" | uniq -c | sort -rn | head -n3 | tr '\n' ' ')}" test -z "$errors"
-expect_eq "pg_quota's tables have their seven indexes, valid and ready, and no leftover" \
-  "ledger_open_idx ledger_pkey ledger_role_ended_idx ledger_role_key_idx ledger_tenant_idx ledger_txid_idx summary_pkey" \
+expect_eq "pg_quota's tables have their thirteen indexes, valid and ready, and no leftover" \
+  "active_open_idx active_pkey active_role_idx active_role_key_idx active_tenant_idx active_txid_idx history_open_idx history_pkey history_role_ended_idx history_role_key_idx history_tenant_idx history_txid_idx summary_pkey" \
   "$(sql -c "SELECT string_agg(c.relname || CASE WHEN i.indisvalid AND i.indisready THEN '' ELSE ' (invalid)' END,
                                ' ' ORDER BY c.relname) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-              WHERE i.indrelid IN ('quota.ledger'::regclass, 'quota.summary'::regclass)")"
+              WHERE i.indrelid IN ($TABLES)")"
 for idx in $(all_indexes); do
   check "bt_index_check($idx, heapallindexed) passes after REINDEX CONCURRENTLY" amcheck "$idx"
 done

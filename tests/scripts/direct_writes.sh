@@ -4,6 +4,12 @@
 # consistent with the ledger: afterwards each role is admitted exactly up to its limit,
 # counting the rows the ledger really holds. The summary may be rebuilt or recounted;
 # the checks look at admission, not at summary rows.
+#
+# From 0.6.0 the ledger is two tables, quota.active (tickets not ended) and
+# quota.history (ended ones), and quota.ledger a view of both whose INSTEAD OF trigger
+# sends a superuser's INSERT, UPDATE and DELETE to the table each row belongs in. The
+# writes below go through the view as before (TRUNCATE, which a view refuses, empties
+# both tables), and then (at the end) straight to each table.
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-$((5625 + PORT_OFFSET))}"
 with_cluster direct_writes
@@ -51,14 +57,18 @@ admits_exactly() {
 # The retained limit reached the ordinary way.
 admits_exactly "start" dw_a $LIMIT
 
-# TRUNCATE quota.ledger: the role has nothing retained.
-sql -c "TRUNCATE quota.ledger" >/dev/null
-expect_eq "after TRUNCATE quota.ledger: start() is admitted" t "$(as dw_a "SELECT quota.start('after truncate') IS NOT NULL")"
-expect_eq "after TRUNCATE quota.ledger: quota.usage shows 1 active, 1 retained" "1|1" \
+# TRUNCATE of the ledger (from 0.6.0 its two tables, quota.active and quota.history, in
+# one statement: the view quota.ledger cannot be truncated): the role has nothing
+# retained.
+sql -c "TRUNCATE quota.active, quota.history" >/dev/null
+expect_eq "after TRUNCATE quota.active, quota.history: dw_a holds no rows" 0 "$(rows dw_a)"
+expect_eq "after TRUNCATE quota.active, quota.history: start() is admitted" t "$(as dw_a "SELECT quota.start('after truncate') IS NOT NULL")"
+expect_eq "after TRUNCATE quota.active, quota.history: quota.usage shows 1 active, 1 retained" "1|1" \
   "$(as dw_a "SELECT active || '|' || retained FROM quota.usage")"
-admits_exactly "after TRUNCATE quota.ledger" dw_a $((LIMIT - 1))
+admits_exactly "after TRUNCATE quota.active, quota.history" dw_a $((LIMIT - 1))
 
-# DELETE two of the role's rows.
+# DELETE two of the role's rows (through the view quota.ledger, as every DELETE, UPDATE
+# and INSERT down to the summary's checks).
 sql -c "DELETE FROM quota.ledger WHERE id IN (SELECT id FROM quota.ledger WHERE role = 'dw_a'::regrole ORDER BY id LIMIT 2)" >/dev/null
 expect_eq "after DELETE of 2 rows: dw_a holds $((LIMIT - 2)) rows" $((LIMIT - 2)) "$(rows dw_a)"
 admits_exactly "after DELETE of 2 rows" dw_a 2
@@ -93,5 +103,45 @@ expect_eq "after deleting every 'fill' row: rows left for dw_a, dw_b, dw_c" "0 0
 admits_exactly "after deleting every 'fill' row" dw_a 5
 admits_exactly "after deleting every 'fill' row" dw_b 5
 admits_exactly "after deleting every 'fill' row" dw_c 1
+
+# 0.6.0: the same writes straight to quota.active and quota.history, each table on its
+# own. Every row is an ended ticket in quota.history now: dw_a and dw_b hold 5 'fill'
+# rows, dw_c 4 'inserted' and 1 'fill'.
+expect_eq "before the writes to each table: quota.active holds no row, quota.history every one" "0 15" \
+  "$(sql -c "SELECT (SELECT count(*) FROM quota.active) || ' ' || (SELECT count(*) FROM quota.history)")"
+sql -c "DELETE FROM quota.history WHERE id IN (SELECT id FROM quota.history WHERE role = 'dw_a'::regrole ORDER BY id LIMIT 2)" >/dev/null
+expect_eq "after DELETE FROM quota.history of 2 rows: dw_a holds $((LIMIT - 2)) rows" $((LIMIT - 2)) "$(rows dw_a)"
+admits_exactly "after DELETE FROM quota.history of 2 rows" dw_a 2
+sql -c "DELETE FROM quota.history WHERE role = 'dw_c'::regrole" >/dev/null
+sql -c "UPDATE quota.history SET role = 'dw_c'::regrole
+         WHERE id IN (SELECT id FROM quota.history WHERE role = 'dw_b'::regrole ORDER BY id LIMIT 3)" >/dev/null
+expect_eq "after UPDATE quota.history SET role: dw_b holds 2 rows, dw_c 3" "2 3" "$(rows dw_b) $(rows dw_c)"
+admits_exactly "after UPDATE quota.history SET role" dw_b 3
+admits_exactly "after UPDATE quota.history SET role" dw_c 2
+# Tickets not ended, written by hand into quota.active: 3 for dw_a, once its history is
+# emptied by a TRUNCATE of quota.history alone.
+sql -c "TRUNCATE quota.history" >/dev/null
+sql -c "INSERT INTO quota.active (id, role, label, started_at)
+        SELECT gen_random_uuid(), 'dw_a'::regrole, 'active ' || i, now() FROM generate_series(1, 3) i" >/dev/null
+expect_eq "after TRUNCATE quota.history and INSERT INTO quota.active of 3 rows: quota.usage shows 3 active, 3 retained" "3|3" \
+  "$(as dw_a "SELECT active || '|' || retained FROM quota.usage")"
+admits_exactly "after INSERT INTO quota.active of 3 rows" dw_a 2
+sql -c "UPDATE quota.active SET role = 'dw_b'::regrole WHERE role = 'dw_a'::regrole" >/dev/null
+expect_eq "after UPDATE quota.active SET role: dw_a holds 2 rows, dw_b 3 (all active)" "2 3 3" \
+  "$(rows dw_a) $(rows dw_b) $(sql -c "SELECT count(*) FROM quota.active WHERE role = 'dw_b'::regrole")"
+admits_exactly "after UPDATE quota.active SET role" dw_a 3
+admits_exactly "after UPDATE quota.active SET role" dw_b 2
+# TRUNCATE of quota.history alone keeps the active tickets, and they still count.
+sql -c "TRUNCATE quota.history" >/dev/null
+expect_eq "after TRUNCATE quota.history alone: dw_b keeps its 3 active tickets" 3 "$(rows dw_b)"
+admits_exactly "after TRUNCATE quota.history alone" dw_b 2
+sql -c "DELETE FROM quota.active WHERE role = 'dw_b'::regrole" >/dev/null
+expect_eq "after DELETE FROM quota.active: dw_b holds 2 rows" 2 "$(rows dw_b)"
+admits_exactly "after DELETE FROM quota.active" dw_b 3
+sql -c "INSERT INTO quota.history (id, role, label, started_at, ended_at, outcome)
+        SELECT gen_random_uuid(), 'dw_c'::regrole, 'inserted ' || i, now(), now(), 'succeeded'
+          FROM generate_series(1, 2) i" >/dev/null
+expect_eq "after INSERT INTO quota.history of 2 rows: dw_c holds 2 rows" 2 "$(rows dw_c)"
+admits_exactly "after INSERT INTO quota.history of 2 rows" dw_c 3
 check "no server process was terminated by a signal" test "$(grep -c 'terminated by signal' "$CL/server.log" || true)" = 0
 finish_checks

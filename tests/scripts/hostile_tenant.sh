@@ -66,36 +66,71 @@ refused "the tenant at its limit is refused" 53400 ht_tenant "SELECT quota.start
 
 # ------------------------------------------------------------------------------------
 # 1. The tables: no privilege, no ownership.
+#    From 0.6.0 the ledger is two tables, quota.active (tickets not ended) and
+#    quota.history (ended ones), and quota.ledger a view of both (its INSTEAD OF
+#    trigger routes a superuser's writes to them): each of the three is checked, and
+#    quota.summary. The view takes the statements a view's owner could run on it
+#    (TRUNCATE, indexes, policies, REINDEX and ALTER TABLE's trigger and constraint
+#    forms are refused on a view to everyone, so they prove nothing about the tenant
+#    there; that it has none of those privileges is checked with has_table_privilege).
 # ------------------------------------------------------------------------------------
 before=$(fingerprint)
 T=ht_tenant
-for tbl in quota.ledger quota.summary; do
-  if [ "$tbl" = quota.ledger ]; then
-    ins="INSERT INTO quota.ledger (id, role, started_at) VALUES (gen_random_uuid(), 'ht_other'::regrole, now())"
-    upd="UPDATE quota.ledger SET ended_at = now(), outcome = 'succeeded' WHERE ended_at IS NULL"
-    copyrow="00000000-0000-7000-8000-000000000001	$(sql -c "SELECT 'ht_tenant'::regrole::oid")	\\N	2020-01-01 00:00:00+00	2020-01-01 00:00:00+00	succeeded"
-  else
-    ins="INSERT INTO quota.summary VALUES ('ht_other'::regrole, 0)"
-    upd="UPDATE quota.summary SET tickets = 0"
-    copyrow="$(sql -c "SELECT 'ht_other'::regrole::oid")	0"
-  fi
+R_TENANT=$(sql -c "SELECT 'ht_tenant'::regrole::oid")
+R_OTHER=$(sql -c "SELECT 'ht_other'::regrole::oid")
+for tbl in quota.active quota.history quota.ledger quota.summary; do
+  ended_row="2020-01-01 00:00:00+00	2020-01-01 00:00:00+00	succeeded	\N	\N	\N	\N	\N"
+  case "$tbl" in
+    quota.active)
+      # Another role charged; the tenant's own tickets lapsed.
+      ins="INSERT INTO quota.active (id, role, started_at) VALUES (gen_random_uuid(), 'ht_other'::regrole, now())"
+      upd="UPDATE quota.active SET lease_until = now() - interval '1 second' WHERE role = 'ht_tenant'::regrole"
+      copyrow="00000000-0000-7000-8000-000000000001	$R_OTHER	\N	2020-01-01 00:00:00+00	\N	\N	\N	\N	\N	\N	\N" ;;
+    quota.history)
+      # Another role charged; the tenant's ended tickets aged out.
+      ins="INSERT INTO quota.history (id, role, started_at, ended_at, outcome) VALUES (gen_random_uuid(), 'ht_other'::regrole, now(), now(), 'succeeded')"
+      upd="UPDATE quota.history SET ended_at = '2000-01-01' WHERE role = 'ht_tenant'::regrole"
+      copyrow="00000000-0000-7000-8000-000000000001	$R_OTHER	\N	$ended_row" ;;
+    quota.ledger)
+      ins="INSERT INTO quota.ledger (id, role, started_at) VALUES (gen_random_uuid(), 'ht_other'::regrole, now())"
+      upd="UPDATE quota.ledger SET ended_at = now(), outcome = 'succeeded' WHERE ended_at IS NULL"
+      copyrow="00000000-0000-7000-8000-000000000001	$R_TENANT	\N	$ended_row" ;;
+    quota.summary)
+      ins="INSERT INTO quota.summary VALUES ('ht_other'::regrole, 0)"
+      upd="UPDATE quota.summary SET tickets = 0"
+      copyrow="$R_OTHER	0	\N" ;;
+  esac
+  expect_eq "the tenant has no privilege on $tbl" "none|none|f" \
+    "$(sql -c "SELECT coalesce(string_agg(p, ','), 'none') FROM unnest(ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE', 'TRUNCATE', 'REFERENCES', 'TRIGGER']) p
+                WHERE has_table_privilege('ht_tenant', '$tbl', p)")|$(sql -c "SELECT coalesce(string_agg(p, ','), 'none') FROM unnest(ARRAY['SELECT', 'INSERT', 'UPDATE', 'REFERENCES']) p
+                WHERE has_any_column_privilege('ht_tenant', '$tbl', p)")|$(sql -c "SELECT pg_has_role('ht_tenant', relowner, 'USAGE') FROM pg_class WHERE oid = '$tbl'::regclass")"
   refused "INSERT INTO $tbl is refused" 42501 $T "$ins"
   refused "UPDATE $tbl is refused" 42501 $T "$upd"
   refused "DELETE FROM $tbl is refused" 42501 $T "DELETE FROM $tbl"
-  refused "TRUNCATE $tbl is refused" 42501 $T "TRUNCATE $tbl"
   refused "SELECT from $tbl is refused" 42501 $T "SELECT * FROM $tbl"
   refused "LOCK TABLE $tbl is refused" 42501 $T "BEGIN" "LOCK TABLE $tbl IN ACCESS EXCLUSIVE MODE"
   out=$(printf '%s\n\\.\n' "$copyrow" | timeout 20 "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U ht_tenant -d postgres \
           -v ON_ERROR_STOP=0 -c "COPY $tbl FROM STDIN" -c '\echo SQLSTATE=:SQLSTATE' 2>/dev/null || true)
   expect_eq "COPY $tbl FROM STDIN is refused" SQLSTATE=42501 "$(grep '^SQLSTATE=' <<<"$out")"
   refused "GRANT on $tbl to oneself is refused" 42501 $T "GRANT ALL ON $tbl TO ht_tenant"
+  refused "CREATE RULE on $tbl is refused" 42501 $T "CREATE RULE evil AS ON INSERT TO $tbl DO INSTEAD NOTHING"
+  if [ "$tbl" = quota.ledger ]; then
+    refused "ALTER VIEW $tbl ALTER COLUMN ... SET DEFAULT is refused" 42501 $T "ALTER VIEW $tbl ALTER COLUMN outcome SET DEFAULT 'succeeded'"
+    refused "ALTER VIEW $tbl OWNER TO the tenant is refused" 42501 $T "ALTER VIEW $tbl OWNER TO ht_tenant"
+    refused "CREATE OR REPLACE VIEW $tbl is refused" 42501 $T "CREATE OR REPLACE VIEW $tbl AS SELECT * FROM quota.active"
+    refused "DROP VIEW $tbl is refused" 42501 $T "DROP VIEW $tbl"
+    refused "CREATE TRIGGER on $tbl is refused" 42501 $T \
+      "CREATE FUNCTION ht_evil.trg() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN RETURN NULL; END'" \
+      "CREATE TRIGGER evil INSTEAD OF INSERT OR UPDATE ON $tbl FOR EACH ROW EXECUTE FUNCTION ht_evil.trg()"
+    continue
+  fi
+  refused "TRUNCATE $tbl is refused" 42501 $T "TRUNCATE $tbl"
   refused "ALTER TABLE $tbl ADD COLUMN is refused" 42501 $T "ALTER TABLE $tbl ADD COLUMN evil int"
   refused "ALTER TABLE $tbl DISABLE TRIGGER ALL is refused" 42501 $T "ALTER TABLE $tbl DISABLE TRIGGER ALL"
   refused "ALTER TABLE $tbl OWNER TO the tenant is refused" 42501 $T "ALTER TABLE $tbl OWNER TO ht_tenant"
   refused "ALTER TABLE $tbl DROP CONSTRAINT is refused" 42501 $T "ALTER TABLE $tbl DROP CONSTRAINT ${tbl#quota.}_pkey"
   refused "DROP TABLE $tbl is refused" 42501 $T "DROP TABLE $tbl"
   refused "CREATE INDEX on $tbl is refused" 42501 $T "CREATE INDEX evil_idx ON $tbl (role)"
-  refused "CREATE RULE on $tbl is refused" 42501 $T "CREATE RULE evil AS ON INSERT TO $tbl DO INSTEAD NOTHING"
   refused "CREATE POLICY on $tbl is refused" 42501 $T "CREATE POLICY evil ON $tbl USING (true)"
   refused "CREATE TRIGGER on $tbl is refused" 42501 $T \
     "CREATE FUNCTION ht_evil.trg() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN RETURN NULL; END'" \
@@ -103,7 +138,9 @@ for tbl in quota.ledger quota.summary; do
   refused "REINDEX $tbl is refused" 42501 $T "REINDEX TABLE $tbl"
 done
 refused "DROP EXTENSION pg_quota is refused" 42501 $T "DROP EXTENSION pg_quota"
-refused "ALTER EXTENSION pg_quota DROP TABLE is refused" 42501 $T "ALTER EXTENSION pg_quota DROP TABLE quota.ledger"
+for obj in "TABLE quota.active" "TABLE quota.history" "VIEW quota.ledger"; do
+  refused "ALTER EXTENSION pg_quota DROP $obj is refused" 42501 $T "ALTER EXTENSION pg_quota DROP $obj"
+done
 refused "DROP SCHEMA quota is refused" 42501 $T "DROP SCHEMA quota CASCADE"
 refused "CREATE FUNCTION in schema quota is refused" 42501 $T "CREATE FUNCTION quota.helper() RETURNS int LANGUAGE sql AS 'SELECT 1'"
 refused "CREATE TABLE in schema quota is refused" 42501 $T "CREATE TABLE quota.evil (x int)"
@@ -295,11 +332,15 @@ CREATE FUNCTION int8_zero(bigint, bigint) RETURNS bigint LANGUAGE sql AS 'SELECT
 CREATE OPERATOR + (leftarg = bigint, rightarg = bigint, function = int8_zero);
 CREATE FUNCTION is_null(anyelement) RETURNS boolean LANGUAGE sql AS 'SELECT false';
 CREATE TABLE ledger (id uuid, role oid, label text, started_at timestamptz, ended_at timestamptz, outcome text);
+CREATE TABLE active (LIKE ledger, lease_until timestamptz, idempotency_key text, pid int, tenant text, txid xid8);
+CREATE TABLE history (LIKE active);
 CREATE TABLE summary (role oid, tickets bigint);
 INSERT INTO summary VALUES ('ht_tenant'::regrole, 0);
 SQL
 )" >/dev/null
-expect_eq "the tenant created its shadowing objects (operators, aggregates, tables, now, coalesce)" "5|2|2|1|2" \
+# (0.6.0: the ledger is the tables quota.active and quota.history, so the tenant's
+# look-alikes include an "active" and a "history": 4 tables.)
+expect_eq "the tenant created its shadowing objects (operators, aggregates, tables, now, coalesce)" "5|2|4|1|2" \
   "$(sql -c "SELECT (SELECT count(*) FROM pg_operator WHERE oprnamespace = 'ht_evil'::regnamespace)
               || '|' || (SELECT count(*) FROM pg_proc WHERE pronamespace = 'ht_evil'::regnamespace AND prokind = 'a')
               || '|' || (SELECT count(*) FROM pg_class WHERE relnamespace = 'ht_evil'::regnamespace AND relkind = 'r')
@@ -309,6 +350,8 @@ expect_eq "the tenant created its shadowing objects (operators, aggregates, tabl
 # and ht_evil before pg_catalog.
 SHADOW=(
   "CREATE TEMP TABLE ledger (id uuid, role oid, label text, started_at timestamptz, ended_at timestamptz, outcome text)"
+  "CREATE TEMP TABLE active (LIKE pg_temp.ledger, lease_until timestamptz, idempotency_key text, pid int, tenant text, txid xid8)"
+  "CREATE TEMP TABLE history (LIKE pg_temp.active)"
   "CREATE TEMP TABLE summary (role oid, tickets bigint)"
   "INSERT INTO pg_temp.summary VALUES ('ht_tenant'::regrole, 0)"
   "CREATE FUNCTION pg_temp.now() RETURNS timestamptz LANGUAGE sql AS \$\$ SELECT '2000-01-01'::timestamptz \$\$"
@@ -364,19 +407,22 @@ expect_eq "the caller's own start() is charged to the caller" ht_caller \
 # ------------------------------------------------------------------------------------
 # 7. No internal helper: the extension's functions are the public API, the two
 #    trigger functions that keep quota.summary consistent with SQL-level writes to the
-#    ledger and the placeholder that keeps pg_repack away (0.3.1), which nobody but
-#    their owner may execute (and only as triggers), and current_retention() (0.3.1),
-#    which quota.usage reads. quota.finish_job() (0.6.0) is a trigger function of the
-#    public API, executable by PUBLIC as finish() is; called as a function, it refuses.
+#    ledger, the placeholder that keeps pg_repack away (0.3.1) and quota.ledger_route()
+#    (0.6.0: the view quota.ledger's INSTEAD OF trigger, which sends a superuser's
+#    writes to quota.active or quota.history), which nobody but their owner may execute
+#    (and only as triggers), and current_retention() (0.3.1), which quota.usage reads.
+#    quota.finish_job() (0.6.0) is a trigger function of the public API, executable by
+#    PUBLIC as finish() is; called as a function, it refuses.
 # ------------------------------------------------------------------------------------
-expect_eq "the internal trigger functions are not executable by PUBLIC" "false false false" \
+expect_eq "the internal trigger functions are not executable by PUBLIC" "false false false false" \
   "$(sql -c "SELECT string_agg(has_function_privilege('ht_tenant', p.oid, 'EXECUTE')::text, ' ')
               FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace AND p.prorettype = 'trigger'::regtype
                 AND p.proname <> 'finish_job'")"
 refused "a tenant cannot call a trigger function" 42501 $T "SELECT quota.ledger_written()"
+refused "... nor the view's routing trigger function quota.ledger_route()" 42501 $T "SELECT quota.ledger_route()"
 refused "quota.finish_job(), the public trigger function, refuses a call that is not a trigger's" 0A000 $T "SELECT quota.finish_job()"
-FUNCTIONS="quota.current_retention(), quota.finish(uuid,text), quota.finish_job(), quota.ledger_written(), quota.renew(uuid,interval), quota.repack_placeholder(), quota.start(text,interval,text,interval,text,boolean), quota.stats_info_row(), quota.stats_reset(regrole), quota.stats_rows(), quota.summary_written(), quota.try_start(text,interval,text,interval,text,boolean), quota.usage_totals(), quota.wait_histogram_rows(), quota.writer_stats_rows()"
-expect_eq "schema quota has exactly finish, renew, start, try_start, current_retention, the 0.3.0 statistics functions, usage_totals (0.5.1), the three internal trigger functions and finish_job (0.6.0)" \
+FUNCTIONS="quota.current_retention(), quota.finish(uuid,text), quota.finish_job(), quota.ledger_route(), quota.ledger_written(), quota.renew(uuid,interval), quota.repack_placeholder(), quota.start(text,interval,text,interval,text,boolean), quota.stats_info_row(), quota.stats_reset(regrole), quota.stats_rows(), quota.summary_written(), quota.try_start(text,interval,text,interval,text,boolean), quota.usage_totals(), quota.wait_histogram_rows(), quota.writer_stats_rows()"
+expect_eq "schema quota has exactly finish, renew, start, try_start, current_retention, the 0.3.0 statistics functions, usage_totals (0.5.1), the four internal trigger functions (0.6.0: with ledger_route) and finish_job (0.6.0)" \
   "$FUNCTIONS" \
   "$(sql -c "SELECT string_agg(p.oid::regprocedure::text, ', ' ORDER BY p.oid::regprocedure::text COLLATE \"C\") FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace")"
 expect_eq "stats_reset() is not executable by PUBLIC; the statistics readers are (they filter rows themselves)" \

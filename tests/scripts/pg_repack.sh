@@ -8,16 +8,23 @@
 # a disabled trigger of that name, which makes pg_repack skip it before it copies
 # anything, and the library refuses every other trigger on them.
 #
+# From 0.6.0 the ledger is two tables, quota.active (tickets not ended) and
+# quota.history (ended ones; a finish deletes the row from quota.active and inserts it
+# here), and quota.ledger is a view over both: what was done to the ledger table below
+# is done to each of the two.
+#
 # On every major: the placeholders exist, CREATE TRIGGER (a foreign key's too) and
 # DROP/RENAME of pg_quota's triggers are refused. On 15, where Debian packages
 # pg_repack (postgresql-15-repack, installed here if missing), under load from four
-# clients that start and finish tickets all along: `--table quota.ledger`, `--table
-# quota.summary`, `--only-indexes --table quota.ledger`, `-d app` and `--all` lose no
-# received ticket and undo no acknowledged finish; the summary still equals the ledger;
-# pg_quota's tables are skipped with pg_repack's warning before any copy (their files
-# are the same afterwards) while the other tables of a `-d` or `--all` run are
-# repacked; and on a database still at the 0.3.0 schema (no placeholders), pg_repack
-# is refused at CREATE TRIGGER with pg_quota's error before it copies anything.
+# clients that start and finish tickets all along: `--table quota.active`, `--table
+# quota.history`, `--table quota.summary`, `--only-indexes --table` each of the
+# ledger's tables, `-d app` and `--all` lose no received ticket and undo no
+# acknowledged finish; the summary still equals the ledger; pg_quota's tables are
+# skipped with pg_repack's warning before any copy (their files are the same
+# afterwards) while the other tables of a `-d` or `--all` run are repacked; and on a
+# database still at the 0.3.0 schema (no placeholders, the ledger one table
+# quota.ledger), pg_repack is refused at CREATE TRIGGER with pg_quota's error before it
+# copies anything.
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
 
 with_cluster pg_repack "max_connections = 60"
@@ -26,37 +33,50 @@ sql -c "CREATE ROLE t1 LOGIN" -c "CREATE DATABASE app" -c "CREATE DATABASE app2"
 sql -d app -c "CREATE EXTENSION pg_quota" -c "GRANT CREATE ON SCHEMA public TO t1" >/dev/null
 
 # --- on every major: the placeholders, and what DDL may not do -------------------------
-expect_eq "each of pg_quota's tables has a disabled repack_trigger" "quota.ledger|D quota.summary|D" \
+expect_eq "each of pg_quota's tables has a disabled repack_trigger" "quota.active|D quota.history|D quota.summary|D" \
   "$(sql -d app -c "SELECT string_agg(tgrelid::regclass || '|' || tgenabled::text, ' ' ORDER BY tgrelid::regclass::text)
                       FROM pg_trigger WHERE tgname = 'repack_trigger'")"
 err_of() {  # err_of DB SQL: the SQLSTATE and message of the statement's error
   "$PG_BIN/psql" -X -q -At -h "$CL" -p "$PORT" -U postgres -d "$1" -v VERBOSITY=verbose -c "$2" 2>&1 \
     | sed -n 's/^ERROR:  \([0-9A-Z]\{5\}\): \(.*\)/\1 \2/p' | head -n1
 }
-expect_eq "CREATE TRIGGER on quota.ledger is refused (0A000)" \
+# 0.6.0: on each of the ledger's tables, quota.active and quota.history.
+for t in active history; do
+  expect_eq "CREATE TRIGGER on quota.$t is refused (0A000)" \
+    "0A000 cannot create trigger \"audit\" on table \"quota.$t\"" \
+    "$(err_of app "CREATE TRIGGER audit AFTER INSERT ON quota.$t FOR EACH ROW EXECUTE FUNCTION quota.ledger_written()")"
+done
+# The view quota.ledger: PostgreSQL itself refuses row AFTER triggers on a view; a
+# statement trigger is pg_quota's to refuse.
+expect_eq "CREATE TRIGGER on the view quota.ledger (a statement trigger) is refused (0A000)" \
   '0A000 cannot create trigger "audit" on table "quota.ledger"' \
-  "$(err_of app "CREATE TRIGGER audit AFTER INSERT ON quota.ledger FOR EACH ROW EXECUTE FUNCTION quota.ledger_written()")"
+  "$(err_of app "CREATE TRIGGER audit AFTER INSERT ON quota.ledger FOR EACH STATEMENT EXECUTE FUNCTION quota.ledger_written()")"
 expect_eq "CREATE TRIGGER on quota.summary is refused (0A000)" \
   '0A000 cannot create trigger "audit" on table "quota.summary"' \
   "$(err_of app "CREATE TRIGGER audit AFTER INSERT ON quota.summary FOR EACH STATEMENT EXECUTE FUNCTION quota.ledger_written()")"
-expect_eq "a foreign key to quota.ledger (whose checks are triggers) is refused (0A000)" 0A000 \
-  "$(err_of app "CREATE TABLE public.jobs_fk (ticket uuid REFERENCES quota.ledger (id))" | cut -c1-5)"
-expect_eq "DROP TRIGGER repack_trigger is refused (2BP01)" \
-  '2BP01 cannot drop trigger "repack_trigger" on table "quota.ledger" because extension pg_quota requires it' \
-  "$(err_of app "DROP TRIGGER repack_trigger ON quota.ledger")"
-expect_eq "DROP TRIGGER ledger_written is refused (2BP01)" 2BP01 \
-  "$(err_of app "DROP TRIGGER ledger_written ON quota.ledger" | cut -c1-5)"
+for t in active history; do
+  expect_eq "a foreign key to quota.$t (whose checks are triggers) is refused (0A000)" 0A000 \
+    "$(err_of app "CREATE TABLE public.jobs_fk (ticket uuid REFERENCES quota.$t (id))" | cut -c1-5)"
+  expect_eq "DROP TRIGGER repack_trigger ON quota.$t is refused (2BP01)" \
+    "2BP01 cannot drop trigger \"repack_trigger\" on table \"quota.$t\" because extension pg_quota requires it" \
+    "$(err_of app "DROP TRIGGER repack_trigger ON quota.$t")"
+  expect_eq "DROP TRIGGER ledger_written ON quota.$t is refused (2BP01)" 2BP01 \
+    "$(err_of app "DROP TRIGGER ledger_written ON quota.$t" | cut -c1-5)"
+done
 expect_eq "renaming repack_trigger is refused (0A000)" 0A000 \
   "$(err_of app "ALTER TRIGGER repack_trigger ON quota.summary RENAME TO x" | cut -c1-5)"
-expect_eq "CREATE OR REPLACE TRIGGER ledger_written is refused (0A000)" 0A000 \
-  "$(err_of app "CREATE OR REPLACE TRIGGER ledger_written AFTER INSERT ON quota.ledger FOR EACH STATEMENT EXECUTE FUNCTION quota.repack_placeholder()" | cut -c1-5)"
+for t in active history; do
+  expect_eq "CREATE OR REPLACE TRIGGER ledger_written ON quota.$t is refused (0A000)" 0A000 \
+    "$(err_of app "CREATE OR REPLACE TRIGGER ledger_written AFTER INSERT ON quota.$t FOR EACH STATEMENT EXECUTE FUNCTION quota.repack_placeholder()" | cut -c1-5)"
+done
 expect_eq "the tenant's own tables take triggers as usual" t \
   "$(as t1 app "CREATE TABLE mine (x int)" "CREATE FUNCTION mine_t() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN RETURN NEW; END'" \
                "CREATE TRIGGER t BEFORE INSERT ON mine FOR EACH ROW EXECUTE FUNCTION mine_t()" \
                "SELECT count(*) = 1 FROM pg_trigger WHERE tgrelid = 'mine'::regclass")"
-expect_eq "pg_quota's triggers are all still there" "ledger_truncated ledger_written repack_trigger repack_trigger summary_written" \
-  "$(sql -d app -c "SELECT string_agg(tgname, ' ' ORDER BY tgname) FROM pg_trigger
-                     WHERE tgrelid IN ('quota.ledger'::regclass, 'quota.summary'::regclass)")"
+expect_eq "pg_quota's triggers are all still there" \
+  "quota.active.ledger_truncated quota.active.ledger_written quota.active.repack_trigger quota.history.ledger_truncated quota.history.ledger_written quota.history.repack_trigger quota.summary.repack_trigger quota.summary.summary_written" \
+  "$(sql -d app -c "SELECT string_agg(tgrelid::regclass || '.' || tgname, ' ' ORDER BY tgrelid::regclass::text, tgname) FROM pg_trigger
+                     WHERE tgrelid IN ('quota.active'::regclass, 'quota.history'::regclass, 'quota.summary'::regclass)")"
 
 if [ "$PG_MAJOR" != 15 ]; then
   echo "# pg_repack itself runs on 15 only: Debian packages it for 15 (postgresql-15-repack)"
@@ -119,26 +139,35 @@ repack() {
 }
 skipped() { grep -q "WARNING: the table \"$2\" already has a trigger called \"repack_trigger\"" "$CL/repack.$1"; }
 
-L0=$(relfile app quota.ledger); S0=$(relfile app quota.summary)
-repack table_ledger -d app --table quota.ledger
-check "--table quota.ledger: skipped before any copy, with pg_repack's warning" skipped table_ledger quota.ledger
-expect_eq "--table quota.ledger: the ledger's file is the same" "$L0" "$(relfile app quota.ledger)"
+# 0.6.0: the ledger's tables are quota.active and quota.history; each in turn.
+A0=$(relfile app quota.active); H0=$(relfile app quota.history); S0=$(relfile app quota.summary)
+for t in active history; do
+  T0=$(relfile app quota.$t)
+  repack table_$t -d app --table quota.$t
+  check "--table quota.$t: skipped before any copy, with pg_repack's warning" skipped table_$t quota.$t
+  expect_eq "--table quota.$t: its file is the same" "$T0" "$(relfile app quota.$t)"
+done
 repack table_summary -d app --table quota.summary
 check "--table quota.summary: skipped with pg_repack's warning" skipped table_summary quota.summary
 expect_eq "--table quota.summary: the summary's file is the same" "$S0" "$(relfile app quota.summary)"
-I0=$(relfile app quota.ledger_pkey)
-repack only_indexes -d app --only-indexes --table quota.ledger
-expect_eq "--only-indexes --table quota.ledger: succeeds (index builds read the table, which holds every row)" 0 "$REPACK_RC"
-check "--only-indexes: the ledger's indexes were rebuilt" test "$I0" != "$(relfile app quota.ledger_pkey)"
+for t in active history; do
+  I0=$(relfile app quota.${t}_pkey)
+  repack only_indexes_$t -d app --only-indexes --table quota.$t
+  expect_eq "--only-indexes --table quota.$t: succeeds (index builds read the table, which holds every row)" 0 "$REPACK_RC"
+  check "--only-indexes: the indexes of quota.$t were rebuilt" test "$I0" != "$(relfile app quota.${t}_pkey)"
+done
 J0=$(relfile app public.jobs)
 repack database -d app
-check "-d app: the ledger is skipped" skipped database quota.ledger
+check "-d app: quota.active is skipped" skipped database quota.active
+check "-d app: quota.history is skipped" skipped database quota.history
 check "-d app: the summary is skipped" skipped database quota.summary
 check "-d app: the DBA's table public.jobs is repacked" test "$J0" != "$(relfile app public.jobs)"
-expect_eq "-d app: pg_quota's files are the same" "$L0 $S0" "$(relfile app quota.ledger) $(relfile app quota.summary)"
+expect_eq "-d app: pg_quota's files are the same" "$A0 $H0 $S0" \
+  "$(relfile app quota.active) $(relfile app quota.history) $(relfile app quota.summary)"
 J0=$(relfile app public.jobs); J2=$(relfile app2 public.jobs)
 repack all --all
-check "--all: the ledger is skipped" skipped all quota.ledger
+check "--all: quota.active is skipped" skipped all quota.active
+check "--all: quota.history is skipped" skipped all quota.history
 check "--all: public.jobs is repacked in app and in app2" \
   test "$J0" != "$(relfile app public.jobs)" -a "$J2" != "$(relfile app2 public.jobs)"
 expect_eq "--all: the DBA's rows are all there" "10000 10000" \

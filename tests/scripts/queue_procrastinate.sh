@@ -131,11 +131,13 @@ for MODE in enqueue claim; do
       # The recipe's triggers (quota.finish_job()): the ticket was last changed by the
       # transaction of procrastinate's status update to succeeded, the one that wrote
       # its 'succeeded' event. The killed worker's jobs ran again under a ticket of
-      # their run; theirs had expired.
+      # their run; theirs had expired. (0.6.0: the finish moved the ticket into
+      # quota.history, whose row's xmin is the finishing transaction; quota.ledger is a
+      # view, without xmin.)
       expect_eq "$MODE: each job's ticket was finished (succeeded) by procrastinate's own status update, in its transaction (all but the $(sql -c "SELECT count(DISTINCT key) FROM pq_reaped") jobs of the killed worker)" \
         "$(sql -c "SELECT $N_JOBS - count(DISTINCT key) FROM pq_reaped") 0" \
         "$(sql -c "SELECT count(*) || ' ' || count(*) FILTER (WHERE NOT (l.outcome = 'succeeded' AND l.xmin = e.xmin))
-             FROM procrastinate_jobs j JOIN quota.ledger l ON l.id = (j.args->>'ticket')::uuid
+             FROM procrastinate_jobs j JOIN quota.history l ON l.id = (j.args->>'ticket')::uuid
              JOIN procrastinate_events e ON e.job_id = j.id AND e.type = 'succeeded'
             WHERE j.args->>'key' LIKE 'j%' AND j.args->>'key' NOT IN (SELECT key FROM pq_reaped)")"
     fi

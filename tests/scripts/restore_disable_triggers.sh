@@ -17,11 +17,17 @@ as rd_tenant rd_src "SELECT quota.finish(quota.start('ended'))" "SELECT quota.st
 expect_eq "rd_src: the tenant holds 3 active tickets of 4" "3|4" \
   "$(sql -d rd_src -c "SELECT count(*) FILTER (WHERE ended_at IS NULL) || '|' || count(*) FROM quota.ledger")"
 
+# From 0.6.0 the ledger is two tables, quota.active (tickets not ended) and
+# quota.history (ended ones), each with the data triggers ledger_written and
+# ledger_truncated; quota.ledger is a view over both. pg_restore disables and enables
+# the triggers of each table it restores.
 states() {  # the data triggers' states, table by table
-  sql -d "$1" -c "SELECT string_agg(tgname || '=' || tgenabled::text, ' ' ORDER BY tgname) FROM pg_trigger
-                   WHERE tgrelid IN ('quota.ledger'::regclass, 'quota.summary'::regclass) AND tgname <> 'repack_trigger'"
+  sql -d "$1" -c "SELECT string_agg(tgrelid::regclass || '.' || tgname || '=' || tgenabled::text, ' '
+                                    ORDER BY tgrelid::regclass::text, tgname) FROM pg_trigger
+                   WHERE tgrelid IN ('quota.active'::regclass, 'quota.history'::regclass, 'quota.summary'::regclass)
+                     AND tgname <> 'repack_trigger'"
 }
-WANT="ledger_truncated=A ledger_written=A summary_written=A"
+WANT="quota.active.ledger_truncated=A quota.active.ledger_written=A quota.history.ledger_truncated=A quota.history.ledger_written=A quota.summary.summary_written=A"
 
 "$PG_BIN/pg_dump" -h "$CL" -p "$PORT" -U postgres -Fc --data-only -d rd_src -f "$CL/data.dump"
 out=$("$PG_BIN/pg_restore" -h "$CL" -p "$PORT" -U postgres --data-only --disable-triggers -d rd_dst "$CL/data.dump" 2>&1) \

@@ -9,6 +9,10 @@
 #  3. Defence in depth: when a superuser changes the shape of pg_quota's tables, takes
 #     one out of the extension, or swaps in a look-alike, start(), try_start() and
 #     finish() raise a clear error (not XX000) and the server does not crash.
+# From 0.6.0 the ledger is two tables, quota.active (tickets not ended) and
+# quota.history (ended ones), and quota.ledger is a view over both: the look-alikes
+# below stand in for those tables, and each change to the ledger's shape or each swap
+# is made to each of the two tables, in a database of its own.
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-$((5622 + PORT_OFFSET))}"
 with_cluster schema_takeover
@@ -31,8 +35,9 @@ wait_up() { for _ in $(seq 1 60); do sql -c "SELECT 1" >/dev/null 2>&1 && return
 sql -c "CREATE ROLE st_tenant LOGIN" -c "ALTER ROLE st_tenant SET quota.max_active_per_role = 1" \
     -c "CREATE DATABASE st_take" -c "GRANT CREATE ON DATABASE st_take TO st_tenant" \
     -c "CREATE DATABASE st_left" -c "CREATE DATABASE st_su" \
-    -c "CREATE DATABASE st_label" -c "CREATE DATABASE st_tickets" -c "CREATE DATABASE st_member" \
-    -c "CREATE DATABASE st_swap" -c "CREATE DATABASE st_take2" -c "GRANT CREATE ON DATABASE st_take2 TO st_tenant"
+    -c "CREATE DATABASE st_label" -c "CREATE DATABASE st_label_h" -c "CREATE DATABASE st_tickets" \
+    -c "CREATE DATABASE st_member" -c "CREATE DATABASE st_swap" -c "CREATE DATABASE st_swap_h" \
+    -c "CREATE DATABASE st_take2" -c "GRANT CREATE ON DATABASE st_take2 TO st_tenant"
 
 # ------------------------------------------------------------------------------------
 # 1. The tenant creates schema quota first.
@@ -69,12 +74,14 @@ expect_eq "CREATE EXTENSION pg_quota SCHEMA quota is refused the same way" 42P06
 expect_eq "... and leaves no extension behind" 0 "$(has_ext st_take2)"
 # What the tenant would do next: keep the real schema under another name and plant a
 # look-alike ledger and summary where pg_quota reads them, then start past its limit.
+# (0.6.0: the ledger's tables are quota.active and quota.history.)
 as st_tenant st_take "SELECT quota.start('held')" \
   "ALTER SCHEMA quota RENAME TO st_real" \
   "CREATE SCHEMA quota" \
-  "CREATE TABLE quota.ledger (id uuid PRIMARY KEY, role oid NOT NULL, label text, started_at timestamptz NOT NULL,
+  "CREATE TABLE quota.active (id uuid PRIMARY KEY, role oid NOT NULL, label text, started_at timestamptz NOT NULL,
                               ended_at timestamptz, outcome text)" \
-  "CREATE INDEX ledger_role_ended_idx ON quota.ledger (role, ended_at)" \
+  "CREATE INDEX active_role_idx ON quota.active (role, ended_at)" \
+  "CREATE TABLE quota.history (LIKE quota.active INCLUDING ALL)" \
   "CREATE TABLE quota.summary (role oid PRIMARY KEY, tickets bigint NOT NULL)" >/dev/null
 got=$(state st_tenant st_take "SELECT st_real.start('past the limit')")
 check "the tenant gets no ticket past its limit of 1 through its look-alike ledger (got $got)" \
@@ -97,19 +104,26 @@ expect_eq "... and start() works there" t "$(as postgres st_su "SELECT quota.sta
 # ------------------------------------------------------------------------------------
 # 3. Tables whose shape or membership a superuser changed.
 # ------------------------------------------------------------------------------------
-for db in st_label st_tickets st_member st_swap; do
+for db in st_label st_label_h st_tickets st_member st_swap st_swap_h; do
   sql -d "$db" -c "CREATE EXTENSION pg_quota" >/dev/null
   # The writer is running and has seen the tables before they change.
   as postgres "$db" "SELECT quota.start('before')" > "$CL/before.$db"
 done
 
-# quota.tickets reads the column: take it out of the extension and drop it first.
-sql -d st_label -c "ALTER EXTENSION pg_quota DROP VIEW quota.tickets" -c "DROP VIEW quota.tickets" \
-    -c "ALTER TABLE quota.ledger DROP COLUMN label" >/dev/null
-clear_error "ledger without its label column: start() raises a clear error" postgres st_label "SELECT quota.start('x')"
-clear_error "ledger without its label column: try_start() raises a clear error" postgres st_label "SELECT quota.try_start('x')"
-clear_error "ledger without its label column: finish() raises a clear error" postgres st_label \
-  "SELECT quota.finish('$(cat "$CL/before.st_label")')"
+# The view quota.ledger reads the column, and quota.tickets, quota.usage and
+# quota.tenant_usage read quota.ledger: take them out of the extension and drop them
+# first. 0.6.0: quota.active loses the column in st_label, quota.history in st_label_h.
+for t in active history; do
+  db=st_label; [ "$t" = active ] || db=st_label_h
+  sql -d "$db" -c "ALTER EXTENSION pg_quota DROP VIEW quota.tickets" -c "ALTER EXTENSION pg_quota DROP VIEW quota.usage" \
+      -c "ALTER EXTENSION pg_quota DROP VIEW quota.tenant_usage" -c "ALTER EXTENSION pg_quota DROP VIEW quota.ledger" \
+      -c "DROP VIEW quota.tickets, quota.usage, quota.tenant_usage, quota.ledger" \
+      -c "ALTER TABLE quota.$t DROP COLUMN label" >/dev/null
+  clear_error "quota.$t without its label column: start() raises a clear error" postgres "$db" "SELECT quota.start('x')"
+  clear_error "quota.$t without its label column: try_start() raises a clear error" postgres "$db" "SELECT quota.try_start('x')"
+  clear_error "quota.$t without its label column: finish() raises a clear error" postgres "$db" \
+    "SELECT quota.finish('$(cat "$CL/before.$db")')"
+done
 
 wait_up || true
 sql -d st_tickets -c "DO \$\$ DECLARE c name; BEGIN
@@ -128,15 +142,21 @@ clear_error "a summary that is no member of the extension: start() raises a clea
 
 # A look-alike ledger (role text) in place of the real one, which keeps its data under
 # another name. 0.1.0's writer crashed the server on this one, so it comes last.
-wait_up || true
-sql -d st_swap -c "ALTER TABLE quota.ledger RENAME TO ledger_real" \
-    -c "CREATE TABLE quota.ledger (id uuid PRIMARY KEY, role text NOT NULL, label text, started_at timestamptz NOT NULL,
-                                   ended_at timestamptz, outcome text)" \
-    -c "CREATE INDEX ON quota.ledger (role, ended_at)" >/dev/null || true
-clear_error "a look-alike ledger with role text: start() raises a clear error" postgres st_swap "SELECT quota.start('x')"
-wait_up || true
-clear_error "a look-alike ledger with role text: finish() raises a clear error" postgres st_swap \
-  "SELECT quota.finish('$(cat "$CL/before.st_swap")')"
+# 0.6.0: a look-alike quota.active in st_swap, a look-alike quota.history in st_swap_h.
+for t in active history; do
+  db=st_swap; [ "$t" = active ] || db=st_swap_h
+  wait_up || true
+  sql -d "$db" -c "ALTER TABLE quota.$t RENAME TO ${t}_real" \
+      -c "CREATE TABLE quota.$t (id uuid PRIMARY KEY, role text NOT NULL, label text, started_at timestamptz NOT NULL,
+                                 ended_at timestamptz, outcome text)" \
+      -c "CREATE INDEX ON quota.$t (role, ended_at)" >/dev/null || true
+  expect_eq "$db: quota.$t is the look-alike (role text)" text \
+    "$(sql -d "$db" -c "SELECT atttypid::regtype FROM pg_attribute WHERE attrelid = 'quota.$t'::regclass AND attname = 'role'")"
+  clear_error "a look-alike quota.$t with role text: start() raises a clear error" postgres "$db" "SELECT quota.start('x')"
+  wait_up || true
+  clear_error "a look-alike quota.$t with role text: finish() raises a clear error" postgres "$db" \
+    "SELECT quota.finish('$(cat "$CL/before.$db")')"
+done
 sleep 0.5
 check "the server still answers" wait_up
 crashes=$(grep -c "terminated by signal" "$CL/server.log" || true)

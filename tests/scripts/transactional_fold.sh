@@ -2,8 +2,13 @@
 # The role's summary row and transactional tickets (0.5.0). A transactional start must
 # not update its role's summary row in the caller's transaction; the row counts the
 # role's transactional tickets below its `folded` txid, the others are counted from
-# ledger_txid_idx, and the ledger writer folds them in and purges what is past
+# the ledger's txid indexes, and the ledger writer folds them in and purges what is past
 # retention (writer/fold.rs), though no start of the role ever reaches it.
+# From 0.6.0 the ledger is two tables, quota.active (tickets not ended) and
+# quota.history (ended ones), each with its txid index (active_txid_idx,
+# history_txid_idx); quota.ledger, which the checks below read, is a view over both.
+# The finished tickets of 1. and 3. are in quota.history, the unfolded one of 2. in
+# quota.active. No check needed another target.
 # 1. A writer-committed ticket gives the role its summary row; 20 transactional
 #    tickets, committed and finished, are not in it at their commit; the writer folds
 #    them in.

@@ -2,10 +2,14 @@
 # Objects a DBA adds to pg_quota's ledger. A unique index or an exclusion constraint,
 # which the writer's direct index inserts cannot honour (one tenant's duplicate label
 # would fail whole batches of other roles), makes start() refuse with 0A000 for every
-# role, as expression and partial indexes do. A trigger on quota.ledger is refused at
+# role, as expression and partial indexes do. A trigger on the ledger is refused at
 # CREATE TRIGGER (0.3.1: pg_quota's writes would never fire it, and a trigger-based
 # copy such as pg_repack's lost tickets); a rule does not fire on the writer's purge of
 # expired tickets, and cannot make start() fail.
+# From 0.6.0 the ledger is two tables, quota.active (tickets not ended) and
+# quota.history (ended ones), and quota.ledger is a view over both: each object below
+# goes on each of the two tables in turn (the writer's batch writes both: it inserts
+# into quota.active and purges quota.history).
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-$((5684 + PORT_OFFSET))}"
 with_cluster user_objects
@@ -20,7 +24,8 @@ sql -c "CREATE EXTENSION pg_quota" \
 psql_as uo_a -c "SELECT quota.start('a first')" >/dev/null
 
 # ------------------------------------------------------------------------------------
-# 1. A user-added UNIQUE index, then an EXCLUDE constraint, on quota.ledger.
+# 1. A user-added UNIQUE index, then an EXCLUDE constraint, on quota.active, then the
+#    same on quota.history (0.6.0: the ledger's two tables).
 # ------------------------------------------------------------------------------------
 # refused_everywhere WHAT: start() and try_start() raise 0A000 for two tenants and a
 # superuser (labels all distinct, so nothing else could refuse them).
@@ -32,27 +37,31 @@ refused_everywhere() {
   expect_eq "$what: a superuser's start() is refused with 0A000" 0A000 "$(sqlstate postgres "SELECT quota.start('$tag su')")"
   expect_eq "$what: no charge was recorded" 0 "$(sql -c "SELECT count(*) FROM quota.ledger WHERE label LIKE '$tag %'")"
 }
-: > "$CL/errors"
-sql -c "CREATE UNIQUE INDEX ledger_label_key ON quota.ledger (label)"
-refused_everywhere "with a unique index on label" uniq
-check "the refusal names the unique index: $(sort -u "$CL/errors" | head -n2 | tr '\n' ' ')" \
-  grep -q 'ledger_label_key' "$CL/errors"
-sql -c "DROP INDEX quota.ledger_label_key"
-expect_eq "start() works again once the unique index is dropped" t \
-  "$(psql_as uo_a -c "SELECT quota.start('after unique a') IS NOT NULL" 2>&1)"
+for t in active history; do
+  : > "$CL/errors"
+  sql -c "CREATE UNIQUE INDEX ${t}_label_key ON quota.$t (label)"
+  refused_everywhere "with a unique index on quota.$t (label)" "uniq_$t"
+  check "the refusal names the unique index: $(sort -u "$CL/errors" | head -n2 | tr '\n' ' ')" \
+    grep -q "${t}_label_key" "$CL/errors"
+  sql -c "DROP INDEX quota.${t}_label_key"
+  expect_eq "start() works again once the unique index on quota.$t is dropped" t \
+    "$(psql_as uo_a -c "SELECT quota.start('after unique $t a') IS NOT NULL" 2>&1)"
 
-sql -c "ALTER TABLE quota.ledger ADD CONSTRAINT ledger_label_excl EXCLUDE USING btree (label WITH =)"
-refused_everywhere "with an EXCLUDE constraint on label" excl
-sql -c "ALTER TABLE quota.ledger DROP CONSTRAINT ledger_label_excl"
-expect_eq "start() works again once the constraint is dropped" t \
-  "$(psql_as uo_b -c "SELECT quota.start('after exclude b') IS NOT NULL" 2>&1)"
+  sql -c "ALTER TABLE quota.$t ADD CONSTRAINT ${t}_label_excl EXCLUDE USING btree (label WITH =)"
+  refused_everywhere "with an EXCLUDE constraint on quota.$t (label)" "excl_$t"
+  sql -c "ALTER TABLE quota.$t DROP CONSTRAINT ${t}_label_excl"
+  expect_eq "start() works again once the constraint on quota.$t is dropped" t \
+    "$(psql_as uo_b -c "SELECT quota.start('after exclude $t b') IS NOT NULL" 2>&1)"
+done
 check "the summary equals the ledger after the refusals" summary_matches_ledger
 
 # ------------------------------------------------------------------------------------
-# 2. An AFTER DELETE trigger (refused), then a DO INSTEAD NOTHING rule, on
-#    quota.ledger, while uo_p runs with quota.retention = 0 (server-wide, for the
+# 2. An AFTER DELETE trigger (refused), then a DO INSTEAD NOTHING rule, on the
+#    ledger, while uo_p runs with quota.retention = 0 (server-wide, for the
 #    cycles), so that each of its start()s purges its ended tickets. The purge must
-#    happen, fire nothing, and never fail start().
+#    happen, fire nothing, and never fail start(). 0.6.0: on both of the ledger's
+#    tables, quota.history (which the purge deletes from) and quota.active (which each
+#    finish() deletes the ticket from, to insert it into quota.history).
 # ------------------------------------------------------------------------------------
 sql -c "CREATE TABLE public.purge_count (n int NOT NULL)" -c "INSERT INTO public.purge_count VALUES (0)" \
     -c "CREATE FUNCTION public.count_purge() RETURNS trigger LANGUAGE plpgsql AS
@@ -82,8 +91,10 @@ cycles() {
 
 ended_history
 before=$(p_rows)
-expect_eq "an AFTER DELETE trigger on quota.ledger is refused (0A000)" 0A000 \
-  "$(sqlstate postgres "CREATE TRIGGER count_purge AFTER DELETE ON quota.ledger FOR EACH ROW EXECUTE FUNCTION public.count_purge()")"
+for t in active history; do
+  expect_eq "an AFTER DELETE trigger on quota.$t is refused (0A000)" 0A000 \
+    "$(sqlstate postgres "CREATE TRIGGER count_purge AFTER DELETE ON quota.$t FOR EACH ROW EXECUTE FUNCTION public.count_purge()")"
+done
 expect_eq "start()/finish() cycles with retention 0 succeed" "t t t " "$(cycles)"
 expect_eq "... and nothing fired on the writer's purge" 0 "$(sql -c "SELECT n FROM public.purge_count")"
 after=$(p_rows)
@@ -92,12 +103,13 @@ check "the summary equals the ledger after the purges" summary_matches_ledger
 
 ended_history
 before=$(p_rows)
-sql -c "CREATE RULE ledger_keep AS ON DELETE TO quota.ledger DO INSTEAD NOTHING"
-expect_eq "with a DO INSTEAD NOTHING delete rule, start()/finish() cycles with retention 0 succeed" "t t t " "$(cycles)"
+sql -c "CREATE RULE ledger_keep AS ON DELETE TO quota.active DO INSTEAD NOTHING" \
+    -c "CREATE RULE ledger_keep AS ON DELETE TO quota.history DO INSTEAD NOTHING"
+expect_eq "with a DO INSTEAD NOTHING delete rule on quota.active and quota.history, start()/finish() cycles with retention 0 succeed" "t t t " "$(cycles)"
 after=$(p_rows)
 check "... and the purge happened: uo_p's ledger rows went from $before to $after" test "$after" -lt "$before" -a "$after" -le 1
 check "the summary equals the ledger after the purges" summary_matches_ledger
-sql -c "DROP RULE ledger_keep ON quota.ledger"
-expect_eq "start() works once the rule is dropped" t \
+sql -c "DROP RULE ledger_keep ON quota.active" -c "DROP RULE ledger_keep ON quota.history"
+expect_eq "start() works once the rules are dropped" t \
   "$(psql_as uo_p -c "SELECT quota.start('after the rule') IS NOT NULL" 2>&1)"
 finish_checks

@@ -3,7 +3,7 @@
 CREATE EXTENSION amcheck;
 SELECT c.relname, bt_index_check(c.oid, true) IS NOT NULL AS checked
   FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
- WHERE i.indrelid IN ('quota.ledger'::regclass, 'quota.summary'::regclass)
+ WHERE i.indrelid IN ('quota.active'::regclass, 'quota.history'::regclass, 'quota.summary'::regclass)
  ORDER BY 1;
 
 -- Index scans and a sequential scan agree on every role's active count.
@@ -30,7 +30,7 @@ SET quota.max_active_per_role = 0;
 SET ROLE quota_alice;
 SELECT quota.start('before the index') AS t \gset
 RESET ROLE;
-CREATE INDEX ledger_lower_label ON quota.ledger (lower(label));
+CREATE INDEX ledger_lower_label ON quota.active (lower(label));
 SET ROLE quota_alice;
 SELECT quota.start('expression index');
 \echo :LAST_ERROR_SQLSTATE

@@ -10,7 +10,13 @@ UPDATE quota.ledger SET ended_at = now(), outcome = 'succeeded';
 \echo :LAST_ERROR_SQLSTATE
 DELETE FROM quota.ledger;
 \echo :LAST_ERROR_SQLSTATE
-TRUNCATE quota.ledger;
+TRUNCATE quota.active;
+\echo :LAST_ERROR_SQLSTATE
+TRUNCATE quota.history;
+\echo :LAST_ERROR_SQLSTATE
+INSERT INTO quota.active (id, role, started_at) VALUES (gen_random_uuid(), 1, now());
+\echo :LAST_ERROR_SQLSTATE
+UPDATE quota.history SET outcome = 'failed';
 \echo :LAST_ERROR_SQLSTATE
 SELECT * FROM quota.ledger;
 \echo :LAST_ERROR_SQLSTATE

@@ -80,19 +80,19 @@ SELECT dblink_exec('peer', 'SET quota.max_active_per_role = 3');
 SELECT dblink_exec('peer', 'SET ROLE rb_scope_lock');
 SELECT active FROM quota.usage WHERE role = 'rb_scope_lock'::regrole;
 BEGIN;
-LOCK TABLE quota.ledger IN EXCLUSIVE MODE;
+LOCK TABLE quota.active IN EXCLUSIVE MODE;
 SELECT dblink_send_query('peer', 'SELECT quota.start(''in flight'') IS NOT NULL') AS sent;
 -- Wait until the writer has claimed the peer's request and waits for our lock.
 DO $$
 BEGIN
   FOR i IN 1..400 LOOP
     EXIT WHEN EXISTS (SELECT FROM pg_locks
-                       WHERE relation = 'quota.ledger'::regclass AND NOT granted);
+                       WHERE relation = 'quota.active'::regclass AND NOT granted);
     PERFORM pg_sleep(0.01);
   END LOOP;
 END $$;
 SELECT count(*) AS writer_waits_for_ledger FROM pg_locks
- WHERE relation = 'quota.ledger'::regclass AND NOT granted;
+ WHERE relation = 'quota.active'::regclass AND NOT granted;
 SET ROLE rb_scope_lock;
 SET LOCAL statement_timeout = '300ms';
 DO $$

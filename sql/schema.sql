@@ -143,17 +143,19 @@ REVOKE ALL ON quota.ledger FROM PUBLIC;
 -- DELETE acts on the ticket's id, in whichever table it is.
 CREATE FUNCTION quota.ledger_route() RETURNS trigger
     LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-DECLARE
-    was_there boolean;
 BEGIN
     IF TG_OP IN ('UPDATE', 'DELETE') THEN
-        -- The row as it is now, wherever it is; if a finish or a purge committed
-        -- meanwhile, neither table has it and nothing is written back.
-        DELETE FROM quota.active WHERE id OPERATOR(pg_catalog.=) OLD.id;
-        was_there := FOUND;
-        DELETE FROM quota.history WHERE id OPERATOR(pg_catalog.=) OLD.id;
-        was_there := was_there OR FOUND;
-        IF NOT was_there THEN
+        -- The row leaves the table it was read from: an unended one quota.active, an
+        -- ended one quota.history. If a finish or a purge took it from there meanwhile,
+        -- nothing is written back, as an UPDATE or DELETE of a table skips a row that
+        -- a concurrent transaction deleted (looking in the other table would find the
+        -- finish's row and bring the ticket back to life).
+        IF OLD.ended_at IS NULL THEN
+            DELETE FROM quota.active WHERE id OPERATOR(pg_catalog.=) OLD.id;
+        ELSE
+            DELETE FROM quota.history WHERE id OPERATOR(pg_catalog.=) OLD.id;
+        END IF;
+        IF NOT FOUND THEN
             RETURN NULL;
         END IF;
     END IF;

@@ -199,7 +199,7 @@ impl Found {
                 format!("ticket {ticket} is in quota.history but has not ended"),
                 "pg_quota",
             )
-            .set_hint("Rows of quota.history must have ended: as a superuser, give it ended_at and outcome, or move it with UPDATE quota.ledger SET ended_at = NULL WHERE id = … (which puts it in quota.active).")
+            .set_hint("Rows of quota.history must have ended. As a superuser, end it there (UPDATE quota.history SET ended_at = …, outcome = …), or move it: INSERT INTO quota.active SELECT * FROM quota.history WHERE id = …, then DELETE it from quota.history.")
             .report(pgrx::PgLogLevel::ERROR);
         }
     }

@@ -358,9 +358,17 @@ pub fn at_abort(level: i32) {
 /// # Safety
 /// `names` is a List of String nodes.
 unsafe fn relation_of(names: *mut pg_sys::List) -> pg_sys::Oid {
-    // SAFETY: per the contract above; no lock is taken, missing_ok.
+    // SAFETY: per the contract above.
+    unsafe { relid_of(pg_sys::makeRangeVarFromNameList(names)) }
+}
+
+/// The relation `rv` names, if any (InvalidOid if none); no lock is taken.
+///
+/// # Safety
+/// `rv` is a RangeVar.
+unsafe fn relid_of(rv: *mut pg_sys::RangeVar) -> pg_sys::Oid {
+    // SAFETY: per the contract above; missing_ok.
     unsafe {
-        let rv = pg_sys::makeRangeVarFromNameList(names);
         pg_sys::RangeVarGetRelidExtended(
             rv,
             pg_sys::NoLock as i32,
@@ -394,13 +402,7 @@ pub unsafe fn before_utility(node: *mut pg_sys::Node) {
                 && !(*stmt).relation.is_null()
                 && pg_sys::SessionReplicationRole == pg_sys::SESSION_REPLICATION_ROLE_REPLICA as i32
             {
-                let rel = pg_sys::RangeVarGetRelidExtended(
-                    (*stmt).relation,
-                    pg_sys::NoLock as i32,
-                    pg_sys::RVROption::RVR_MISSING_OK,
-                    None,
-                    std::ptr::null_mut(),
-                );
+                let rel = relid_of((*stmt).relation);
                 if our_table(rel) == Some("ledger")
                     && pg_sys::get_rel_relkind(rel) == pg_sys::RELKIND_VIEW as std::ffi::c_char
                 {
@@ -437,13 +439,7 @@ pub unsafe fn before_utility(node: *mut pg_sys::Node) {
             {
                 return;
             }
-            let rel = pg_sys::RangeVarGetRelidExtended(
-                (*stmt).relation,
-                pg_sys::NoLock as i32,
-                pg_sys::RVROption::RVR_MISSING_OK,
-                None,
-                std::ptr::null_mut(),
-            );
+            let rel = relid_of((*stmt).relation);
             let trigger = crate::catalog::name_text((*stmt).subname);
             targets.push((rel, trigger, "rename"));
         }

@@ -25,7 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")
 # (name, script, role): None spreads the clients over bench_r1..bench_r16.
 WORKLOADS = [("JOB", "job.sql", None), ("JOB1", "job1.sql", None), ("JOBQ", "jobq.sql", None),
-             ("JOBT", "jobt.sql", None), ("JOBT-tenants", "jobt_tenants.sql", "bench_tenants"),
+             ("JOBT", "jobt.sql", None), ("JOBT0", "jobt0.sql", None),
+             ("JOBT-tenants", "jobt_tenants.sql", "bench_tenants"),
              ("start+finish", "pgq.sql", None),
              ("refuse", "refuse.sql", "bench_refused"),
              ("refuse-tenant", "refuse_tenant.sql", "bench_tenant_refused"),

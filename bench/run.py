@@ -296,6 +296,7 @@ def wal_bytes(a, b):
 # as pgx, JDBC and asyncpg prepare). JOBT-tenants runs 16 clients on ONE role.
 JOBS5 = [("JOB", "job.sql", "roles", None), ("JOB1", "job1.sql", "roles", None),
          ("JOBQ", "jobq.sql", "roles", None), ("JOBT", "jobt.sql", "roles", None),
+         ("JOBT0", "jobt0.sql", "roles", None),
          ("JOBT-tenants", "jobt_tenants.sql", "one", "bench_tenants"),
          ("start+finish", "pgq.sql", "roles", None), ("B2", "b2.sql", "roles", None)]
 CALLS5 = [("refuse", "refuse.sql", "bench_refused"),
@@ -380,7 +381,9 @@ def write_jobs_report(figures, lines):
         "role, each job for a tenant drawn from 1,000 (quota.max_active_per_tenant = 100). JOBT "
         "is JOBQ with `transactional => true`: the charge commits with the job's row. Refusals "
         "on one role at its limit (a tenant at its limit for refuse-tenant); CALL0 is a C "
-        "function with start()'s signature that does nothing (bench/call0).")
+        "function with start()'s signature that does nothing (bench/call0). JOBT0 is JOBT "
+        "with CALL0 and a FINISH0 in place of start() and finish(): JOBT's SQL without "
+        "pg_quota's work, the most any ledger could reach.")
     add("")
     add("| workload | simple /s | prepared /s | vs JOB (simple) | vs JOB (prepared) |")
     add("|---|---:|---:|---:|---:|")
@@ -415,6 +418,8 @@ def write_jobs_report(figures, lines):
             (f"0.5.0 ({p}): JOBQ vs JOB (writer path kept)", ratio(t("JOBQ", p), t("JOB", p)), ">=", 0.55),
             (f"0.5.0 ({p}): start+finish vs B2 (writer path kept)",
              ratio(t("start+finish", p), t("B2", p)), ">=", 1.35),
+            (f"0.6.0 ({p}): JOBT vs JOB", ratio(t("JOBT", p), t("JOB", p)), ">=", 0.85),
+            (f"0.6.0 ({p}): JOBT vs JOB1", ratio(t("JOBT", p), t("JOB1", p)), ">=", 1.3),
         ]
     targets += [
         ("0.5.0: WAL bytes per refusal (role)", wal["refuse"], "<", 1.0),

@@ -239,3 +239,12 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS '$libdir/pg_quota_bench_call0', 'call0';
 GRANT EXECUTE ON FUNCTION bench.call0 TO PUBLIC;
+-- FINISH0: the same for quota.finish() (JOBT0: JOBT's statements, pg_quota's work left out).
+CREATE FUNCTION bench.finish0(
+	"ticket" uuid,
+	"outcome" TEXT DEFAULT 'succeeded'
+) RETURNS bool
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS '$libdir/pg_quota_bench_call0', 'finish0';
+GRANT EXECUTE ON FUNCTION bench.finish0 TO PUBLIC;

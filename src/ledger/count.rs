@@ -226,18 +226,91 @@ fn summary_entry(r: &Rels, slot: *mut pg_sys::TupleTableSlot) -> Option<(i64, u6
 /// `role`'s summary row, if it has one: its tickets, and (0.5.0) the txid below which
 /// its transactional tickets are counted in it (0 where none are).
 pub fn summary_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> Option<(i64, u64)> {
-    let mut rows = None;
-    scan(
-        r.summary,
-        r.summary_idx,
-        snap,
-        &[Key::OidEq(role)],
-        |slot| {
-            rows = summary_entry(r, slot);
-            false
-        },
-    );
-    rows
+    // SAFETY: the caller holds locks on both relations (a Reader's, or the writer's).
+    unsafe {
+        let heap = pg_sys::table_open(r.summary, pg_sys::NoLock as i32);
+        let index = pg_sys::index_open(r.summary_idx, pg_sys::NoLock as i32);
+        let row = summary_row(r, heap, index, snap, role);
+        pg_sys::index_close(index, pg_sys::NoLock as i32);
+        pg_sys::table_close(heap, pg_sys::NoLock as i32);
+        row.map(|(_, tickets, folded)| (tickets, folded.unwrap_or(0)))
+    }
+}
+
+thread_local! {
+    /// Where this backend last found or wrote each role's summary row: the summary's
+    /// relfilenode the locations are in, and role -> location. See `summary_row`.
+    static SUMMARY_AT: std::cell::RefCell<(u32, std::collections::HashMap<u32, pg_sys::ItemPointerData>)> =
+        std::cell::RefCell::new((0, std::collections::HashMap::new()));
+}
+
+/// The most locations `SUMMARY_AT` keeps; past that it starts again.
+const SUMMARY_AT_MAX: usize = 10_000;
+
+/// `role`'s summary row as `snap` sees it: its location, tickets and `folded` (None
+/// where the column is NULL, or before 0.5.0's schema, which has none).
+///
+/// The writer updates a role's row at every batch that admits it, so the row has a
+/// version per batch; until pruning (or VACUUM, which an old snapshot holds off) removes
+/// the dead ones, an index scan walks them all (with a REPEATABLE READ snapshot held
+/// across 11,000 batches of a role, 11,000 versions a lookup). So the row is first
+/// fetched where this backend last found or wrote it: a version `snap` sees there, of
+/// this role, is the row (the primary key lets `snap` see one version of a role's row),
+/// whatever happened in between. Only if that finds nothing (the row was updated by
+/// someone else, a VACUUM moved on, the table was rewritten, an aborted write) is it
+/// looked up through the index, and its location remembered.
+pub fn summary_row(
+    r: &Rels,
+    heap: pg_sys::Relation,
+    index: pg_sys::Relation,
+    snap: &Latest,
+    role: pg_sys::Oid,
+) -> Option<(pg_sys::ItemPointerData, i64, Option<u64>)> {
+    // SAFETY: an open relation.
+    let file = unsafe { crate::compat::relfilenode(heap) };
+    let known = SUMMARY_AT.with_borrow(|(f, at)| {
+        (*f == file)
+            .then(|| at.get(&u32::from(role)).copied())
+            .flatten()
+    });
+    let entry = |slot: *mut pg_sys::TupleTableSlot| {
+        // SAFETY: the slot holds a visible summary tuple, pinned meanwhile.
+        let tid = unsafe { (*slot).tts_tid };
+        let folded = (r.summary_ncols >= SUMMARY_COL_FOLDED)
+            .then(|| attr(slot, SUMMARY_COL_FOLDED as i32).map(|d| d.value() as u64))
+            .flatten();
+        attr(slot, SUMMARY_COL_TICKETS as i32).map(|d| (tid, d.value() as i64, folded))
+    };
+    if let Some(tid) = known {
+        let fetched = crate::ledger::scan::fetch_visible(heap, tid, snap, |slot| {
+            let of_role = attr(slot, 1).is_some();
+            of_role.then(|| entry(slot)).flatten()
+        });
+        if let Some(Some(row)) = fetched {
+            return Some(row);
+        }
+    }
+    let mut row = None;
+    crate::ledger::scan::scan_open(heap, index, snap, &[Key::OidEq(role)], |slot| {
+        row = entry(slot);
+        false
+    });
+    if let Some((tid, _, _)) = row {
+        remember_summary_at(file, role, tid);
+    }
+    row
+}
+
+/// Records that `role`'s summary row is at `tid` of the summary whose relfilenode is
+/// `file` (a version this backend just wrote, or found).
+pub fn remember_summary_at(file: u32, role: pg_sys::Oid, tid: pg_sys::ItemPointerData) {
+    SUMMARY_AT.with_borrow_mut(|(f, at)| {
+        if *f != file || at.len() >= SUMMARY_AT_MAX {
+            *f = file;
+            at.clear();
+        }
+        at.insert(u32::from(role), tid);
+    });
 }
 
 /// How many ledger rows `role` has (in both tables), counted one by one.

@@ -183,10 +183,20 @@ impl OpenRel {
     /// that may differ, for the indexes' bottom-up deletion hint. Frees `new_tuple`.
     pub fn update(
         &self,
-        mut tid: pg_sys::ItemPointerData,
+        tid: pg_sys::ItemPointerData,
         new_tuple: pg_sys::HeapTuple,
         changed: &[usize],
     ) -> pg_sys::TM_Result::Type {
+        self.update_at(tid, new_tuple, changed).0
+    }
+
+    /// `update`, also returning where the new version went (meaningful on TM_Ok only).
+    pub fn update_at(
+        &self,
+        mut tid: pg_sys::ItemPointerData,
+        new_tuple: pg_sys::HeapTuple,
+        changed: &[usize],
+    ) -> (pg_sys::TM_Result::Type, pg_sys::ItemPointerData) {
         // SAFETY: the relation is open with RowExclusiveLock; heap_update WAL-logs the
         // change, takes the tuple lock, and checks SSI conflicts. No crosscheck
         // snapshot: callers act on the latest committed version.
@@ -209,8 +219,9 @@ impl OpenRel {
                     IndexUpdate::Summarizing => self.insert_index_entries(new_tuple, changed, true),
                 }
             }
+            let at = (*new_tuple).t_self;
             pg_sys::heap_freetuple(new_tuple);
-            result
+            (result, at)
         }
     }
 

@@ -237,6 +237,40 @@ pub fn scan_open(
     }
 }
 
+/// The version of `heap_rel` at `tid`, if it exists and `snap` sees it, handed to
+/// `visit` in a slot: a fetch by location, where `scan_open` would walk every version
+/// an index entry leads to. Not under SERIALIZABLE (None: the fetch would take a
+/// predicate lock on the tuple; scan instead). A `tid` past the relation's end, or
+/// naming no tuple, finds nothing. The caller holds `heap_rel` open and locked.
+pub fn fetch_visible<T>(
+    heap_rel: pg_sys::Relation,
+    tid: pg_sys::ItemPointerData,
+    snap: &Latest,
+    visit: impl FnOnce(*mut pg_sys::TupleTableSlot) -> T,
+) -> Option<T> {
+    if serializable() {
+        return None;
+    }
+    let mut tid = tid;
+    // SAFETY: the caller holds the relation open and locked. The block number is
+    // checked against the relation's length first (reading past it is an ERROR);
+    // heap_fetch itself checks the offset and that the item is a tuple. The slot is
+    // dropped before we return, and an ERROR releases it with the transaction.
+    unsafe {
+        let blocks =
+            pg_sys::RelationGetNumberOfBlocksInFork(heap_rel, pg_sys::ForkNumber::MAIN_FORKNUM);
+        let block = (u32::from(tid.ip_blkid.bi_hi) << 16) | u32::from(tid.ip_blkid.bi_lo);
+        if block >= blocks {
+            return None;
+        }
+        let slot = pg_sys::table_slot_create(heap_rel, std::ptr::null_mut());
+        let found = pg_sys::table_tuple_fetch_row_version(heap_rel, &mut tid, snap.0, slot);
+        let out = found.then(|| visit(slot));
+        pg_sys::ExecDropSingleTupleTableSlot(slot);
+        out
+    }
+}
+
 /// Whether the row version a SnapshotAny scan put in `slot` is visible to `snap`,
 /// checked under a share lock on its buffer, as heap_hot_search_buffer would.
 ///

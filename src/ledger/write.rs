@@ -7,14 +7,13 @@ use pgrx::prelude::*;
 
 use crate::core::uuid_v7;
 
-use crate::ledger::count::{ledger_rows, summary_rows, unfolded};
+use crate::ledger::count::{ledger_rows, remember_summary_at, summary_row, summary_rows, unfolded};
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::Rels;
 use crate::ledger::scan::{attr, scan_open, text_datum, Key, Latest};
 use crate::ledger::{
     COL_ENDED_AT, COL_ID, COL_KEY, COL_LABEL, COL_LEASE_UNTIL, COL_OUTCOME, COL_PID, COL_ROLE,
     COL_STARTED_AT, COL_TENANT, COL_TXID, NCOLS_V2, NCOLS_V5, SUMMARY_COL_FOLDED,
-    SUMMARY_COL_TICKETS,
 };
 
 /// Deletes the rows of `rel` that `keys` select on its index `index` and `wanted`
@@ -311,23 +310,13 @@ fn update_summary(rels: &Rels, summary: &OpenRel, role: pg_sys::Oid, n: i64, fol
         // SAFETY: makes our writes in this transaction visible to the snapshot below.
         unsafe { pg_sys::CommandCounterIncrement() };
         let snap = Latest::take();
-        let mut current = None;
         let ncols = rels.summary_ncols;
-        scan_open(
+        let current = summary_row(
+            rels,
             summary.heap,
             summary.index(rels.summary_idx),
             &snap,
-            &[Key::OidEq(role)],
-            |slot| {
-                let tickets =
-                    attr(slot, SUMMARY_COL_TICKETS as i32).map_or(0, |d| d.value() as i64);
-                let folded = (ncols >= SUMMARY_COL_FOLDED)
-                    .then(|| attr(slot, SUMMARY_COL_FOLDED as i32).map(|d| d.value() as u64))
-                    .flatten();
-                // SAFETY: the slot holds a summary tuple, pinned meanwhile.
-                current = Some((unsafe { (*slot).tts_tid }, tickets, folded));
-                false
-            },
+            role,
         );
         // All of the role's rows but its transactional tickets from `folded` on.
         let recount =
@@ -351,10 +340,18 @@ fn update_summary(rels: &Rels, summary: &OpenRel, role: pg_sys::Oid, n: i64, fol
             recount(folded.unwrap_or(0))
         };
         let tuple = summary_values(summary, ncols, role, tickets, folded);
-        match summary.update(tid, tuple, &[2]) {
-            pg_sys::TM_Result::TM_Ok => return,
-            pg_sys::TM_Result::TM_Updated | pg_sys::TM_Result::TM_Deleted => continue,
-            other => pgrx::error!(
+        match summary.update_at(tid, tuple, &[2]) {
+            (pg_sys::TM_Result::TM_Ok, at) => {
+                // SAFETY: an open relation.
+                remember_summary_at(
+                    unsafe { crate::compat::relfilenode(summary.heap) },
+                    role,
+                    at,
+                );
+                return;
+            }
+            (pg_sys::TM_Result::TM_Updated | pg_sys::TM_Result::TM_Deleted, _) => continue,
+            (other, _) => pgrx::error!(
                 "pg_quota: unexpected result {other} updating the summary of role {}",
                 u32::from(role)
             ),

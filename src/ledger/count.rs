@@ -77,7 +77,7 @@ pub fn rows(
     role: pg_sys::Oid,
     count_if_missing: bool,
 ) -> Option<(i64, bool)> {
-    match summary_rows(r, snap, role) {
+    match summary_rows(r, snap, role, false) {
         Some((tickets, folded)) => Some((tickets + unfolded(r, snap, role, folded), false)),
         None if count_if_missing => {
             let n = ledger_rows(r, snap, role);
@@ -225,12 +225,24 @@ fn summary_entry(r: &Rels, slot: *mut pg_sys::TupleTableSlot) -> Option<(i64, u6
 
 /// `role`'s summary row, if it has one: its tickets, and (0.5.0) the txid below which
 /// its transactional tickets are counted in it (0 where none are).
-pub fn summary_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> Option<(i64, u64)> {
+/// `cached`: look where this backend last found or wrote it first (see `summary_row`),
+/// for the ledger writer, which updates the row at every batch; a backend would find
+/// the version it remembered replaced nearly every time.
+pub fn summary_rows(
+    r: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    cached: bool,
+) -> Option<(i64, u64)> {
     // SAFETY: the caller holds locks on both relations (a Reader's, or the writer's).
     unsafe {
         let heap = pg_sys::table_open(r.summary, pg_sys::NoLock as i32);
         let index = pg_sys::index_open(r.summary_idx, pg_sys::NoLock as i32);
-        let row = summary_row(r, heap, index, snap, role);
+        let row = if cached {
+            summary_row(r, heap, index, snap, role)
+        } else {
+            summary_scan(r, heap, index, snap, role)
+        };
         pg_sys::index_close(index, pg_sys::NoLock as i32);
         pg_sys::table_close(heap, pg_sys::NoLock as i32);
         row.map(|(_, tickets, folded)| (tickets, folded.unwrap_or(0)))
@@ -258,7 +270,8 @@ const SUMMARY_AT_MAX: usize = 10_000;
 /// this role, is the row (the primary key lets `snap` see one version of a role's row),
 /// whatever happened in between. Only if that finds nothing (the row was updated by
 /// someone else, a VACUUM moved on, the table was rewritten, an aborted write) is it
-/// looked up through the index, and its location remembered.
+/// looked up through the index. The fetch prunes the page first where it is nearly full
+/// (see scan::fetch_visible), as the index scan did.
 pub fn summary_row(
     r: &Rels,
     heap: pg_sys::Relation,
@@ -273,32 +286,59 @@ pub fn summary_row(
             .then(|| at.get(&u32::from(role)).copied())
             .flatten()
     });
-    let entry = |slot: *mut pg_sys::TupleTableSlot| {
-        // SAFETY: the slot holds a visible summary tuple, pinned meanwhile.
-        let tid = unsafe { (*slot).tts_tid };
-        let folded = (r.summary_ncols >= SUMMARY_COL_FOLDED)
-            .then(|| attr(slot, SUMMARY_COL_FOLDED as i32).map(|d| d.value() as u64))
-            .flatten();
-        attr(slot, SUMMARY_COL_TICKETS as i32).map(|d| (tid, d.value() as i64, folded))
-    };
     if let Some(tid) = known {
         let fetched = crate::ledger::scan::fetch_visible(heap, tid, snap, |slot| {
-            let of_role = attr(slot, 1).is_some();
-            of_role.then(|| entry(slot)).flatten()
+            let of_role = attr(slot, 1).is_some_and(|d| u32::from(role) == d.value() as u32);
+            of_role.then(|| summary_entry_at(r, slot)).flatten()
         });
         if let Some(Some(row)) = fetched {
             return Some(row);
         }
     }
-    let mut row = None;
-    crate::ledger::scan::scan_open(heap, index, snap, &[Key::OidEq(role)], |slot| {
-        row = entry(slot);
-        false
-    });
-    if let Some((tid, _, _)) = row {
-        remember_summary_at(file, role, tid);
+    let row = summary_scan(r, heap, index, snap, role);
+    // A location remembered stays unless the index found no row: one that `snap` does
+    // not see may be newer than `snap` (the fold reads under a snapshot of its pass),
+    // and the writer remembers every version it writes.
+    match row {
+        Some((tid, _, _)) if known.is_none() => remember_summary_at(file, role, tid),
+        None if known.is_some() => forget_summary_at(role),
+        _ => {}
     }
     row
+}
+
+/// `role`'s summary row found through the summary's index.
+fn summary_scan(
+    r: &Rels,
+    heap: pg_sys::Relation,
+    index: pg_sys::Relation,
+    snap: &Latest,
+    role: pg_sys::Oid,
+) -> Option<(pg_sys::ItemPointerData, i64, Option<u64>)> {
+    let mut row = None;
+    crate::ledger::scan::scan_open(heap, index, snap, &[Key::OidEq(role)], |slot| {
+        row = summary_entry_at(r, slot);
+        false
+    });
+    row
+}
+
+/// The summary row in `slot`: its location, tickets and `folded` (as `summary_row`).
+fn summary_entry_at(
+    r: &Rels,
+    slot: *mut pg_sys::TupleTableSlot,
+) -> Option<(pg_sys::ItemPointerData, i64, Option<u64>)> {
+    // SAFETY: the slot holds a visible summary tuple, pinned meanwhile.
+    let tid = unsafe { (*slot).tts_tid };
+    let folded = (r.summary_ncols >= SUMMARY_COL_FOLDED)
+        .then(|| attr(slot, SUMMARY_COL_FOLDED as i32).map(|d| d.value() as u64))
+        .flatten();
+    attr(slot, SUMMARY_COL_TICKETS as i32).map(|d| (tid, d.value() as i64, folded))
+}
+
+/// Forgets where `role`'s summary row was.
+fn forget_summary_at(role: pg_sys::Oid) {
+    SUMMARY_AT.with_borrow_mut(|(_, at)| at.remove(&u32::from(role)));
 }
 
 /// Records that `role`'s summary row is at `tid` of the summary whose relfilenode is

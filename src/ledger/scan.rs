@@ -263,6 +263,12 @@ pub fn fetch_visible<T>(
         if block >= blocks {
             return None;
         }
+        // As an index scan's first visit to a page does (heapam_index_fetch_tuple): a
+        // page whose free space ran low loses its dead versions, so that a row updated
+        // over and over keeps to its page (heap_fetch never prunes).
+        let buffer = pg_sys::ReadBuffer(heap_rel, block);
+        pg_sys::heap_page_prune_opt(heap_rel, buffer);
+        pg_sys::ReleaseBuffer(buffer);
         let slot = pg_sys::table_slot_create(heap_rel, std::ptr::null_mut());
         let found = pg_sys::table_tuple_fetch_row_version(heap_rel, &mut tid, snap.0, slot);
         let out = found.then(|| visit(slot));

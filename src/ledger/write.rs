@@ -177,7 +177,7 @@ pub fn purge_before(
     // SAFETY: makes our earlier writes in this transaction (a fold of this role's
     // summary row) visible to the snapshot.
     unsafe { pg_sys::CommandCounterIncrement() };
-    let folded = summary_rows(rels, &Latest::take(), role).map_or(0, |(_, f)| f);
+    let folded = summary_rows(rels, &Latest::take(), role, true).map_or(0, |(_, f)| f);
     let v5 = rels.v5();
     let (all, summarized) = delete_counting(
         tables.history(),

@@ -36,7 +36,7 @@ pub fn role_counts(reader: &Reader, role: pg_sys::Oid) -> (i64, i64, i64) {
     let r = &reader.rels;
     let mut open = 0;
     let counted = reader.tags.and_then(|tags| {
-        let has_numbers = || summary_rows(r, &others_view(), role).is_some();
+        let has_numbers = || summary_rows(r, &others_view(), role, false).is_some();
         get(ScopeKey::role(role), tags, &mut open, has_numbers, |s| {
             // A rebuild holds the counters' lock: never count a whole history
             // under it. Without a summary row, count this once without a

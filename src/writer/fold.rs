@@ -98,7 +98,7 @@ fn fold() {
         // tenant never counts its own rows, which is what asks for it elsewhere); its
         // history is purged all the same. Adopted tickets are among the rows that
         // rebuild counts, below its `folded`.
-        match summary_rows(&rels, &snap, role) {
+        match summary_rows(&rels, &snap, role, true) {
             None => crate::workers::request_summary_rebuild(),
             Some((_, folded)) => {
                 let added = adopted + unfolded_below(&rels, &snap, role, folded, h);

@@ -14,7 +14,7 @@ pub fn rebuild_summary() {
     let rels = reader.rels;
     let snap = Latest::take();
     let missing = roles_where(&rels, &snap, |role| {
-        summary_rows(&rels, &snap, role).is_none()
+        summary_rows(&rels, &snap, role, true).is_none()
     });
     drop(snap);
     if missing.is_empty() {

@@ -215,12 +215,7 @@ const REBUILD_ABOVE: i64 = 0;
 /// A summary row's tickets, and (0.5.0) the txid below which its role's transactional
 /// tickets are counted in it (0 where none are).
 fn summary_entry(r: &Rels, slot: *mut pg_sys::TupleTableSlot) -> Option<(i64, u64)> {
-    let folded = if r.v5() {
-        attr(slot, SUMMARY_COL_FOLDED as i32).map_or(0, |d| d.value() as u64)
-    } else {
-        0
-    };
-    attr(slot, SUMMARY_COL_TICKETS as i32).map(|d| (d.value() as i64, folded))
+    summary_entry_at(r, slot).map(|(_, tickets, folded)| (tickets, folded.unwrap_or(0)))
 }
 
 /// `role`'s summary row, if it has one: its tickets, and (0.5.0) the txid below which

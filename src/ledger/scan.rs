@@ -259,7 +259,7 @@ pub fn fetch_visible<T>(
     unsafe {
         let blocks =
             pg_sys::RelationGetNumberOfBlocksInFork(heap_rel, pg_sys::ForkNumber::MAIN_FORKNUM);
-        let block = (u32::from(tid.ip_blkid.bi_hi) << 16) | u32::from(tid.ip_blkid.bi_lo);
+        let block = pgrx::itemptr::item_pointer_get_block_number_no_check(tid);
         if block >= blocks {
             return None;
         }

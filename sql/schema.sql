@@ -57,8 +57,6 @@ ALTER TABLE quota.history ADD CONSTRAINT history_ended_check
 -- A role's ended tickets by when they ended: its retained count at the window's edge,
 -- its oldest retained ticket, its purge.
 CREATE INDEX history_role_ended_idx ON quota.history (role, ended_at, lease_until);
--- The database's ended tickets by when they ended (quota.usage_totals).
-CREATE INDEX history_open_idx ON quota.history (ended_at, lease_until);
 -- Idempotent starts: a role's retained tickets by key.
 CREATE INDEX history_role_key_idx ON quota.history (role, idempotency_key);
 -- 0.5.0: what admission counts for one tenant of a role, as history_role_ended_idx

@@ -215,6 +215,10 @@ pub enum QuotaError {
     WriterDidNotStart { db: String },
     #[error("could not obtain lock on relation \"{relation}\"")]
     LockTimeout { relation: String, seconds: i64 },
+    /// The ledger writer waited for extension pg_quota's own lock, which a command
+    /// dropping the extension holds or awaits (0.6.0, ledger::rels::lock_extension).
+    #[error("could not obtain lock on extension \"pg_quota\"")]
+    ExtensionLockTimeout { seconds: i64 },
     /// A relation pg_quota opens is not the one its extension created (I5: lookups
     /// cannot be redirected), or no longer has the columns pg_quota writes.
     #[error("relation \"{relation}\" is not a table of extension pg_quota")]
@@ -384,7 +388,9 @@ impl QuotaError {
             QuotaError::WriterDidNotStart { .. }
             | QuotaError::NotExtensionMember { .. }
             | QuotaError::BadShape { .. } => Sqlstate::ObjectNotInPrerequisiteState,
-            QuotaError::LockTimeout { .. } => Sqlstate::LockNotAvailable,
+            QuotaError::LockTimeout { .. } | QuotaError::ExtensionLockTimeout { .. } => {
+                Sqlstate::LockNotAvailable
+            }
             QuotaError::SchemaNotOurs { .. }
             | QuotaError::SchemaOpen { .. }
             | QuotaError::SchemaNotEmpty => Sqlstate::DuplicateSchema,
@@ -474,6 +480,9 @@ impl QuotaError {
             ),
             QuotaError::LockTimeout { seconds, .. } => Some(format!(
                 "pg_quota waited {seconds} s. Maintenance such as VACUUM FULL, CLUSTER, REINDEX or ALTER TABLE holds or awaits a conflicting lock on it."
+            )),
+            QuotaError::ExtensionLockTimeout { seconds } => Some(format!(
+                "The ledger writer waited {seconds} s. A command that drops the extension (DROP EXTENSION pg_quota, DROP OWNED BY its owner) holds or awaits a conflicting lock on it."
             )),
             QuotaError::BadShape { why, .. } => Some(format!("{why}.")),
             QuotaError::TriggerArguments { why, .. } => Some(why.clone()),
@@ -600,6 +609,10 @@ impl QuotaError {
             QuotaError::LockTimeout { .. } => {
                 Some("Try again once the maintenance has finished.".to_string())
             }
+            QuotaError::ExtensionLockTimeout { .. } => Some(
+                "Try again once that command has ended; if it dropped the extension, create it again first."
+                    .to_string(),
+            ),
             QuotaError::NotExtensionMember { .. } => Some(
                 "Someone renamed or replaced pg_quota's schema or tables. Rename them back, or reinstall with DROP EXTENSION pg_quota and CREATE EXTENSION pg_quota.".to_string(),
             ),

@@ -205,6 +205,7 @@ fn messages_are_lowercase_postgres_style() {
             relation: "quota.ledger".into(),
             seconds: 5,
         },
+        QuotaError::ExtensionLockTimeout { seconds: 5 },
         QuotaError::NotExtensionMember {
             relation: "quota.ledger".into(),
         },
@@ -333,6 +334,13 @@ fn sqlstates_match_the_contract() {
         .code(),
         "55P03"
     );
+    let ext = QuotaError::ExtensionLockTimeout { seconds: 5 };
+    assert_eq!(ext.sqlstate().code(), "55P03");
+    assert_eq!(
+        ext.to_string(),
+        "could not obtain lock on extension \"pg_quota\""
+    );
+    assert!(ext.detail().unwrap().contains("DROP EXTENSION pg_quota"));
     let held = QuotaError::KeyHeldUncommitted;
     assert_eq!(held.sqlstate().code(), "55000");
     assert!(held.hint().unwrap().contains("transactional => true"));

@@ -6,8 +6,8 @@ use pgrx::pg_sys;
 use crate::core::lease::Lapsed;
 use crate::ledger::rels::Rels;
 use crate::ledger::scan::{
-    attr, count, distinct_oids, scan, scan_any, scan_index, text_attr, text_datum, ts_attr, Key,
-    Latest,
+    attr, count, distinct_oids, rescans, scan, scan_any, scan_index, text_attr, text_datum,
+    ts_attr, Key, Latest,
 };
 use crate::ledger::{
     COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_ROLE, COL_STARTED_AT, COL_TENANT, COL_TXID,
@@ -680,7 +680,7 @@ fn roles_in(
     in_both(r, |heap, idx| {
         let mut locks = crate::ledger::rels::Locks::new();
         locks.take(which(idx), pg_sys::AccessShareLock);
-        distinct_oids(heap, which(idx), COL_ROLE, snap, |role| {
+        distinct_oids(heap, which(idx), COL_ROLE, snap, |role, _| {
             roles.insert(u32::from(role));
         });
         0
@@ -765,15 +765,15 @@ pub fn key_in_progress(
     found
 }
 
-/// How many ledger rows the database holds, all roles together (0.5.1, for
-/// quota.usage_totals), without reading the ledger's history: each role's summary row
+/// How many ledger rows each role holds (0.5.1, for quota.usage_totals; only roles with
+/// rows are in the map), without reading the ledger's history: each role's summary row
 /// plus its transactional tickets not folded into it yet, or, for a role without a
 /// summary row (SQL-level writes to the ledger made the summary forget it, until the
 /// writer gives it back), its rows counted one by one; and whether any role had no
 /// summary row (the caller asks the writer to rebuild them). Costs a read of the
 /// summary, a step or a probe per role with ledger rows, and one per role with
 /// transactional tickets.
-pub fn db_rows(r: &Rels, snap: &Latest) -> (i64, bool) {
+pub fn db_rows(r: &Rels, snap: &Latest) -> (std::collections::HashMap<u32, RoleRows>, bool) {
     let mut summary = std::collections::HashMap::new();
     scan(r.summary, r.summary_idx, snap, &[], |slot| {
         if let (Some(role), Some(entry)) = (attr(slot, 1), summary_entry(r, slot)) {
@@ -786,11 +786,28 @@ pub fn db_rows(r: &Rels, snap: &Latest) -> (i64, bool) {
     } else {
         Default::default()
     };
-    let mut rows = 0i64;
+    // The roles, and each one's earliest ended_at: the first row of a role in its
+    // (role, ended_at, …) index has it, where any of its tickets ended (NULLs sort
+    // last; quota.active's are all NULL).
+    let mut first_ended = std::collections::BTreeMap::<u32, Option<i64>>::new();
+    in_both(r, |heap, idx| {
+        let mut locks = crate::ledger::rels::Locks::new();
+        locks.take(idx.role, pg_sys::AccessShareLock);
+        distinct_oids(heap, idx.role, COL_ROLE, snap, |role, slot| {
+            let ended = ts_attr(slot, COL_ENDED_AT);
+            let e = first_ended.entry(u32::from(role)).or_insert(None);
+            *e = match (*e, ended) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        });
+        0
+    });
+    let mut rows = std::collections::HashMap::new();
     let mut missing = false;
-    for role in roles_in(r, snap, |idx| idx.role) {
+    for (&role, &first_ended) in &first_ended {
         let role = pg_sys::Oid::from(role);
-        rows += match summary.get(&u32::from(role)) {
+        let n = match summary.get(&u32::from(role)) {
             Some(&(tickets, folded)) if txn_roles.contains(&u32::from(role)) => {
                 tickets + unfolded(r, snap, role, folded)
             }
@@ -800,8 +817,23 @@ pub fn db_rows(r: &Rels, snap: &Latest) -> (i64, bool) {
                 ledger_rows(r, snap, role)
             }
         };
+        rows.insert(
+            u32::from(role),
+            RoleRows {
+                rows: n,
+                first_ended,
+            },
+        );
     }
     (rows, missing)
+}
+
+/// A role's ledger rows, as db_rows counts them.
+#[derive(Clone, Copy)]
+pub struct RoleRows {
+    pub rows: i64,
+    /// When its earliest ended ticket ended, if any has.
+    pub first_ended: Option<pg_sys::TimestampTz>,
 }
 
 /// The database's unfinished tickets (0.5.1, for quota.usage_totals), sorted as
@@ -814,6 +846,8 @@ pub struct Open {
     /// Those whose lease ran out before `cutoff`: they count as ended at lease_until,
     /// so no longer as retained.
     pub gone: i64,
+    /// Every unfinished ticket, by role.
+    pub by_role: std::collections::HashMap<u32, i64>,
 }
 
 /// One walk of the database's unfinished tickets in ledger_open_idx (0.2.0's schema
@@ -828,12 +862,16 @@ pub fn db_open(
         all: 0,
         active: 0,
         gone: 0,
+        by_role: std::collections::HashMap::new(),
     };
     if !r.v2() {
         return open;
     }
     scan_index(r.ledger, r.ledger_open_idx, snap, &[Key::IsNull], |slot| {
         let lease_until = ts_attr(slot, COL_LEASE_UNTIL);
+        if let Some(role) = attr(slot, COL_ROLE as i32) {
+            *open.by_role.entry(role.value() as u32).or_insert(0) += 1;
+        }
         open.all += 1;
         open.active += i64::from(lease_until.is_none_or(|l| l > now));
         open.gone += i64::from(lease_until.is_some_and(|l| l < cutoff));
@@ -842,23 +880,61 @@ pub fn db_open(
     open
 }
 
-/// How many of the database's `ended` finished tickets ended before `cutoff` (0.2.0's
-/// schema only), reading the entries of ledger_open_idx on the smaller side of the
-/// cutoff (see core::stats::smaller_side): the history past retention where the
-/// writer has not purged it (a database without a writer for a while), otherwise the
-/// tickets that ended since.
-pub fn db_ended_before(r: &Rels, snap: &Latest, cutoff: pg_sys::TimestampTz, ended: i64) -> i64 {
+/// How many of the database's finished tickets ended before `cutoff` (0.2.0's schema
+/// on), role by role: `ended` gives each role's finished tickets and when the earliest
+/// of them ended (db_rows), and a role with none, or none that ended before the
+/// cutoff, costs nothing. For each other role, the entries of its (role, ended_at, …) index
+/// on the smaller side of the cutoff (see core::stats::smaller_side): the history past
+/// retention where the writer has not purged it (a role that stopped starting tickets,
+/// or a caller with a shorter retention than the role's), otherwise the tickets that
+/// ended since. 0.6.0 reads quota.history's index, which holds only ended tickets; with
+/// one table the unended ones have a NULL ended_at, which neither side's key matches.
+/// (0.5.1 to 0.5.2 read an index on (ended_at, lease_until) for all roles at once;
+/// 0.6.0 has none on quota.history: a finish enters one index fewer.)
+pub fn db_ended_before(
+    r: &Rels,
+    snap: &Latest,
+    cutoff: pg_sys::TimestampTz,
+    ended: impl Iterator<Item = (u32, i64, Option<pg_sys::TimestampTz>)>,
+) -> i64 {
     if !r.v2() {
         return 0;
     }
     let mut locks = crate::ledger::rels::Locks::new();
-    locks.take(r.history_open_idx, pg_sys::AccessShareLock);
-    let side = |key: Key| {
-        move |limit: i64| count(r.history, r.history_open_idx, snap, &[key], Some(limit))
-    };
-    crate::core::stats::smaller_side(
-        ended,
-        side(Key::TsLess(cutoff)),
-        side(Key::TsAtLeast(cutoff)),
-    )
+    locks.take(r.history_idx, pg_sys::AccessShareLock);
+    // SAFETY: the caller's Reader holds quota.history locked, and the index is locked
+    // above; both are closed before we return.
+    unsafe {
+        let heap = pg_sys::table_open(r.history, pg_sys::NoLock as i32);
+        let index = pg_sys::index_open(r.history_idx, pg_sys::NoLock as i32);
+        let before = rescans(heap, index, snap, 2, |scan| {
+            let mut before = 0i64;
+            for (role, n, first_ended) in ended {
+                // No ticket of the role ended before the cutoff (its earliest did not).
+                if n <= 0 || first_ended.is_none_or(|t| t >= cutoff) {
+                    continue;
+                }
+                let role = pg_sys::Oid::from(role);
+                // Both sides through the one scan, rescanned: a closure each cannot
+                // borrow it mutably at once, so the sides take turns through a cell.
+                let scan = std::cell::RefCell::new(&mut *scan);
+                let side = |key: Key| {
+                    let scan = &scan;
+                    move |limit: i64| {
+                        scan.borrow_mut()
+                            .count(&[Key::OidEq(role), key], Some(limit))
+                    }
+                };
+                before += crate::core::stats::smaller_side(
+                    n,
+                    side(Key::TsLess(cutoff)),
+                    side(Key::TsAtLeast(cutoff)),
+                );
+            }
+            before
+        });
+        pg_sys::index_close(index, pg_sys::NoLock as i32);
+        pg_sys::table_close(heap, pg_sys::NoLock as i32);
+        before
+    }
 }

@@ -58,7 +58,6 @@ pub struct Rels {
     pub history: pg_sys::Oid,
     pub history_pkey: pg_sys::Oid,
     pub history_idx: pg_sys::Oid,
-    pub history_open_idx: pg_sys::Oid,
     pub history_key_idx: pg_sys::Oid,
     pub history_tenant_idx: pg_sys::Oid,
     pub history_txid_idx: pg_sys::Oid,
@@ -154,7 +153,6 @@ unsafe extern "C-unwind" fn relcache_changed(_arg: pg_sys::Datum, relid: pg_sys:
                 r.history,
                 r.history_pkey,
                 r.history_idx,
-                r.history_open_idx,
                 r.history_key_idx,
                 r.history_tenant_idx,
                 r.history_txid_idx,
@@ -188,6 +186,20 @@ pub fn lock_bounded(relid: pg_sys::Oid, mode: u32) {
             crate::catalog::name_text(p)
         }
     };
+    wait_bounded(
+        // SAFETY: an ordinary lock wait; cancel and statement_timeout still apply.
+        || unsafe { pg_sys::LockRelationOid(relid, mode as i32) },
+        |seconds| QuotaError::LockTimeout {
+            relation: format!("quota.{name}"),
+            seconds,
+        },
+    );
+}
+
+/// Runs `wait`, a lock wait, with lock_timeout lowered to LOCK_WAIT for its duration
+/// (where the session's is longer or off), and raises `timed_out(seconds)` (55P03)
+/// instead of PostgreSQL's lock timeout error.
+fn wait_bounded(wait: impl FnOnce(), timed_out: impl FnOnce(i64) -> QuotaError) {
     struct Restore(i32);
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -204,22 +216,78 @@ pub fn lock_bounded(relid: pg_sys::Oid, mode: u32) {
     } else {
         bound
     };
+    let mut error = std::panic::AssertUnwindSafe(Some(timed_out(i64::from((limit / 1000).max(1)))));
     let _restore = Restore(session);
     // SAFETY: as above.
     unsafe { pg_sys::LockTimeout = limit };
-    pgrx::PgTryBuilder::new(|| {
-        // SAFETY: an ordinary lock wait; cancel and statement_timeout still apply.
-        unsafe { pg_sys::LockRelationOid(relid, mode as i32) }
-    })
-    .catch_when(pgrx::PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE, |_| {
-        // The transaction is aborted by this ERROR, which also takes us out of the
-        // lock's wait queue.
-        raise(QuotaError::LockTimeout {
-            relation: format!("quota.{name}"),
-            seconds: i64::from((limit / 1000).max(1)),
-        })
-    })
-    .execute();
+    pgrx::PgTryBuilder::new(std::panic::AssertUnwindSafe(wait))
+        .catch_when(
+            pgrx::PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE,
+            move |_| {
+                // The transaction is aborted by this ERROR, which also takes us out of the
+                // lock's wait queue.
+                raise(error.0.take().expect("a lock wait times out once"))
+            },
+        )
+        .execute();
+}
+
+thread_local! {
+    /// The OID of extension pg_quota as `lock_extension` last found it.
+    static EXTENSION: std::cell::Cell<pg_sys::Oid> = const { std::cell::Cell::new(pg_sys::InvalidOid) };
+}
+
+/// Takes extension pg_quota's own lock (its pg_extension object) in AccessShareLock
+/// for the transaction, before any of its relations; the ledger writer does so first
+/// in each of its transactions (writer/txn.rs). DROP EXTENSION locks the extension in
+/// AccessExclusiveLock first and then its member tables in pg_depend's order
+/// (quota.history and quota.summary before quota.active on a fresh 0.6.0 install),
+/// which is not the order they are opened in (quota.active first, see Reader::open).
+/// Without this lock a writer holding quota.active and waiting for quota.history
+/// deadlocked with a DROP EXTENSION holding quota.history and waiting for quota.active,
+/// and the deadlock detector could cancel the DROP. With it, the writer waits for the
+/// DROP to end (and then finds the extension gone), or the DROP for the writer's
+/// transaction. Only commands that drop the extension conflict (DROP EXTENSION, DROP
+/// OWNED BY its owner, a DROP … CASCADE that reaches it), and those queued behind
+/// another holder of the extension's lock (COMMENT ON EXTENSION, ALTER EXTENSION …
+/// ADD) make the writer wait too, as any queued lock does. The wait is bounded as
+/// `lock_bounded`'s, and times out with 55P03 naming the extension. The OID is checked
+/// again once locked, as RangeVarGetRelidExtended checks a name, since a DROP and
+/// CREATE EXTENSION committed during the wait leave the lock on a dead OID. Without
+/// the extension, nothing is locked: opening the tables then fails.
+pub fn lock_extension() {
+    let lookup = || {
+        // SAFETY: a catalog lookup (an index scan of pg_extension before 18).
+        unsafe { pg_sys::get_extension_oid(c"pg_quota".as_ptr(), true) }
+    };
+    let mut ext = EXTENSION.get();
+    if ext == pg_sys::InvalidOid {
+        ext = lookup();
+    }
+    loop {
+        if ext == pg_sys::InvalidOid {
+            EXTENSION.set(ext);
+            return;
+        }
+        let (class, mode) = (pg_sys::ExtensionRelationId, pg_sys::AccessShareLock as i32);
+        // SAFETY: an ordinary transaction-level lock request on an object; granted, it
+        // processes invalidations, so the lookup below sees every committed change.
+        if !unsafe { pg_sys::ConditionalLockDatabaseObject(class, ext, 0, mode) } {
+            wait_bounded(
+                // SAFETY: as above, waiting; cancel and statement_timeout still apply.
+                || unsafe { pg_sys::LockDatabaseObject(class, ext, 0, mode) },
+                |seconds| QuotaError::ExtensionLockTimeout { seconds },
+            );
+        }
+        let now = lookup();
+        if now == ext {
+            EXTENSION.set(ext);
+            return;
+        }
+        // SAFETY: releases the lock just taken, on an extension that is gone.
+        unsafe { pg_sys::UnlockDatabaseObject(class, ext, 0, mode) };
+        ext = now;
+    }
 }
 
 /// Relation locks taken with `lock_bounded` and released when dropped (or kept to the
@@ -422,6 +490,9 @@ fn find_index(
 /// The indexes of a ledger table (quota.ledger before 0.6.0, quota.active or
 /// quota.history from 0.6.0), as `Rels` names them; a missing one is an error naming
 /// `name`. `key_partial`: its key index is on keyed tickets only (quota.active's).
+/// `starts`: the table tickets start in, which needs an index on (ended_at,
+/// lease_until) for its unended tickets; quota.history (0.6.0) has none (`open` is
+/// InvalidOid there).
 #[derive(Clone, Copy)]
 struct TableIndexes {
     pkey: pg_sys::Oid,
@@ -447,6 +518,7 @@ unsafe fn table_indexes(
     name: &str,
     ncols: usize,
     key_partial: bool,
+    starts: bool,
 ) -> TableIndexes {
     let v2 = ncols >= NCOLS_V2;
     let v5 = ncols == NCOLS_V5;
@@ -470,7 +542,7 @@ unsafe fn table_indexes(
                 "role, ended_at",
             )
         },
-        open: if v2 {
+        open: if v2 && starts {
             need(
                 find_index(l, &[COL_ENDED_AT, COL_LEASE_UNTIL], &[]),
                 "ended_at, lease_until",
@@ -611,7 +683,7 @@ fn discover_once() -> (Rels, Locks) {
         let triggers: &[&std::ffi::CStr] = &[c"ledger_written", c"ledger_truncated"];
         let l = pg_sys::table_open(ledger, pg_sys::NoLock as i32);
         let ncols = ledger_shape(l, ledger_name);
-        let own = table_indexes(l, ledger_name, ncols, split);
+        let own = table_indexes(l, ledger_name, ncols, split, true);
         let mut counters_ok = triggers_always(l, triggers);
         pg_sys::table_close(l, pg_sys::NoLock as i32);
         let hist = if split {
@@ -623,7 +695,7 @@ fn discover_once() -> (Rels, Locks) {
                     why: format!("It has {hcols} columns; quota.active has {ncols}"),
                 });
             }
-            let hist = table_indexes(h, "history", ncols, false);
+            let hist = table_indexes(h, "history", ncols, false, false);
             counters_ok &= triggers_always(h, triggers);
             pg_sys::table_close(h, pg_sys::NoLock as i32);
             hist
@@ -655,7 +727,6 @@ fn discover_once() -> (Rels, Locks) {
             history,
             history_pkey: hist.pkey,
             history_idx: hist.idx,
-            history_open_idx: hist.open,
             history_key_idx: hist.key,
             history_tenant_idx: hist.tenant,
             history_txid_idx: hist.txid,

@@ -201,9 +201,24 @@ pub fn scan_open(
     index_rel: pg_sys::Relation,
     snap: &Latest,
     keys: &[Key],
-    mut visit: impl FnMut(*mut pg_sys::TupleTableSlot) -> bool,
+    visit: impl FnMut(*mut pg_sys::TupleTableSlot) -> bool,
 ) {
-    let mut sk = scankeys(index_rel, keys);
+    rescans(heap_rel, index_rel, snap, keys.len(), |scan| {
+        scan.run(keys, visit)
+    });
+}
+
+/// One index scan over relations the caller has open, set up once and run by `f`
+/// for as many sets of `nkeys` keys as it likes (`Rescan::run`), as an executor
+/// rescans a nested loop's inner index scan: for a probe per role, where setting up a
+/// scan for each cost more than the probe. Visibility as in `scan_open`.
+pub fn rescans<R>(
+    heap_rel: pg_sys::Relation,
+    index_rel: pg_sys::Relation,
+    snap: &Latest,
+    nkeys: usize,
+    f: impl FnOnce(&mut Rescan) -> R,
+) -> R {
     let filter = serializable();
     // SAFETY: the caller holds both relations open and locked; the slot and scan are
     // released before we return, and an ERROR releases them with the transaction's
@@ -216,24 +231,80 @@ pub fn scan_open(
         } else {
             snap.0
         };
-        let desc = compat::index_beginscan(heap_rel, index_rel, scan_snap, sk.len() as i32);
-        pg_sys::index_rescan(
+        let desc = compat::index_beginscan(heap_rel, index_rel, scan_snap, nkeys as i32);
+        let mut scan = Rescan {
+            index_rel,
             desc,
-            sk.as_mut_ptr(),
-            sk.len() as i32,
-            std::ptr::null_mut(),
-            0,
-        );
-        while pg_sys::index_getnext_slot(desc, pg_sys::ScanDirection::ForwardScanDirection, slot) {
-            if filter && !visible_to(slot, snap) {
-                continue;
-            }
-            if !visit(slot) {
-                break;
-            }
-        }
+            slot,
+            snap,
+            filter,
+            nkeys,
+        };
+        let r = f(&mut scan);
         pg_sys::index_endscan(desc);
         pg_sys::ExecDropSingleTupleTableSlot(slot);
+        r
+    }
+}
+
+/// An index scan set up by `rescans`.
+pub struct Rescan<'a> {
+    index_rel: pg_sys::Relation,
+    desc: pg_sys::IndexScanDesc,
+    slot: *mut pg_sys::TupleTableSlot,
+    snap: &'a Latest,
+    filter: bool,
+    nkeys: usize,
+}
+
+impl Rescan<'_> {
+    /// Runs the scan from the start with `keys` (as many as the scan was set up
+    /// for), handing each row visible to the snapshot to `visit` until it returns
+    /// false.
+    pub fn run(
+        &mut self,
+        keys: &[Key],
+        mut visit: impl FnMut(*mut pg_sys::TupleTableSlot) -> bool,
+    ) {
+        assert_eq!(
+            keys.len(),
+            self.nkeys,
+            "a rescan takes the keys it was set up for"
+        );
+        let mut sk = scankeys(self.index_rel, keys);
+        // SAFETY: the scan and slot are live for `rescans`' call; the keys outlive the
+        // rescan, which copies them.
+        unsafe {
+            pg_sys::index_rescan(
+                self.desc,
+                sk.as_mut_ptr(),
+                sk.len() as i32,
+                std::ptr::null_mut(),
+                0,
+            );
+            while pg_sys::index_getnext_slot(
+                self.desc,
+                pg_sys::ScanDirection::ForwardScanDirection,
+                self.slot,
+            ) {
+                if self.filter && !visible_to(self.slot, self.snap) {
+                    continue;
+                }
+                if !visit(self.slot) {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// How many rows `keys` select, counting up to `stop_at`.
+    pub fn count(&mut self, keys: &[Key], stop_at: Option<i64>) -> i64 {
+        let mut n = 0i64;
+        self.run(keys, |_| {
+            n += 1;
+            stop_at.is_none_or(|s| n < s)
+        });
+        n
     }
 }
 
@@ -296,7 +367,7 @@ unsafe fn visible_to(slot: *mut pg_sys::TupleTableSlot, snap: &Latest) -> bool {
 
 /// The distinct values of `index`'s first column, an oid that is column `col` of
 /// `heap`, among the rows visible to `snap`, smallest first, each handed to `visit`
-/// (0.5.1, for quota.usage_totals). A loose index scan over one scan descriptor: from
+/// with the value's first row in the index's order (0.5.1, for quota.usage_totals). A loose index scan over one scan descriptor: from
 /// each value it steps on through the index, and only where a value has more than
 /// `STEPS` entries does it descend again, past that value. So a value with one entry
 /// costs one step, and one with millions a descent (a descent per value reads its whole
@@ -307,7 +378,7 @@ pub fn distinct_oids(
     index: pg_sys::Oid,
     col: usize,
     snap: &Latest,
-    mut visit: impl FnMut(pg_sys::Oid),
+    mut visit: impl FnMut(pg_sys::Oid, *mut pg_sys::TupleTableSlot),
 ) {
     const STEPS: u32 = 16;
     let filter = serializable();
@@ -362,7 +433,7 @@ pub fn distinct_oids(
                 }
                 if current != Some(oid) {
                     current = Some(oid);
-                    visit(oid);
+                    visit(oid, slot);
                     steps = 0;
                     continue;
                 }

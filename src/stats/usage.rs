@@ -2,8 +2,8 @@
 //! together, for monitoring. quota.usage reads every retained ticket of the ledger,
 //! which with millions of them is a scan of millions of rows on every scrape; this
 //! reads the summary (one row per role), one index probe per role, the unfinished
-//! tickets, and of the finished ones only the smaller side of the caller's retention
-//! cutoff (see ledger::count::db_rows, db_open and db_ended_before). It reads the
+//! tickets, and of each role's finished ones only the smaller side of the caller's
+//! retention cutoff (see ledger::count::db_rows, db_open and db_ended_before). It reads the
 //! latest committed state, as admission does.
 
 use pgrx::pg_sys;
@@ -23,12 +23,17 @@ pub fn totals() -> UsageTotals {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let snap = Latest::take();
     let cutoff = cutoff(now, crate::gucs::retention_secs());
-    let (rows, missing) = db_rows(&rels, &snap);
+    let (by_role, missing) = db_rows(&rels, &snap);
     if missing {
         // Counting those roles row by row is what the summary spares the next call.
         crate::workers::request_summary_rebuild();
     }
+    let rows = by_role.values().map(|r| r.rows).sum();
     let open = db_open(&rels, &snap, now, cutoff);
-    let ended_gone = db_ended_before(&rels, &snap, cutoff, rows - open.all);
+    let ended = by_role.iter().map(|(&role, r)| {
+        let open = open.by_role.get(&role).copied().unwrap_or(0);
+        (role, r.rows - open, r.first_ended)
+    });
+    let ended_gone = db_ended_before(&rels, &snap, cutoff, ended);
     UsageTotals::new(open.active, rows, open.gone + ended_gone)
 }

@@ -32,8 +32,9 @@ pub fn in_transaction<R>(f: impl FnOnce() -> R) -> R {
             );
         }
     }
-    // Before the snapshot, which must not predate a wait for a DROP EXTENSION.
-    lock_extension();
+    // Before any of pg_quota's relations (see there), and before the snapshot, which
+    // must not predate a wait for a DROP EXTENSION.
+    crate::ledger::rels::lock_extension();
     // SAFETY: the transaction is open.
     unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot()) };
     let r = f();
@@ -45,34 +46,6 @@ pub fn in_transaction<R>(f: impl FnOnce() -> R) -> R {
     }
     LAST_COMMIT_US.set(commit.elapsed().as_micros() as u64);
     r
-}
-
-/// Takes pg_quota's extension object in AccessShareLock for the transaction, before
-/// any of its relations. DROP EXTENSION locks the extension in AccessExclusiveLock
-/// first and then its member tables in pg_depend's order (quota.history, quota.summary,
-/// then quota.active on a fresh 0.6.0 install), which is not the order the writer opens
-/// them in (quota.active first): without this lock a writer holding quota.active and
-/// waiting for quota.history deadlocks with a DROP EXTENSION holding quota.history and
-/// waiting for quota.active, and the deadlock detector may cancel the DROP. With it,
-/// the writer waits for the DROP to commit (and then finds the extension gone), or the
-/// DROP waits for the writer's transaction. Only DROP EXTENSION (and DROP … CASCADE
-/// reaching the extension) takes the lock in a mode that conflicts; the wait is bounded
-/// by the writer's lock_timeout. Looked up each time: no cache to go stale when the
-/// extension is dropped and created again.
-fn lock_extension() {
-    // SAFETY: a catalog lookup and an ordinary transaction-level lock, released when
-    // the transaction ends; lock_timeout and the deadlock detector apply.
-    unsafe {
-        let ext = pg_sys::get_extension_oid(c"pg_quota".as_ptr(), true);
-        if ext != pg_sys::InvalidOid {
-            pg_sys::LockDatabaseObject(
-                pg_sys::ExtensionRelationId,
-                ext,
-                0,
-                pg_sys::AccessShareLock as i32,
-            );
-        }
-    }
 }
 
 thread_local! {

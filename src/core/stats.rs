@@ -294,15 +294,18 @@ impl UsageTotals {
 /// How many of `total` items lie before a cutoff, from two counters that each stop at
 /// a limit: `before(limit)` counts those before it and `since(limit)` those at or after
 /// it, each returning at most `limit`. Both sides are counted up to the same limit,
-/// which grows fourfold until one side comes out below it, so the work is a small
-/// multiple of the smaller side, however large the other (quota.usage_totals: the
-/// tickets ended before the caller's retention, or those ended since).
+/// `first` at first, which grows fourfold until one side comes out below it, so the
+/// work is a small multiple of the smaller side (or of `first`), however large the
+/// other (quota.usage_totals: a role's tickets ended before the caller's retention, or
+/// those ended since; it counts role by role, so `first` is small: 0.5.1 counted all
+/// roles at once from 1,024).
 pub fn smaller_side(
     total: i64,
+    first: i64,
     mut before: impl FnMut(i64) -> i64,
     mut since: impl FnMut(i64) -> i64,
 ) -> i64 {
-    let mut limit = 1024i64;
+    let mut limit = first.max(1);
     loop {
         let b = before(limit);
         if b < limit {
@@ -326,6 +329,7 @@ mod tests {
         let total = 1_000_010;
         let n = smaller_side(
             total,
+            1024,
             |limit| {
                 read += 10.min(limit);
                 10.min(limit)
@@ -338,6 +342,7 @@ mod tests {
         let (mut b_read, mut s_read) = (0i64, 0i64);
         let n = smaller_side(
             total,
+            1024,
             |limit| {
                 let c = 1_000_000.min(limit);
                 b_read += c;
@@ -361,11 +366,22 @@ mod tests {
                 n.min(limit)
             }
         };
-        let n = smaller_side(before + since, side(before), side(since));
+        let n = smaller_side(before + since, 1024, side(before), side(since));
         assert_eq!(n, before);
         assert!(reads.get() < 4 * before, "{} entries read", reads.get());
         // Exactly at a limit is not below it: both sides go on.
-        assert_eq!(smaller_side(2048, |l| 1024.min(l), |l| 1024.min(l)), 1024);
+        assert_eq!(
+            smaller_side(2048, 1024, |l| 1024.min(l), |l| 1024.min(l)),
+            1024
+        );
+        // From a small first limit (a role at a time): 200 before and none since reads
+        // 16 and 0, not the 200; 5 before reads 5.
+        reads.set(0);
+        assert_eq!(smaller_side(200, 16, side(200), side(0)), 200);
+        assert_eq!(reads.get(), 16);
+        reads.set(0);
+        assert_eq!(smaller_side(30, 16, side(5), side(25)), 5);
+        assert_eq!(reads.get(), 5);
     }
     #[test]
     fn usage_totals_retained_is_rows_less_gone() {

@@ -880,6 +880,11 @@ pub fn db_open(
     open
 }
 
+/// The first limit of each role's count in `db_ended_before`: a role's two sides are
+/// counted up to it before either grows, so a role whose smaller side is empty reads
+/// this many entries of the other.
+const PER_ROLE_FIRST_LIMIT: i64 = 16;
+
 /// How many of the database's finished tickets ended before `cutoff` (0.2.0's schema
 /// on), role by role: `ended` gives each role's finished tickets and when the earliest
 /// of them ended (db_rows), and a role with none, or none that ended before the
@@ -910,6 +915,7 @@ pub fn db_ended_before(
         let before = rescans(heap, index, snap, 2, |scan| {
             let mut before = 0i64;
             for (role, n, first_ended) in ended {
+                pgrx::check_for_interrupts!();
                 // No ticket of the role ended before the cutoff (its earliest did not).
                 if n <= 0 || first_ended.is_none_or(|t| t >= cutoff) {
                     continue;
@@ -927,6 +933,7 @@ pub fn db_ended_before(
                 };
                 before += crate::core::stats::smaller_side(
                     n,
+                    PER_ROLE_FIRST_LIMIT,
                     side(Key::TsLess(cutoff)),
                     side(Key::TsAtLeast(cutoff)),
                 );

@@ -287,6 +287,9 @@ impl Rescan<'_> {
                 pg_sys::ScanDirection::ForwardScanDirection,
                 self.slot,
             ) {
+                // Below the executor nothing else checks: a long count (a scan of a
+                // role's history) stays cancellable.
+                pgrx::check_for_interrupts!();
                 if self.filter && !visible_to(self.slot, self.snap) {
                     continue;
                 }

@@ -25,11 +25,13 @@
 #   included): fails if a role, a transactional ticket not folded, a lapsed lease or
 #   the history past retention is counted wrong;
 # - quota.usage_totals() reads at most 1.5 ledger entries per role with rows, plus the
-#   unfinished tickets, plus a small multiple of the smaller side of the retention
-#   cutoff, here the idle role's 20,000 (table and index entries of quota.active and
-#   quota.history returned in its transaction, pg_stat_get_xact_tuples_*): fails if it reads the
-#   retained history, as summing quota.usage does (that read is measured too, and must
-#   be over the bound, so the measure itself can fail);
+#   unfinished tickets, plus for each role with history past the retention cutoff a
+#   small multiple of its smaller side or 16 entries (0.6.0: the idle role's 20,000
+#   past the cutoff against none since, 1,000 dormant roles' 100 against 2) (table and
+#   index entries of quota.active and quota.history returned in its transaction,
+#   pg_stat_get_xact_tuples_*): fails if it reads the retained history, as summing
+#   quota.usage does (that read is measured too, and must be over the bound, so the
+#   measure itself can fail), or each dormant role's 100;
 # - the exporter's pg_quota_usage_* gauges equal the SQL, and its scrape has as many
 #   pg_quota samples as before the tickets, tenants and roles came: fails if a metric
 #   gets a series per tenant or per role (the opt-in per-role block does: checked to
@@ -46,7 +48,7 @@ PORT="${PORT:-$((5772 + PORT_OFFSET))}"
 EXPORTER_PORT="${EXPORTER_PORT:-$((PORT + 3450))}"
 # EXPORTER, PY, HELPER, port_free, start_exporter, stop_exporter, scrape
 source "$ROOT/tests/scripts/prometheus_lib.bash"
-TENANTS=100000 HISTORY=2000000 IDLE=20000 ROLES=10000 ACTIVE=1000
+TENANTS=100000 HISTORY=2000000 IDLE=20000 ROLES=10000 ACTIVE=1000 DORMANT=1000
 
 # The exporter and its parser, installed as prometheus_exporter.sh installs them (that
 # script also checks that a fresh install leaves no service running).
@@ -68,6 +70,7 @@ CREATE ROLE app LOGIN;
 CREATE ROLE idle LOGIN;
 CREATE ROLE exporter LOGIN IN ROLE pg_monitor;
 SELECT format('CREATE ROLE r%s', i) FROM generate_series(1, $ROLES) i \gexec
+SELECT format('CREATE ROLE d%s', i) FROM generate_series(1, $DORMANT) i \gexec
 SQL
 
 # --- the exporter, before any ticket -----------------------------------------------
@@ -102,8 +105,15 @@ WITH w AS (INSERT INTO quota.history (id, role, label, started_at, ended_at, out
 SELECT ('00000000-0000-7000-a000-' || lpad(to_hex(i), 12, '0'))::uuid, ('r' || i)::regrole, 'one',
        now() - interval '1 day', now() - interval '1 day', 'succeeded'
   FROM generate_series(1, $ROLES) i RETURNING 1) SELECT count(*) FROM w;
+-- 0.6.0: dormant roles, each with 100 tickets past retention and 2 within it, which
+-- usage_totals() counts role by role: the smaller side is each one's 2.
+WITH w AS (INSERT INTO quota.history (id, role, label, started_at, ended_at, outcome)
+SELECT ('00000000-0000-7000-b000-' || lpad(to_hex(i * 1000 + j), 12, '0'))::uuid, ('d' || i)::regrole, 'dormant',
+       now() - interval '9 days', now() - CASE WHEN j <= 100 THEN interval '8 days' ELSE interval '1 day' END
+                                  + j * interval '1 ms', 'succeeded'
+  FROM generate_series(1, $DORMANT) i, generate_series(1, 102) j RETURNING 1) SELECT count(*) FROM w;
 SQL
-echo "# wrote $((HISTORY + IDLE + ROLES)) tickets by SQL in $((SECONDS - t0)) s"
+echo "# wrote $((HISTORY + IDLE + ROLES + DORMANT * 102)) tickets by SQL in $((SECONDS - t0)) s"
 # Through pg_quota: 1,000 tenants hold a ticket each, 20 leases of tenant "short" run
 # out, 30 transactional tickets commit (not folded yet when first counted).
 sql >/dev/null <<SQL
@@ -116,8 +126,8 @@ COMMIT;
 SQL
 sql -c "VACUUM ANALYZE quota.active, quota.history" >/dev/null
 idle_rows() { sql -c "SELECT count(*) FROM quota.ledger WHERE role = 'idle'::regrole"; }
-expect_eq "the SQL wrote the history, the idle role's and one ticket per role" \
-  "$HISTORY $IDLE $ROLES" "$(paste -sd' ' "$CL/inserted")"
+expect_eq "the SQL wrote the history, the idle role's, one ticket per role and the dormant roles'" \
+  "$HISTORY $IDLE $ROLES $((DORMANT * 102))" "$(paste -sd' ' "$CL/inserted")"
 
 # agree TAG: usage_totals() against quota.usage summed and a count of the ledger.
 agree() {
@@ -155,17 +165,22 @@ ms() {  # ms SQL: how long SQL took, in ms, as the exporter's role
 role_count=$(sql -c "SELECT count(DISTINCT role) FROM quota.ledger")
 open=$(sql -c "SELECT count(*) FROM quota.ledger WHERE ended_at IS NULL")
 retained=$(sql -c "SELECT retained FROM quota.usage_totals()")
-gone=$(sql -c "SELECT count(*) FROM quota.ledger WHERE ended_at < now() - current_setting('quota.retention')::interval")
 # Each entry an index scan returns counts twice (returned by the index, fetched from
-# the heap): 2 per role's probe, 2 per unfinished ticket, and for the smaller side of
-# the cutoff (the $gone tickets past it) both sides counted up to limits growing
-# fourfold from 1,024 until one fits: at most 4 times that side, twice; with room for
-# the transactional tickets' probes.
-BOUND=$((3 * role_count + 2 * open + 8 * gone + 8 * 1024))
+# the heap): 2 per role's probe, 2 per unfinished ticket, and (0.6.0, role by role)
+# for each role with tickets past the cutoff, both of its sides counted up to limits
+# growing fourfold from 16 until one fits: at most 16 entries of each side, or 4 times
+# its smaller side, twice; with room for the transactional tickets' probes. 0.5.1 to
+# 0.6.0's first layout counted all roles at once from 1,024; role by role from 1,024,
+# each dormant role read its 100 entries past the cutoff where 16 and its 2 suffice.
+cut="now() - current_setting('quota.retention')::interval"
+read -r smaller gone_roles <<<"$(sql -c "SELECT coalesce(sum(least(b, s)), 0) || ' ' || count(*) FILTER (WHERE b > 0)
+  FROM (SELECT count(*) FILTER (WHERE ended_at < $cut) AS b, count(*) FILTER (WHERE ended_at >= $cut) AS s
+          FROM quota.ledger WHERE ended_at IS NOT NULL GROUP BY role) x")"
+BOUND=$((3 * role_count + 2 * open + 8 * smaller + 2 * 2 * 16 * gone_roles + 8 * 1024))
 read_totals=$(read_entries "SELECT * FROM quota.usage_totals()")
 read_view=$(read_entries "SELECT sum(active), sum(retained) FROM quota.usage")
-echo "# $role_count roles with tickets, $open unfinished, $retained retained; usage_totals() read $read_totals entries (bound $BOUND), quota.usage summed read $read_view"
-check "quota.usage_totals() read at most 1.5 entries per role + the unfinished + 4 times the smaller side ($read_totals <= $BOUND)" \
+echo "# $role_count roles with tickets ($gone_roles with some past the cutoff, smaller sides $smaller in all), $open unfinished, $retained retained; usage_totals() read $read_totals entries (bound $BOUND), quota.usage summed read $read_view"
+check "quota.usage_totals() read at most 1.5 entries per role + the unfinished + per role past the cutoff 64 or 4 times its smaller side ($read_totals <= $BOUND)" \
   test "$read_totals" -le "$BOUND"
 check "summing quota.usage reads the retained history, over the bound ($read_view > $BOUND): the measure can fail" \
   test "$read_view" -gt "$BOUND"

@@ -116,6 +116,31 @@ SELECT expect('a superuser is still admitted (never refused)', quota.start('su')
 ALTER ROLE t1 IN DATABASE :"DBNAME" RESET quota.max_active_per_database;
 \endif
 
+-- quota.usage_totals() (0.5.1, 0.5.2) on the one table: the library counts each role's
+-- finished tickets past the cutoff through its (role, ended_at, lease_until) index,
+-- where the unended have a NULL ended_at, and takes the side past the cutoff as the
+-- role's finished tickets less those since (its active one not among them).
+SELECT to_regprocedure('quota.usage_totals()') IS NOT NULL AS has_totals \gset
+\if :has_totals
+INSERT INTO quota.ledger (id, role, started_at, ended_at, outcome)
+SELECT gen_random_uuid(), 't1'::regrole, now() - interval '9 days',
+       now() - interval '9 days' + i * interval '1 s', 'succeeded'
+  FROM generate_series(1, 100) i;
+CREATE FUNCTION pg_temp.totals_agree() RETURNS boolean LANGUAGE sql AS $$
+  SELECT t.active = u.a AND t.retained = u.r AND t.ledger_rows = l.n
+    FROM quota.usage_totals() t,
+         (SELECT coalesce(sum(active), 0) AS a, coalesce(sum(retained), 0) AS r FROM quota.usage) u,
+         (SELECT count(*) AS n FROM quota.ledger) l
+$$;
+SELECT expect('quota.usage_totals() agrees with quota.usage and the ledger on the old schema',
+              pg_temp.totals_agree());
+SET quota.retention = '1 h';
+SELECT expect('... and at a shorter retention, t1''s history past it',
+              pg_temp.totals_agree() AND (SELECT retained < ledger_rows FROM quota.usage_totals()));
+RESET quota.retention;
+DELETE FROM quota.ledger WHERE started_at < now() - interval '8 days';
+\endif
+
 SELECT expect('the extension is still at version ' || :'version',
               (SELECT extversion FROM pg_extension WHERE extname = 'pg_quota') = :'version');
 DROP FUNCTION public.expect_error(text, text, text, text);

@@ -382,6 +382,12 @@ mod tests {
         reads.set(0);
         assert_eq!(smaller_side(30, 16, side(5), side(25)), 5);
         assert_eq!(reads.get(), 5);
+        // The side since is the smaller and over the first limit: the side before is
+        // read up to the limit that fits it, so about 8 times it, besides the first
+        // limit's 32 (monitoring_scale.sh bounds its reads so).
+        reads.set(0);
+        assert_eq!(smaller_side(1020, 16, side(1000), side(20)), 1000);
+        assert!(reads.get() <= 32 + 8 * 20, "{} entries read", reads.get());
     }
     #[test]
     fn usage_totals_retained_is_rows_less_gone() {

@@ -118,12 +118,16 @@ ALTER ROLE t1 IN DATABASE :"DBNAME" RESET quota.max_active_per_database;
 
 -- quota.usage_totals() (0.5.1, 0.5.2) on the one table: the library counts each role's
 -- finished tickets past the cutoff through its (role, ended_at, lease_until) index,
--- where the unended have a NULL ended_at, and takes the side past the cutoff as the
--- role's finished tickets less those since (its active one not among them).
+-- where the unended have a NULL ended_at, and may take that side as the role's finished
+-- tickets less those since. t2 holds an active ticket (not among its finished ones):
+-- 100 of its tickets ended 9 days ago, 1 s apart, counted at retentions that put the
+-- cutoff after them (the side since, none, is the smaller: t2's unended ticket must
+-- not be taken for a finished one), across them (both sides over the count's first
+-- limit), and before them (no probe).
 SELECT to_regprocedure('quota.usage_totals()') IS NOT NULL AS has_totals \gset
 \if :has_totals
 INSERT INTO quota.ledger (id, role, started_at, ended_at, outcome)
-SELECT gen_random_uuid(), 't1'::regrole, now() - interval '9 days',
+SELECT gen_random_uuid(), 't2'::regrole, now() - interval '9 days',
        now() - interval '9 days' + i * interval '1 s', 'succeeded'
   FROM generate_series(1, 100) i;
 CREATE FUNCTION pg_temp.totals_agree() RETURNS boolean LANGUAGE sql AS $$
@@ -132,11 +136,19 @@ CREATE FUNCTION pg_temp.totals_agree() RETURNS boolean LANGUAGE sql AS $$
          (SELECT coalesce(sum(active), 0) AS a, coalesce(sum(retained), 0) AS r FROM quota.usage) u,
          (SELECT count(*) AS n FROM quota.ledger) l
 $$;
+SELECT expect('t2 holds an active ticket', (SELECT active = 1 FROM quota.usage WHERE role = 't2'::regrole));
 SELECT expect('quota.usage_totals() agrees with quota.usage and the ledger on the old schema',
               pg_temp.totals_agree());
 SET quota.retention = '1 h';
-SELECT expect('... and at a shorter retention, t1''s history past it',
+SELECT expect('... at a retention of an hour',
               pg_temp.totals_agree() AND (SELECT retained < ledger_rows FROM quota.usage_totals()));
+SELECT floor(extract(epoch FROM now() - min(ended_at)))::bigint - 50 || 's' AS across
+  FROM quota.ledger WHERE role = 't2'::regrole AND ended_at IS NOT NULL \gset
+SET quota.retention = :'across';
+SELECT expect('... at a retention whose cutoff falls among t2''s 100 (' || :'across' || ')',
+              pg_temp.totals_agree());
+SET quota.retention = '10d';
+SELECT expect('... and at one that keeps them all', pg_temp.totals_agree());
 RESET quota.retention;
 DELETE FROM quota.ledger WHERE started_at < now() - interval '8 days';
 \endif

@@ -254,8 +254,11 @@ thread_local! {
 /// The most locations `SUMMARY_AT` keeps; past that it starts again.
 const SUMMARY_AT_MAX: usize = 10_000;
 
-/// `role`'s summary row as `snap` sees it: its location, tickets and `folded` (None
-/// where the column is NULL, or before 0.5.0's schema, which has none).
+/// A summary row: its location, tickets and `folded` (None where the column is NULL,
+/// or before 0.5.0's schema, which has none).
+type SummaryAt = (pg_sys::ItemPointerData, i64, Option<u64>);
+
+/// `role`'s summary row as `snap` sees it (see `SummaryAt`).
 ///
 /// The writer updates a role's row at every batch that admits it, so the row has a
 /// version per batch; until pruning (or VACUUM, which an old snapshot holds off) removes
@@ -273,7 +276,7 @@ pub fn summary_row(
     index: pg_sys::Relation,
     snap: &Latest,
     role: pg_sys::Oid,
-) -> Option<(pg_sys::ItemPointerData, i64, Option<u64>)> {
+) -> Option<SummaryAt> {
     // SAFETY: an open relation.
     let file = unsafe { crate::compat::relfilenode(heap) };
     let known = SUMMARY_AT.with_borrow(|(f, at)| {
@@ -309,7 +312,7 @@ fn summary_scan(
     index: pg_sys::Relation,
     snap: &Latest,
     role: pg_sys::Oid,
-) -> Option<(pg_sys::ItemPointerData, i64, Option<u64>)> {
+) -> Option<SummaryAt> {
     let mut row = None;
     crate::ledger::scan::scan_open(heap, index, snap, &[Key::OidEq(role)], |slot| {
         row = summary_entry_at(r, slot);
@@ -318,11 +321,8 @@ fn summary_scan(
     row
 }
 
-/// The summary row in `slot`: its location, tickets and `folded` (as `summary_row`).
-fn summary_entry_at(
-    r: &Rels,
-    slot: *mut pg_sys::TupleTableSlot,
-) -> Option<(pg_sys::ItemPointerData, i64, Option<u64>)> {
+/// The summary row in `slot` (see `SummaryAt`).
+fn summary_entry_at(r: &Rels, slot: *mut pg_sys::TupleTableSlot) -> Option<SummaryAt> {
     // SAFETY: the slot holds a visible summary tuple, pinned meanwhile.
     let tid = unsafe { (*slot).tts_tid };
     let folded = (r.summary_ncols >= SUMMARY_COL_FOLDED)
@@ -677,15 +677,26 @@ fn roles_in(
     which: impl Fn(&Idx) -> pg_sys::Oid,
 ) -> std::collections::BTreeSet<u32> {
     let mut roles = std::collections::BTreeSet::new();
+    each_role_in(r, snap, which, |role, _| {
+        roles.insert(u32::from(role));
+    });
+    roles
+}
+
+/// `distinct_oids` over `index` of each ledger table (`which` picks it): `visit` gets
+/// each role with its first row of that table's index, once per table that has it.
+fn each_role_in(
+    r: &Rels,
+    snap: &Latest,
+    which: impl Fn(&Idx) -> pg_sys::Oid,
+    mut visit: impl FnMut(pg_sys::Oid, *mut pg_sys::TupleTableSlot),
+) {
     in_both(r, |heap, idx| {
         let mut locks = crate::ledger::rels::Locks::new();
         locks.take(which(idx), pg_sys::AccessShareLock);
-        distinct_oids(heap, which(idx), COL_ROLE, snap, |role, _| {
-            roles.insert(u32::from(role));
-        });
+        distinct_oids(heap, which(idx), COL_ROLE, snap, &mut visit);
         0
     });
-    roles
 }
 
 /// The roles with ledger rows visible to `snap` that `keep` accepts, walking the
@@ -790,19 +801,19 @@ pub fn db_rows(r: &Rels, snap: &Latest) -> (std::collections::HashMap<u32, RoleR
     // (role, ended_at, …) index has it, where any of its tickets ended (NULLs sort
     // last; quota.active's are all NULL).
     let mut first_ended = std::collections::BTreeMap::<u32, Option<i64>>::new();
-    in_both(r, |heap, idx| {
-        let mut locks = crate::ledger::rels::Locks::new();
-        locks.take(idx.role, pg_sys::AccessShareLock);
-        distinct_oids(heap, idx.role, COL_ROLE, snap, |role, slot| {
+    each_role_in(
+        r,
+        snap,
+        |idx| idx.role,
+        |role, slot| {
             let ended = ts_attr(slot, COL_ENDED_AT);
             let e = first_ended.entry(u32::from(role)).or_insert(None);
             *e = match (*e, ended) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
-        });
-        0
-    });
+        },
+    );
     let mut rows = std::collections::HashMap::new();
     let mut missing = false;
     for (&role, &first_ended) in &first_ended {

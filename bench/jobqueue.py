@@ -229,6 +229,40 @@ def server_cpu(cl):
     return total + cpu_of(postmaster, reaped=True)
 
 
+def server_cpu_by_kind(cl):
+    """CPU seconds so far of the cluster's live processes by kind, from their titles:
+    "backends" (client connections), the ledger writer, and the rest by their own
+    title (checkpointer, autovacuum worker, ...). Processes that exited are left out
+    (the server_cpu total has them)."""
+    with open(os.path.join(cl.data, "postmaster.pid")) as f:
+        postmaster = int(f.readline())
+    kinds = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    title = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[1]) != postmaster:
+                continue
+            title = title.removeprefix("postgres: ")
+            if "ledger writer" in title:
+                kind = "ledger writer"
+            elif "autovacuum worker" in title:
+                kind = "autovacuum worker"
+            elif any(w in title for w in ("checkpointer", "background writer", "walwriter",
+                                          "autovacuum launcher", "logical replication launcher")):
+                kind = title.split(" ")[0] if title.split(" ")[0] not in ("autovacuum", "logical", "background") \
+                    else " ".join(title.split(" ")[:2])
+            else:
+                kind = "backends"
+            kinds[kind] = kinds.get(kind, 0.0) + cpu_of(int(entry))
+    return kinds
+
+
 def clients_cpu(procs):
     """CPU seconds of the deferrer or worker processes, read while they run."""
     return sum(cpu_of(p.pid) for p in procs)
@@ -277,9 +311,32 @@ def enqueue_phase(cl, variant, args, rnd):
                 client_us=(cpu1[1] - cpu0[1]) / jobs * 1e6, **deltas(cl, variant, before, jobs))
 
 
+def start_perf(cl, variant):
+    """BENCH_QUEUE_PERF=VARIANT: `perf record -a --call-graph dwarf` (PostgreSQL has no
+    frame pointers) over that variant's processing
+    phases, into OUT/queue/perf.VARIANT.N.data (for `perf report`)."""
+    if os.environ.get("BENCH_QUEUE_PERF") != variant:
+        return None
+    n = len([f for f in os.listdir(cl.dir) if f.startswith(f"perf.{variant}.")])
+    return subprocess.Popen(["perf", "record", "-q", "-a", "--call-graph", "dwarf,16384", "-F", "299", "-o",
+                             os.path.join(cl.dir, f"perf.{variant}.{n}.data")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_perf(perf):
+    if perf is not None:
+        perf.send_signal(2)  # SIGINT: perf writes its file and exits
+        perf.wait(timeout=60)
+
+
 def processing_phase(cl, variant, args):
     db = DB[variant]
     jobs = cl.one(db, "SELECT count(*) FROM procrastinate_jobs")
+    # The same statistics for every variant when its workers plan procrastinate's
+    # fetch: without this, whether autovacuum had analyzed the table after the enqueue
+    # decided between a cached generic plan and planning each fetch anew (a custom
+    # plan), some 1,000 us of server CPU per job, differently from variant to variant.
+    cl.sql(db, "ANALYZE procrastinate_jobs")
     cl.sql(db, "CHECKPOINT")
     procs = [spawn(cl, variant, args, f"worker.{variant}.log", "work", variant, str(args.concurrency))
              for _ in range(args.procs)]
@@ -292,6 +349,8 @@ def processing_phase(cl, variant, args):
         before = counters(cl, variant, settled=False)
         with psycopg.connect(cl.dsn(db), autocommit=True) as c:
             cpu0 = server_cpu(cl), clients_cpu(procs)
+            kinds0 = server_cpu_by_kind(cl)
+            perf = start_perf(cl, variant)
             c.execute("UPDATE procrastinate_jobs SET queue_name = %s WHERE queue_name = %s", (qa.RUN, qa.HOLD))
             released = c.execute("SELECT clock_timestamp()").fetchone()[0]
             # Polled every 0.1 s; the rate itself comes from the events' times.
@@ -307,6 +366,8 @@ def processing_phase(cl, variant, args):
                     raise SystemExit(f"{variant}: {done} of {jobs} jobs done in 300 s")
                 time.sleep(0.1)
             cpu1 = server_cpu(cl), clients_cpu(procs)
+            kinds1 = server_cpu_by_kind(cl)
+            stop_perf(perf)
             last = c.execute("SELECT max(at) FROM procrastinate_events WHERE type = 'succeeded'").fetchone()[0]
     finally:
         for p in procs:
@@ -317,8 +378,10 @@ def processing_phase(cl, variant, args):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+    by_kind = {k: (kinds1[k] - kinds0.get(k, 0.0)) / jobs * 1e6 for k in kinds1}
     return dict(rate=jobs / (last - released).total_seconds(), server_us=(cpu1[0] - cpu0[0]) / jobs * 1e6,
-                client_us=(cpu1[1] - cpu0[1]) / jobs * 1e6, **deltas(cl, variant, before, jobs))
+                client_us=(cpu1[1] - cpu0[1]) / jobs * 1e6, by_kind=by_kind,
+                **deltas(cl, variant, before, jobs))
 
 
 def check(cl, variant, args, rnd):
@@ -384,6 +447,15 @@ def report(args, results, seconds):
                          f"{med(v, phase, 'commits'):.2f} | {med(v, phase, 'requests'):.2f} | "
                          f"{med(v, phase, 'batches'):.2f} |")
         lines.append("")
+    kinds = sorted({k for v in VARIANTS for r in results[v]["processing"] for k in r["by_kind"]})
+    lines += ["## Processing: the server's CPU per job by process (live processes), medians", "",
+              "| variant | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]
+    for v in VARIANTS:
+        if results[v]["processing"]:
+            lines.append(f"| {TITLE[v]} | " + " | ".join(
+                fmt(statistics.median(r["by_kind"].get(k, 0.0) for r in results[v]["processing"]))
+                for k in kinds) + " |")
+    lines.append("")
     lines += ["Per job, medians over the rounds: CPU, user + system microseconds of the whole "
               "cluster (every process of the server, the ledger writer and autovacuum included) and "
               "of the deferrer or worker processes, from /proc, from the go (enqueue) or the move "
@@ -418,9 +490,15 @@ def main():
     try:
         setup(cl, args)
         results = {v: {"enqueue": [], "processing": []} for v in VARIANTS}
+        # BENCH_QUEUE_VARIANTS=plain,enqueue runs only those (to profile one; plain
+        # must be among them, the ratios are against it).
+        only = [v for v in os.environ.get("BENCH_QUEUE_VARIANTS", ",".join(VARIANTS)).split(",") if v]
+        if "plain" not in only or any(v not in VARIANTS for v in only):
+            raise SystemExit(f"BENCH_QUEUE_VARIANTS: a list of {VARIANTS}, plain among them")
+        order = [v for v in VARIANTS if v in only]
         for rnd in range(1, args.rounds + 1):
-            k = (rnd - 1) % len(VARIANTS)
-            for v in VARIANTS[k:] + VARIANTS[:k]:
+            k = (rnd - 1) % len(order)
+            for v in order[k:] + order[:k]:
                 reset(cl, v)
                 enq = enqueue_phase(cl, v, args, rnd)
                 results[v]["enqueue"].append(enq)

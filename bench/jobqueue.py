@@ -16,8 +16,9 @@ as it must be for (b) and (c)):
                  COMMIT): enqueue only, to tell (b)'s transaction from its ticket
   (b)  enqueue   admission at enqueue: recipe.defer_with_ticket (a transactional
                  try_start for the job's tenant and the defer, in one transaction);
-                 recipe.enqueued_ticket_middleware renews the ticket when the run
-                 starts; recipe.FINISH_TRIGGERS (quota.finish_job(), 0.6.0) finish it
+                 recipe.claim_trigger (quota.claim_job(), 0.6.0) renews the ticket in
+                 procrastinate's claim, recipe.enqueued_ticket_middleware takes a slot
+                 for a run whose ticket ended; recipe.FINISH_TRIGGERS (quota.finish_job()) finish it
                  in procrastinate's status update when the job ends
   (c)  claim     admission at claim: jobs deferred plainly; recipe.claim_ticket_middleware
                  takes a writer-committed try_start when the run starts, finishes it
@@ -154,8 +155,10 @@ def setup(cl, args):
                        env=dict(os.environ, BENCH_QUEUE_DSN=cl.dsn(db, "app")))
         if db == DB["enqueue"]:
             # The recipe's triggers, which finish a job's ticket in procrastinate's
-            # status update (quota.finish_job(), 0.6.0).
+            # status update (quota.finish_job(), 0.6.0), and renew it in its claim
+            # (quota.claim_job()).
             cl.sql(db, qa.recipe.FINISH_TRIGGERS)
+            cl.sql(db, qa.recipe.claim_trigger(qa.RUN_LEASE))
 
 
 def uses_quota(variant):

@@ -92,7 +92,8 @@ async def worker(variant, concurrency):
     await pool.open(wait=True)
     middleware = []
     if variant == "enqueue":
-        middleware = [recipe.enqueued_ticket_middleware(pool, RUN_LEASE, QUEUE_LEASE, label_of)]
+        middleware = [recipe.enqueued_ticket_middleware(pool, RUN_LEASE, QUEUE_LEASE, label_of,
+                                                        renewed_at_claim=True)]
     elif variant == "claim":
         middleware = [recipe.claim_ticket_middleware(
             pool, RUN_LEASE, tenant_of=lambda job: job.task_kwargs["tenant"], label_of=label_of)]

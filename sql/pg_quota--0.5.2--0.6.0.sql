@@ -9,7 +9,10 @@
 --    delete of its row (USER_GUIDE, "quota.finish_job() RETURNS trigger"). New, with
 --    PostgreSQL's default privileges, as quota.finish() has: it finishes only the
 --    tickets the role that fires it may finish (I5), and CREATE TRIGGER needs the
---    table's TRIGGER privilege besides.
+--    table's TRIGGER privilege besides. Beside it quota.claim_job(), a trigger
+--    function that renews a job's ticket in the transaction in which the queue claims
+--    the job, and clears from the row a ticket it cannot renew (USER_GUIDE,
+--    "quota.claim_job() RETURNS trigger"): the privileges of quota.renew().
 --
 -- 2. The ledger in two tables (issue 33): quota.active for the tickets that have not
 --    ended, quota.history for the ended ones, and quota.ledger a view of both with the
@@ -52,6 +55,11 @@ CREATE FUNCTION quota."finish_job"() RETURNS trigger
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'finish_job_wrapper';
+
+CREATE FUNCTION quota."claim_job"() RETURNS trigger
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'claim_job_wrapper';
 
 -- 2. The ledger in two tables.
 -- The move below must see every unended row committed before the rename's lock, which

@@ -224,27 +224,59 @@ fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> bool {
 pub unsafe extern "C-unwind" fn finish_job_wrapper(
     fcinfo: pg_sys::FunctionCallInfo,
 ) -> pg_sys::Datum {
-    boundary(|| {
-        // SAFETY: PostgreSQL's fcinfo for this call; its context is a TriggerData
-        // exactly when the trigger manager calls (CALLED_AS_TRIGGER).
+    // SAFETY: PostgreSQL's fcinfo for this call.
+    unsafe { job_trigger_call(crate::core::JobFn::Finish, fcinfo) }
+}
+
+/// 0.6.0: a trigger that renews a job's ticket when the queue claims the job, in the
+/// claim's own transaction, and clears a ticket it cannot renew from the row
+/// (job_trigger.rs; USER_GUIDE, "quota.claim_job() RETURNS trigger").
+#[pg_guard]
+#[no_mangle]
+#[doc(hidden)]
+pub unsafe extern "C-unwind" fn claim_job_wrapper(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    // SAFETY: PostgreSQL's fcinfo for this call.
+    unsafe { job_trigger_call(crate::core::JobFn::Claim, fcinfo) }
+}
+
+/// The body of both trigger functions: the row a BEFORE trigger returns (claim_job),
+/// or a null pointer, which an AFTER trigger's result must be (finish_job).
+///
+/// # Safety
+/// `fcinfo` is PostgreSQL's for a call of one of them.
+unsafe fn job_trigger_call(
+    func: crate::core::JobFn,
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    let row = boundary(|| {
+        // SAFETY: the caller's fcinfo; its context is a TriggerData exactly when the
+        // trigger manager calls (CALLED_AS_TRIGGER).
         let data = unsafe {
             let context = (*fcinfo).context;
             (!context.is_null() && (*context).type_ == pg_sys::NodeTag::T_TriggerData)
                 .then(|| &*(context as *const pg_sys::TriggerData))
         };
-        let data = data.ok_or(QuotaError::NotCalledAsTrigger)?;
+        let data = data.ok_or(QuotaError::NotCalledAsTrigger(func))?;
         // SAFETY: the TriggerData of this trigger call.
-        unsafe { crate::job_trigger::fire(data) }
+        unsafe { crate::job_trigger::fire(func, data) }
     });
-    // An AFTER trigger's result is ignored; the trigger protocol wants a null pointer,
-    // not the null flag.
-    pg_sys::Datum::from(0)
+    pg_sys::Datum::from(row)
 }
 
 /// PG_FUNCTION_INFO_V1(finish_job_wrapper).
 #[no_mangle]
 #[doc(hidden)]
 pub extern "C" fn pg_finfo_finish_job_wrapper() -> &'static pg_sys::Pg_finfo_record {
+    const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+    &V1_API
+}
+
+/// PG_FUNCTION_INFO_V1(claim_job_wrapper).
+#[no_mangle]
+#[doc(hidden)]
+pub extern "C" fn pg_finfo_claim_job_wrapper() -> &'static pg_sys::Pg_finfo_record {
     const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
     &V1_API
 }
@@ -257,6 +289,16 @@ LANGUAGE c
 AS 'MODULE_PATHNAME', 'finish_job_wrapper';
 "#,
     name = "finish_job"
+);
+
+extension_sql!(
+    r#"
+CREATE FUNCTION "claim_job"() RETURNS trigger
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'claim_job_wrapper';
+"#,
+    name = "claim_job"
 );
 
 /// The session's quota.retention as an interval, for quota.usage (declared by hand in

@@ -106,42 +106,68 @@ pub fn finish_ticket(ticket: pgrx::Uuid, outcome: Outcome) -> Result<bool, Quota
 /// transaction, and returns the new expiry. A ticket that has ended, or whose lease
 /// has run out, cannot be renewed (55000): admission may already have given its slot
 /// to someone else.
-///
-/// The order matters. The row is updated first, and only then is the old lease
-/// checked against the clock: from the update on, admission counts the ticket as
-/// active even past its old lease (counts::being_changed), so a renew that passes the
-/// check can never revive a slot that admission already handed out.
 pub fn renew(
     ticket: Option<pgrx::Uuid>,
     lease: pg_sys::Datum,
 ) -> Result<pg_sys::TimestampTz, QuotaError> {
     begin(c"quota.renew()");
     let ticket = ticket.ok_or(QuotaError::NullArgument("ticket"))?;
+    match renew_ticket(ticket, lease, "renew")? {
+        Renewal::Renewed(until) => Ok(until),
+        Renewal::Ended { expired } => Err(QuotaError::TicketEnded {
+            ticket: ticket.to_string(),
+            expired,
+        }),
+    }
+}
+
+/// What renew_ticket did.
+pub enum Renewal {
+    /// The lease now runs to this time (when this transaction commits).
+    Renewed(pg_sys::TimestampTz),
+    /// The ticket had ended (expired: by its lease), or its lease had run out: nothing
+    /// changed.
+    Ended { expired: bool },
+}
+
+/// renew() of a ticket, after `begin`; also quota.claim_job()'s (job_trigger.rs), which
+/// goes on where the ticket has ended, so that an ended ticket is an answer here, not
+/// an error. `action` names the caller's act in ForeignTicket.
+///
+/// The order matters. The row is updated first, and only then is the old lease
+/// checked against the clock: from the update on, admission counts the ticket as
+/// active even past its old lease (counts::being_changed), so a renew that passes the
+/// check can never revive a slot that admission already handed out. One that fails it
+/// puts the old lease back, in a second update, so that the transaction may go on and
+/// commit without renewing.
+pub fn renew_ticket(
+    ticket: pgrx::Uuid,
+    lease: pg_sys::Datum,
+    action: &'static str,
+) -> Result<Renewal, QuotaError> {
     rels::rels().require_v2("quota.renew()");
     // SAFETY: plain read of the clock.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let until = crate::timestamps::lease_end(now, lease)?;
     let (tables, rels) = Tables::open_current();
+    // The lease that had run out when this call's update was checked: written back.
+    let mut put_back: Option<pg_sys::TimestampTz> = None;
     loop {
         // As in finish().
         // SAFETY: makes this transaction's earlier writes visible to new snapshots.
         unsafe { pg_sys::CommandCounterIncrement() };
         let snap = Latest::take();
         let Some(found) = find(&tables, &rels, &snap, ticket, |values, nulls| {
-            values[COL_LEASE_UNTIL - 1] = until.into();
+            values[COL_LEASE_UNTIL - 1] = put_back.unwrap_or(until).into();
             nulls[COL_LEASE_UNTIL - 1] = false;
         }) else {
             return Err(QuotaError::UnknownTicket(ticket.to_string()));
         };
-        check_holder(&found, ticket, "renew")?;
-        let ended = |expired| {
-            Err(QuotaError::TicketEnded {
-                ticket: ticket.to_string(),
-                expired,
-            })
-        };
+        check_holder(&found, ticket, action)?;
         if found.ended.is_some() {
-            return ended(found.outcome_expired);
+            return Ok(Renewal::Ended {
+                expired: found.outcome_expired,
+            });
         }
         found.require_in_ledger(ticket);
         // An unended ticket is in the table tickets start in (0.6.0: quota.active),
@@ -158,16 +184,20 @@ pub fn renew(
             | pg_sys::TM_Result::TM_SelfModified => continue,
             other => pgrx::error!("pg_quota: unexpected result {other} updating ticket {ticket}"),
         }
+        if put_back.is_some() {
+            return Ok(Renewal::Ended { expired: true });
+        }
         // SAFETY: plain read of the clock, after the update.
         let checked = unsafe { pg_sys::GetCurrentTimestamp() };
-        if found.lease_until.is_some_and(|l| l <= checked) {
-            // Raising aborts the update with the rest of the (sub)transaction.
-            return ended(true);
+        if let Some(old) = found.lease_until.filter(|&l| l <= checked) {
+            // Ran out: the row gets its old lease back (the sweep ends it as expired).
+            put_back = Some(old);
+            continue;
         }
         // quota.stats counts the renewal when this transaction commits, and the
         // scope counters learn the lease it may shorten (see `note_renew`).
         note_renew(found.holder, found.tenant, until);
-        return Ok(until);
+        return Ok(Renewal::Renewed(until));
     }
 }
 

@@ -1,17 +1,26 @@
-//! Layer 5, the paths: `quota.finish_job()` (0.6.0), a trigger that finishes a job's
-//! ticket when the queue ends the job, in the queue's own transaction (its status
-//! update, or the delete of its row), so that no transaction of the application's is
-//! needed for it. core::job_trigger says what its arguments mean; this reads the
-//! ticket from the row and hands it to finish().
+//! Layer 5, the paths: the two triggers for a job queue's table (0.6.0).
 //!
-//! A row with no ticket (the column NULL, a key missing, JSON null) and a ticket this
-//! database does not have (never issued here, or purged after quota.retention) finish
-//! nothing; a ticket that has ended already is left as it is (finish() returns false).
-//! A row whose value is not a uuid (22P02), or whose ticket the firing role may not
-//! finish (42501), finishes nothing with a WARNING: that is the job's data, and raising
-//! would fail the queue's completion of every row of its statement, and have the queue
-//! run the job again, for ever. A mistake in the trigger's definition (its arguments,
-//! its column, how it fires) raises, as a broken constraint would.
+//! `quota.finish_job()` finishes a job's ticket when the queue ends the job, in the
+//! queue's own transaction (its status update, or the delete of its row), so that no
+//! transaction of the application's is needed for it. A row with no ticket (the column
+//! NULL, a key missing, JSON null) and a ticket this database does not have (never
+//! issued here, or purged after quota.retention) finish nothing; a ticket that has
+//! ended already is left as it is (finish() returns false). A row whose value is not a
+//! uuid (22P02), or whose ticket the firing role may not finish (42501), finishes
+//! nothing with a WARNING: that is the job's data, and raising would fail the queue's
+//! completion of every row of its statement, and have the queue run the job again, for
+//! ever.
+//!
+//! `quota.claim_job()` renews a job's ticket to the trigger's lease when the queue
+//! claims the job, in the claim's own transaction (BEFORE UPDATE). Where the ticket
+//! cannot be renewed (it has ended, its lease ran out, this database does not have it,
+//! the firing role may not renew it, it is not a uuid) it clears the ticket in the row
+//! it returns (JSON null, or NULL), so that the run the queue hands out knows it holds
+//! no slot and takes one of its own; the claim goes on. The last two with a WARNING.
+//!
+//! A mistake in either trigger's definition (its arguments, its column, how it fires)
+//! raises, as a broken constraint would. core::job_trigger says what their arguments
+//! mean.
 
 #![allow(clippy::result_large_err)]
 
@@ -20,16 +29,21 @@ use std::ffi::{CStr, CString};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
-use crate::core::job_trigger::{parse_job_trigger, parse_uuid, JobTrigger};
-use crate::core::QuotaError;
+use crate::core::job_trigger::{parse_job_trigger, parse_uuid, JobAction, JobTrigger};
+use crate::core::{JobFn, QuotaError};
 use crate::encoding::server_text;
 use crate::finish;
 
-/// Runs the trigger whose data PostgreSQL passed: reads the ticket and finishes it.
+/// Runs a trigger of `func` whose data PostgreSQL passed: reads the ticket, and
+/// finishes or renews it. Returns the row a BEFORE trigger hands back (claim_job():
+/// the new row, its ticket cleared where it could not be renewed); null for finish_job().
 ///
 /// # Safety
 /// `data` is the TriggerData of a trigger call, as the trigger manager passes it.
-pub unsafe fn fire(data: &pg_sys::TriggerData) -> Result<(), QuotaError> {
+pub unsafe fn fire(
+    func: JobFn,
+    data: &pg_sys::TriggerData,
+) -> Result<pg_sys::HeapTuple, QuotaError> {
     // SAFETY: the trigger manager's Trigger, valid for this call.
     let trigger = unsafe { &*data.tg_trigger };
     // SAFETY: a NUL-terminated name in the trigger's descriptor.
@@ -37,61 +51,240 @@ pub unsafe fn fire(data: &pg_sys::TriggerData) -> Result<(), QuotaError> {
     let event = data.tg_event;
     let op = event & pg_sys::TRIGGER_EVENT_OPMASK;
     let updated = op == pg_sys::TRIGGER_EVENT_UPDATE;
-    let row_after = event & pg_sys::TRIGGER_EVENT_ROW != 0
-        && event & pg_sys::TRIGGER_EVENT_TIMINGMASK == pg_sys::TRIGGER_EVENT_AFTER;
-    if !row_after || !(updated || op == pg_sys::TRIGGER_EVENT_DELETE) {
-        return Err(QuotaError::TriggerMisfired { trigger: name });
+    let timing = event & pg_sys::TRIGGER_EVENT_TIMINGMASK;
+    let for_row = event & pg_sys::TRIGGER_EVENT_ROW != 0;
+    let fits = match func {
+        JobFn::Finish => {
+            for_row
+                && timing == pg_sys::TRIGGER_EVENT_AFTER
+                && (updated || op == pg_sys::TRIGGER_EVENT_DELETE)
+        }
+        JobFn::Claim => for_row && timing == pg_sys::TRIGGER_EVENT_BEFORE && updated,
+    };
+    if !fits {
+        return Err(QuotaError::TriggerMisfired {
+            func,
+            trigger: name,
+        });
     }
     let args: Vec<&[u8]> = (0..trigger.tgnargs as usize)
         // SAFETY: tgargs holds tgnargs NUL-terminated strings.
         .map(|i| unsafe { CStr::from_ptr(*trigger.tgargs.add(i)) }.to_bytes())
         .collect();
-    let spec = parse_job_trigger(&name, &args, server_text)?;
-    finish::begin(c"quota.finish_job()");
-    // UPDATE: the row as the queue left it; DELETE: the row removed.
+    let spec = parse_job_trigger(func, &name, &args, server_text)?;
+    // UPDATE: the row as the queue leaves it; DELETE: the row removed.
     let tuple = if updated {
         data.tg_newtuple
     } else {
         data.tg_trigtuple
     };
-    // SAFETY: the relation the trigger fired on and the row, as the trigger manager
-    // passed them.
-    let Some(text) = (unsafe { ticket_text(&name, &spec, data.tg_relation, tuple) })? else {
-        return Ok(());
+    let rel = data.tg_relation;
+    match &spec.action {
+        JobAction::Finish(outcome) => {
+            finish::begin(c"quota.finish_job()");
+            // SAFETY: the relation the trigger fired on and the row, as the trigger
+            // manager passed them.
+            if let Some(Some(ticket)) = unsafe { job_ticket(&name, &spec, rel, tuple) }? {
+                finish_job_ticket(&name, ticket, *outcome)?;
+            }
+            Ok(std::ptr::null_mut())
+        }
+        JobAction::Claim { lease } => {
+            finish::begin(c"quota.claim_job()");
+            let lease = lease_datum(&name, lease)?;
+            // SAFETY: as above.
+            let Some(ticket) = (unsafe { job_ticket(&name, &spec, rel, tuple) })? else {
+                return Ok(tuple);
+            };
+            let keep = match ticket {
+                Some(ticket) => claim_job_ticket(&name, ticket, lease)?,
+                None => false,
+            };
+            if keep {
+                return Ok(tuple);
+            }
+            // SAFETY: the trigger's relation and its new row.
+            unsafe { cleared(&name, &spec, rel, tuple) }
+        }
+    }
+}
+
+/// The ticket of the job's row: None where there is none; Some(None) where the value
+/// is not a uuid (a WARNING said so: the job's data, not the trigger's definition).
+///
+/// # Safety
+/// `rel` and `tuple` are the trigger's relation and a row of it.
+unsafe fn job_ticket(
+    name: &str,
+    spec: &JobTrigger,
+    rel: pg_sys::Relation,
+    tuple: pg_sys::HeapTuple,
+) -> Result<Option<Option<pgrx::Uuid>>, QuotaError> {
+    // SAFETY: the caller's.
+    let Some(text) = (unsafe { ticket_text(name, spec, rel, tuple) })? else {
+        return Ok(None);
     };
-    let ticket = match text {
-        Ticket::Uuid(u) => u,
+    Ok(Some(match text {
+        Ticket::Uuid(u) => Some(u),
         Ticket::Text(t) => match parse_uuid(&t) {
-            Some(bytes) => pgrx::Uuid::from_bytes(bytes),
+            Some(bytes) => Some(pgrx::Uuid::from_bytes(bytes)),
             None => {
-                // The job's data, not the trigger's definition: the queue's statement
-                // goes on (see the module's comment).
                 crate::error::warn(&QuotaError::TicketNotUuid {
-                    trigger: name,
+                    func: spec.func(),
+                    trigger: name.to_string(),
                     path: spec.path(server_text),
                     value: crate::core::ticket::ascii_escaped(&server_text(&t), 64),
                 });
-                return Ok(());
+                None
             }
         },
-    };
-    match finish::finish_ticket(ticket, spec.outcome) {
+    }))
+}
+
+/// finish_job(): finishes the ticket; one this database does not have, or that the
+/// firing role may not finish (a WARNING), is left alone.
+fn finish_job_ticket(
+    name: &str,
+    ticket: pgrx::Uuid,
+    outcome: crate::core::Outcome,
+) -> Result<(), QuotaError> {
+    match finish::finish_ticket(ticket, outcome) {
         Ok(_) | Err(QuotaError::UnknownTicket(_)) => Ok(()),
         Err(QuotaError::ForeignTicket { ticket, .. }) => {
-            // SAFETY: the current user's name, from the syscache (it exists: we run as it).
-            let firing_role = server_text(
-                unsafe { CStr::from_ptr(pg_sys::GetUserNameFromId(pg_sys::GetUserId(), false)) }
-                    .to_bytes(),
-            );
-            crate::error::warn(&QuotaError::JobTicketForeign {
-                trigger: name,
-                ticket,
-                firing_role,
-            });
+            warn_foreign(JobFn::Finish, name, ticket);
             Ok(())
         }
         Err(e) => Err(e),
     }
+}
+
+/// claim_job(): renews the ticket; true if it now runs to the new lease, false where
+/// it must be cleared from the row (ended, lapsed, unknown here, or another role's: a
+/// WARNING).
+fn claim_job_ticket(
+    name: &str,
+    ticket: pgrx::Uuid,
+    lease: pg_sys::Datum,
+) -> Result<bool, QuotaError> {
+    match finish::renew_ticket(ticket, lease, JobFn::Claim.action()) {
+        Ok(finish::Renewal::Renewed(_)) => Ok(true),
+        Ok(finish::Renewal::Ended { .. }) | Err(QuotaError::UnknownTicket(_)) => Ok(false),
+        Err(QuotaError::ForeignTicket { ticket, .. }) => {
+            warn_foreign(JobFn::Claim, name, ticket);
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// The WARNING for a job's ticket that the firing role may not finish or renew.
+fn warn_foreign(func: JobFn, name: &str, ticket: String) {
+    // SAFETY: the current user's name, from the syscache (it exists: we run as it).
+    let firing_role = server_text(
+        unsafe { CStr::from_ptr(pg_sys::GetUserNameFromId(pg_sys::GetUserId(), false)) }.to_bytes(),
+    );
+    crate::error::warn(&QuotaError::JobTicketForeign {
+        func,
+        trigger: name.to_string(),
+        ticket,
+        firing_role,
+    });
+}
+
+/// claim_job()'s lease argument as an interval datum; 22023 if it is not an interval
+/// longer than zero (interval input's own errors are raised as they are).
+fn lease_datum(name: &str, lease: &[u8]) -> Result<pg_sys::Datum, QuotaError> {
+    let text = CString::new(lease).expect("trigger arguments have no NUL");
+    // SAFETY: interval's input function reads a NUL-terminated string (raising on
+    // bad input, as a cast would); typmod -1.
+    let datum = unsafe {
+        let mut input = pg_sys::Oid::INVALID;
+        let mut ioparam = pg_sys::Oid::INVALID;
+        pg_sys::getTypeInputInfo(pg_sys::INTERVALOID, &mut input, &mut ioparam);
+        pg_sys::OidInputFunctionCall(input, text.as_ptr().cast_mut(), ioparam, -1)
+    };
+    // SAFETY: plain read of the clock.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    crate::timestamps::lease_end(now, datum).map_err(|_| QuotaError::TriggerArguments {
+        func: JobFn::Claim,
+        trigger: name.to_string(),
+        why: format!(
+            "The lease \"{}\" is not longer than zero.",
+            server_text(lease)
+        ),
+    })?;
+    Ok(datum)
+}
+
+/// The trigger's new row with its ticket cleared: JSON null at the path in a jsonb
+/// column, NULL in a uuid or text column.
+///
+/// # Safety
+/// `rel` and `tuple` are the trigger's relation and its new row.
+unsafe fn cleared(
+    name: &str,
+    spec: &JobTrigger,
+    rel: pg_sys::Relation,
+    tuple: pg_sys::HeapTuple,
+) -> Result<pg_sys::HeapTuple, QuotaError> {
+    // SAFETY: the caller's open relation.
+    let (attnum, _) = unsafe { ticket_column(name, spec, rel) }?;
+    let (mut value, mut isnull) = (pg_sys::Datum::from(0), true);
+    if !spec.keys.is_empty() {
+        // SAFETY: the row's jsonb column (ticket_column checked its type for a claim),
+        // not null (a ticket was read from it); jsonb_set(doc, keys, 'null', false)
+        // and the inputs it takes, built from the keys' bytes.
+        unsafe {
+            let mut null = false;
+            let doc = pg_sys::SPI_getbinval(tuple, (*rel).rd_att, attnum, &mut null);
+            let keys: Vec<pg_sys::Datum> = spec
+                .keys
+                .iter()
+                .map(|k| {
+                    pg_sys::Datum::from(pg_sys::cstring_to_text_with_len(
+                        k.as_ptr().cast(),
+                        k.len() as i32,
+                    ))
+                })
+                .collect();
+            let path = pg_sys::construct_array(
+                keys.as_ptr().cast_mut(),
+                keys.len() as i32,
+                pg_sys::TEXTOID,
+                -1,
+                false,
+                pg_sys::TYPALIGN_INT as std::os::raw::c_char,
+            );
+            let json_null = pgrx::direct_function_call_as_datum(
+                pg_sys::jsonb_in,
+                &[Some(pg_sys::Datum::from(c"null".as_ptr()))],
+            )
+            .expect("jsonb 'null'");
+            value = pgrx::direct_function_call_as_datum(
+                pg_sys::jsonb_set,
+                &[
+                    Some(doc),
+                    Some(pg_sys::Datum::from(path)),
+                    Some(json_null),
+                    Some(pg_sys::Datum::from(false)),
+                ],
+            )
+            .expect("jsonb_set of a document");
+            isnull = false;
+        }
+    }
+    let mut column = attnum;
+    // SAFETY: one column of the row replaced, through the relation's descriptor.
+    Ok(unsafe {
+        pg_sys::heap_modify_tuple_by_cols(
+            tuple,
+            (*rel).rd_att,
+            1,
+            &mut column,
+            &mut value,
+            &mut isnull,
+        )
+    })
 }
 
 enum Ticket {
@@ -117,6 +310,7 @@ unsafe fn ticket_column(
     let attnum = unsafe { pg_sys::SPI_fnumber(tupdesc, column.as_ptr()) };
     if attnum == pg_sys::SPI_ERROR_NOATTRIBUTE {
         return Err(QuotaError::TicketColumnMissing {
+            func: spec.func(),
             trigger: trigger.to_string(),
             column: server_text(&spec.column),
             // SAFETY: the open relation's name.
@@ -128,14 +322,18 @@ unsafe fn ticket_column(
     // SAFETY: attnum names a column (or a system column, below zero) of tupdesc.
     let type_oid = unsafe { pg_sys::getBaseType(pg_sys::SPI_gettypeid(tupdesc, attnum)) };
     let with_keys = !spec.keys.is_empty();
+    // claim_job() writes JSON null where it clears a ticket: jsonb only.
+    let json_ok = spec.func() == JobFn::Finish;
     let readable = attnum > 0
         && match type_oid {
             pg_sys::UUIDOID | pg_sys::TEXTOID | pg_sys::VARCHAROID => !with_keys,
-            pg_sys::JSONOID | pg_sys::JSONBOID => with_keys,
+            pg_sys::JSONOID => with_keys && json_ok,
+            pg_sys::JSONBOID => with_keys,
             _ => false,
         };
     if !readable {
         return Err(QuotaError::TicketColumnType {
+            func: spec.func(),
             trigger: trigger.to_string(),
             column: server_text(&spec.column),
             // SAFETY: format_type_be names any type oid (or says ???).
@@ -163,6 +361,7 @@ unsafe fn refuse_virtual(
     // SAFETY: a catalog lookup of the caller's relation's column.
     if unsafe { pg_sys::get_attgenerated((*rel).rd_id, attnum as i16) } as u8 == b'v' {
         return Err(QuotaError::TicketColumnVirtual {
+            func: spec.func(),
             trigger: trigger.to_string(),
             column: server_text(&spec.column),
         });
@@ -170,36 +369,79 @@ unsafe fn refuse_virtual(
     Ok(())
 }
 
-/// 0.6.0: checks a quota.finish_job() trigger when it is created (hooks/guard.rs), as
-/// its firing would: how it fires (`tgtype`, pg_trigger's bits), its arguments, and the
-/// column on table `relid`, whose number it returns (the hook makes the trigger depend
-/// on it). So a mistake in the definition is refused at CREATE TRIGGER rather than in
-/// the queue's first completion; a column renamed later is met when it fires.
+/// 0.6.0: checks a quota.finish_job() or quota.claim_job() trigger (`func`) when it is
+/// created (hooks/guard.rs), as its firing would: how it fires (`tgtype`, pg_trigger's
+/// bits), its arguments, and the column on table `relid`, whose number it returns (the
+/// hook makes the trigger depend on it). So a mistake in the definition is refused at
+/// CREATE TRIGGER rather than in the queue's first completion or claim; a column
+/// renamed later is met when it fires.
 pub fn check_created(
+    func: JobFn,
     trigger: &str,
     tgtype: i16,
     relid: pg_sys::Oid,
     args: &[&[u8]],
 ) -> Result<i32, QuotaError> {
     let t = tgtype as u32;
-    let row_after = t & pg_sys::TRIGGER_TYPE_ROW != 0
-        && t & (pg_sys::TRIGGER_TYPE_BEFORE | pg_sys::TRIGGER_TYPE_INSTEAD) == 0;
-    let ends_jobs = t & (pg_sys::TRIGGER_TYPE_UPDATE | pg_sys::TRIGGER_TYPE_DELETE) != 0
-        && t & (pg_sys::TRIGGER_TYPE_INSERT | pg_sys::TRIGGER_TYPE_TRUNCATE) == 0;
-    if !row_after || !ends_jobs {
+    let row = t & pg_sys::TRIGGER_TYPE_ROW != 0;
+    let before = t & pg_sys::TRIGGER_TYPE_BEFORE != 0;
+    let instead = t & pg_sys::TRIGGER_TYPE_INSTEAD != 0;
+    let inserts = t & (pg_sys::TRIGGER_TYPE_INSERT | pg_sys::TRIGGER_TYPE_TRUNCATE) != 0;
+    let deletes = t & pg_sys::TRIGGER_TYPE_DELETE != 0;
+    let updates = t & pg_sys::TRIGGER_TYPE_UPDATE != 0;
+    let fits = row
+        && !instead
+        && !inserts
+        && match func {
+            JobFn::Finish => !before && (updates || deletes),
+            JobFn::Claim => before && updates && !deletes,
+        };
+    if !fits {
         return Err(QuotaError::TriggerMisfired {
+            func,
             trigger: trigger.to_string(),
         });
     }
-    let spec = parse_job_trigger(trigger, args, server_text)?;
+    let spec = parse_job_trigger(func, trigger, args, server_text)?;
+    if let JobAction::Claim { lease } = &spec.action {
+        lease_datum(trigger, lease)?;
+    }
     // SAFETY: CREATE TRIGGER holds a lock on the table; we add a weaker one.
     unsafe {
         let rel = pg_sys::relation_open(relid, pg_sys::AccessShareLock as i32);
         let checked = ticket_column(trigger, &spec, rel)
-            .and_then(|(attnum, _)| refuse_virtual(trigger, &spec, rel, attnum).map(|()| attnum));
+            .and_then(|(attnum, _)| refuse_virtual(trigger, &spec, rel, attnum).map(|()| attnum))
+            .and_then(|attnum| refuse_not_null(trigger, &spec, rel, attnum).map(|()| attnum));
         pg_sys::relation_close(rel, pg_sys::AccessShareLock as i32);
         checked
     }
+}
+
+/// Refuses, for quota.claim_job(), a uuid or text column declared NOT NULL: the
+/// trigger clears a ticket it cannot renew by setting the column to NULL, which the
+/// constraint would turn into a failed claim, again at every try of the queue.
+///
+/// # Safety
+/// `rel` is an open relation and `attnum` one of its columns.
+unsafe fn refuse_not_null(
+    trigger: &str,
+    spec: &JobTrigger,
+    rel: pg_sys::Relation,
+    attnum: i32,
+) -> Result<(), QuotaError> {
+    if spec.func() != JobFn::Claim || !spec.keys.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: attnum (from ticket_column) is a user column of the descriptor.
+    let notnull =
+        unsafe { (*crate::compat::tuple_desc_attr((*rel).rd_att, attnum as usize - 1)).attnotnull };
+    if notnull {
+        return Err(QuotaError::TicketColumnNotNull {
+            trigger: trigger.to_string(),
+            column: server_text(&spec.column),
+        });
+    }
+    Ok(())
 }
 
 /// The ticket in `tuple` where `spec` says, None where there is none.

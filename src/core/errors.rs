@@ -78,8 +78,50 @@ impl Sqlstate {
     }
 }
 
-/// How quota.finish_job() is called, for the hints of its errors.
-const JOB_TRIGGER_USAGE: &str = "Its arguments are the ticket's column (uuid or text, or json or jsonb with the keys to follow, as in 'args->ticket', with no spaces around ->) and, optionally, the outcome (succeeded, failed or cancelled; succeeded by default).";
+/// pg_quota's two trigger functions for a job queue's table (0.6.0): which one an
+/// error is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobFn {
+    /// quota.finish_job(): finishes the job's ticket when the queue ends the job.
+    Finish,
+    /// quota.claim_job(): renews the job's ticket when the queue claims the job.
+    Claim,
+}
+
+impl JobFn {
+    /// The verb for what it does to a ticket, as in "permission denied to renew".
+    pub fn action(self) -> &'static str {
+        match self {
+            JobFn::Finish => "finish",
+            JobFn::Claim => "renew",
+        }
+    }
+
+    /// How it is called, for the hints of its errors.
+    fn usage(self) -> &'static str {
+        match self {
+            JobFn::Finish => "Its arguments are the ticket's column (uuid or text, or json or jsonb with the keys to follow, as in 'args->ticket', with no spaces around ->) and, optionally, the outcome (succeeded, failed or cancelled; succeeded by default).",
+            JobFn::Claim => "Its arguments are the ticket's column (uuid or text, or jsonb with the keys to follow, as in 'args->ticket', with no spaces around ->) and the lease a claimed job's ticket gets from the claim (an interval, as in '5 minutes').",
+        }
+    }
+
+    /// How a trigger of it must be created, for the hint of TriggerMisfired.
+    fn timing(self) -> &'static str {
+        match self {
+            JobFn::Finish => "Create it as CREATE TRIGGER name AFTER UPDATE OR DELETE ON table FOR EACH ROW, with a WHEN clause for the rows whose job has ended.",
+            JobFn::Claim => "Create it as CREATE TRIGGER name BEFORE UPDATE ON table FOR EACH ROW, with a WHEN clause for the rows the queue claims.",
+        }
+    }
+}
+
+impl std::fmt::Display for JobFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            JobFn::Finish => "quota.finish_job()",
+            JobFn::Claim => "quota.claim_job()",
+        })
+    }
+}
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum QuotaError {
@@ -146,48 +188,68 @@ pub enum QuotaError {
         /// "finish" or "renew".
         action: &'static str,
     },
-    /// quota.finish_job() with arguments it cannot use (0.6.0).
-    #[error("invalid arguments for quota.finish_job() in trigger \"{trigger}\"")]
-    TriggerArguments { trigger: String, why: String },
-    /// quota.finish_job() called as a function, not as a trigger.
-    #[error("quota.finish_job() can only be called as a trigger")]
-    NotCalledAsTrigger,
+    /// quota.finish_job() or quota.claim_job() with arguments it cannot use (0.6.0).
+    #[error("invalid arguments for {func} in trigger \"{trigger}\"")]
+    TriggerArguments {
+        func: JobFn,
+        trigger: String,
+        why: String,
+    },
+    /// quota.finish_job() or quota.claim_job() called as a function, not as a trigger.
+    #[error("{0} can only be called as a trigger")]
+    NotCalledAsTrigger(JobFn),
     /// quota.finish_job() fired other than AFTER UPDATE or DELETE, FOR EACH ROW: a
     /// BEFORE trigger could finish the ticket of a change that a later trigger skips.
-    #[error("trigger \"{trigger}\": quota.finish_job() must be fired AFTER UPDATE or DELETE, FOR EACH ROW")]
-    TriggerMisfired { trigger: String },
-    /// The column a quota.finish_job() trigger reads the ticket from is not there.
+    /// quota.claim_job() fired other than BEFORE UPDATE, FOR EACH ROW: it changes the
+    /// row it renews the ticket of.
+    #[error("trigger \"{trigger}\": {func} must be fired {}", match .func {
+        JobFn::Finish => "AFTER UPDATE or DELETE, FOR EACH ROW",
+        JobFn::Claim => "BEFORE UPDATE, FOR EACH ROW",
+    })]
+    TriggerMisfired { func: JobFn, trigger: String },
+    /// The column a job trigger reads the ticket from is not there.
     #[error("column \"{column}\" of relation \"{relation}\" does not exist")]
     TicketColumnMissing {
+        func: JobFn,
         trigger: String,
         column: String,
         relation: String,
     },
-    /// The column a quota.finish_job() trigger reads the ticket from has a type that
-    /// holds no ticket (with keys: not json or jsonb; without: not uuid or text).
-    #[error("column \"{column}\" of type {type_name} cannot hold a ticket for quota.finish_job()")]
+    /// The column a job trigger reads the ticket from has a type that holds no ticket
+    /// (with keys: not json or jsonb, and for quota.claim_job(), which writes it, not
+    /// jsonb; without: not uuid or text).
+    #[error("column \"{column}\" of type {type_name} cannot hold a ticket for {func}")]
     TicketColumnType {
+        func: JobFn,
         trigger: String,
         column: String,
         type_name: String,
     },
     /// The column a quota.finish_job() trigger reads the ticket from is a virtual
     /// generated column (PostgreSQL 18), which triggers do not see.
-    #[error(
-        "column \"{column}\" is a virtual generated column, which quota.finish_job() cannot read"
-    )]
-    TicketColumnVirtual { trigger: String, column: String },
-    /// A job's ticket that the role firing a quota.finish_job() trigger may not finish
-    /// (a WARNING). As for ForeignTicket, nothing names the ticket's owner.
-    #[error("permission denied to finish ticket {ticket}")]
+    #[error("column \"{column}\" is a virtual generated column, which {func} cannot read")]
+    TicketColumnVirtual {
+        func: JobFn,
+        trigger: String,
+        column: String,
+    },
+    /// The uuid or text column a quota.claim_job() trigger reads the ticket from is NOT
+    /// NULL: the trigger could not clear a ticket it cannot renew.
+    #[error("column \"{column}\" is NOT NULL, and quota.claim_job() clears a ticket it cannot renew by setting it to NULL")]
+    TicketColumnNotNull { trigger: String, column: String },
+    /// A job's ticket that the role firing a job trigger may not finish or renew (a
+    /// WARNING). As for ForeignTicket, nothing names the ticket's owner.
+    #[error("permission denied to {} ticket {ticket}", .func.action())]
     JobTicketForeign {
+        func: JobFn,
         trigger: String,
         ticket: String,
         firing_role: String,
     },
-    /// A job's ticket, read by a quota.finish_job() trigger, that is not a uuid.
+    /// A job's ticket, read by a job trigger, that is not a uuid.
     #[error("invalid input syntax for type uuid: \"{value}\"")]
     TicketNotUuid {
+        func: JobFn,
         trigger: String,
         path: String,
         value: String,
@@ -373,12 +435,13 @@ impl QuotaError {
                 Sqlstate::InsufficientPrivilege
             }
             QuotaError::TriggerArguments { .. } => Sqlstate::InvalidParameterValue,
-            QuotaError::NotCalledAsTrigger => Sqlstate::FeatureNotSupported,
+            QuotaError::NotCalledAsTrigger(_) => Sqlstate::FeatureNotSupported,
             QuotaError::TriggerMisfired { .. } => Sqlstate::TriggerProtocolViolated,
             QuotaError::TicketColumnMissing { .. } => Sqlstate::UndefinedColumn,
             QuotaError::TicketColumnType { .. } | QuotaError::TicketColumnVirtual { .. } => {
                 Sqlstate::DatatypeMismatch
             }
+            QuotaError::TicketColumnNotNull { .. } => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::TicketNotUuid { .. } => Sqlstate::InvalidTextRepresentation,
             QuotaError::NotPreloaded => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::NoWorkerSlot { .. } => Sqlstate::InsufficientResources,
@@ -486,16 +549,25 @@ impl QuotaError {
             )),
             QuotaError::BadShape { why, .. } => Some(format!("{why}.")),
             QuotaError::TriggerArguments { why, .. } => Some(why.clone()),
-            QuotaError::TicketColumnMissing { trigger, .. }
-            | QuotaError::TicketColumnType { trigger, .. }
-            | QuotaError::TicketColumnVirtual { trigger, .. } => Some(format!(
-                "Trigger \"{trigger}\" reads the job's ticket from it with quota.finish_job()."
+            QuotaError::TicketColumnNotNull { trigger, .. } => Some(format!(
+                "Trigger \"{trigger}\" reads the job's ticket from it with quota.claim_job()."
             )),
-            QuotaError::JobTicketForeign { trigger, firing_role, .. } => Some(format!(
+            QuotaError::TicketColumnMissing { func, trigger, .. }
+            | QuotaError::TicketColumnType { func, trigger, .. }
+            | QuotaError::TicketColumnVirtual { func, trigger, .. } => Some(format!(
+                "Trigger \"{trigger}\" reads the job's ticket from it with {func}."
+            )),
+            QuotaError::JobTicketForeign { func: JobFn::Finish, trigger, firing_role, .. } => Some(format!(
                 "Trigger \"{trigger}\" fired as role \"{firing_role}\", which may not finish it, and finished nothing for that row."
             )),
-            QuotaError::TicketNotUuid { trigger, path, .. } => Some(format!(
+            QuotaError::JobTicketForeign { func: JobFn::Claim, trigger, firing_role, .. } => Some(format!(
+                "Trigger \"{trigger}\" fired as role \"{firing_role}\", which may not renew it, and cleared the job's ticket: its run takes a slot of its own."
+            )),
+            QuotaError::TicketNotUuid { func: JobFn::Finish, trigger, path, .. } => Some(format!(
                 "Trigger \"{trigger}\" read it from {path} of the job's row with quota.finish_job(), and finished nothing for that row."
+            )),
+            QuotaError::TicketNotUuid { func: JobFn::Claim, trigger, path, .. } => Some(format!(
+                "Trigger \"{trigger}\" read it from {path} of the job's row with quota.claim_job(), and cleared it: the job's run takes a slot of its own."
             )),
             QuotaError::UnsupportedIndex { what, .. } => Some(format!(
                 "pg_quota writes its tables below SQL: it keeps plain indexes on columns up to date, and unique ones only on the table's key; {what} could reject other roles' tickets or be left unchecked."
@@ -552,16 +624,21 @@ impl QuotaError {
                 ),
                 (RefusalKind::TenantRetained, None) => "Every retained ticket of the tenant is still active: tickets age out quota.retention after they finish. A superuser can raise quota.max_retained_per_tenant for its role.".to_string(),
             }),
-            QuotaError::TriggerArguments { .. } => Some(JOB_TRIGGER_USAGE.to_string()),
-            QuotaError::TriggerMisfired { .. } => Some(format!(
-                "Create it as CREATE TRIGGER name AFTER UPDATE OR DELETE ON table FOR EACH ROW, with a WHEN clause for the rows whose job has ended. {JOB_TRIGGER_USAGE}"
-            )),
-            QuotaError::TicketColumnMissing { .. } | QuotaError::TicketColumnType { .. } => {
-                Some(JOB_TRIGGER_USAGE.to_string())
+            QuotaError::TriggerArguments { func, .. } => Some(func.usage().to_string()),
+            QuotaError::TriggerMisfired { func, .. } => {
+                Some(format!("{} {}", func.timing(), func.usage()))
             }
-            QuotaError::JobTicketForeign { firing_role, .. } => Some(format!(
+            QuotaError::TicketColumnMissing { func, .. }
+            | QuotaError::TicketColumnType { func, .. } => Some(func.usage().to_string()),
+            QuotaError::JobTicketForeign { func: JobFn::Finish, firing_role, .. } => Some(format!(
                 "Complete the job as the role that started the ticket, or make \"{firing_role}\" a member of it (GRANT). A deferred trigger fires as the role current at COMMIT on PostgreSQL 15 to 17."
             )),
+            QuotaError::JobTicketForeign { func: JobFn::Claim, firing_role, .. } => Some(format!(
+                "Claim the job as the role that started the ticket, or make \"{firing_role}\" a member of it (GRANT)."
+            )),
+            QuotaError::TicketColumnNotNull { .. } => Some(
+                "Drop the NOT NULL constraint, or keep the ticket in a jsonb column, where the trigger writes JSON null.".to_string(),
+            ),
             QuotaError::TicketColumnVirtual { .. } => Some(
                 "Make it a stored generated column (GENERATED ALWAYS AS (expression) STORED), or name the column it is computed from.".to_string(),
             ),

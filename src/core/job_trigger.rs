@@ -1,24 +1,39 @@
 //! 0.6.0: `quota.finish_job()`, the trigger that finishes a job's ticket in the
 //! transaction in which the queue ends the job (its status update, or the delete of its
-//! row). What the trigger's arguments mean, and how a ticket is read from text, are
-//! decided here; job_trigger.rs reads the row.
+//! row), and `quota.claim_job()`, the trigger that renews it in the transaction in which
+//! the queue claims the job. What the triggers' arguments mean, and how a ticket is read
+//! from text, are decided here; job_trigger.rs reads (and for a claim, writes) the row.
 //!
 //! ```sql
 //! CREATE TRIGGER name AFTER UPDATE OR DELETE ON jobs FOR EACH ROW [WHEN (condition)]
 //!   EXECUTE FUNCTION quota.finish_job('args->ticket' [, 'succeeded'])
+//! CREATE TRIGGER name BEFORE UPDATE ON jobs FOR EACH ROW [WHEN (condition)]
+//!   EXECUTE FUNCTION quota.claim_job('args->ticket', '5 minutes')
 //! ```
 //!
 //! The first argument names where the ticket is: a column (uuid or text), or a json or
 //! jsonb column and the keys to follow, `column->key->key`, written without spaces and
-//! matched exactly (no case folding, no quotes). The second is the outcome, a literal
-//! (`succeeded` by default): one trigger per outcome, each with its own WHEN.
+//! matched exactly (no case folding, no quotes). For finish_job() the second is the
+//! outcome, a literal (`succeeded` by default): one trigger per outcome, each with its
+//! own WHEN. For claim_job() it is the lease the ticket gets from the claim, an interval
+//! (required; PostgreSQL's interval input reads it).
 
 #![allow(clippy::result_large_err)]
 
-use super::errors::QuotaError;
+use super::errors::{JobFn, QuotaError};
 use super::ticket::{parse_outcome, Outcome};
 
-/// What a `quota.finish_job()` trigger finishes, parsed from its arguments.
+/// What a job trigger does to the ticket it reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum JobAction {
+    /// quota.finish_job(): finish it with this outcome.
+    Finish(Outcome),
+    /// quota.claim_job(): renew it to this lease (the argument's bytes, an interval's
+    /// text in the server encoding, which the pgrx layer reads).
+    Claim { lease: Vec<u8> },
+}
+
+/// What a job trigger reads, and does, parsed from its arguments.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct JobTrigger {
     /// The column that holds the ticket (or the JSON document it is in), as its
@@ -27,10 +42,18 @@ pub struct JobTrigger {
     /// The JSON keys to follow from the column to the ticket; empty for a uuid or
     /// text column.
     pub keys: Vec<Vec<u8>>,
-    pub outcome: Outcome,
+    pub action: JobAction,
 }
 
 impl JobTrigger {
+    /// Which function the trigger calls.
+    pub fn func(&self) -> JobFn {
+        match self.action {
+            JobAction::Finish(_) => JobFn::Finish,
+            JobAction::Claim { .. } => JobFn::Claim,
+        }
+    }
+
     /// The path as written in the trigger's first argument, for messages, each name
     /// shown by `show` (the pgrx layer converts from the server encoding).
     pub fn path(&self, show: impl Fn(&[u8]) -> String) -> String {
@@ -53,35 +76,47 @@ fn split_path(path: &[u8]) -> Vec<&[u8]> {
     parts
 }
 
-/// Parses the arguments of trigger `trigger` (its name, for messages): the ticket's
-/// path and an optional outcome, each as the bytes of the server encoding, which
-/// `show` turns into text for messages (the pgrx layer converts from the server
-/// encoding).
+/// Parses the arguments of trigger `trigger` (its name, for messages) of `func`: the
+/// ticket's path, and finish_job()'s optional outcome or claim_job()'s lease, each as
+/// the bytes of the server encoding, which `show` turns into text for messages (the
+/// pgrx layer converts from the server encoding).
 pub fn parse_job_trigger(
+    func: JobFn,
     trigger: &str,
     args: &[&[u8]],
     show: impl Fn(&[u8]) -> String,
 ) -> Result<JobTrigger, QuotaError> {
     let bad = |why: String| QuotaError::TriggerArguments {
+        func,
         trigger: trigger.to_string(),
         why,
     };
-    let (path, outcome) = match args {
-        [path] => (*path, Outcome::Succeeded),
-        [path, outcome] => (
+    let (path, action) = match (func, args) {
+        (JobFn::Finish, [path]) => (*path, JobAction::Finish(Outcome::Succeeded)),
+        (JobFn::Finish, [path, outcome]) => (
             *path,
-            parse_outcome(outcome).map_err(|_| {
+            JobAction::Finish(parse_outcome(outcome).map_err(|_| {
                 bad(format!(
                     "The outcome \"{}\" is not succeeded, failed or cancelled.",
                     show(outcome)
                 ))
-            })?,
+            })?),
+        ),
+        (JobFn::Claim, [path, lease]) => (
+            *path,
+            JobAction::Claim {
+                lease: lease.to_vec(),
+            },
         ),
         _ => {
             return Err(bad(format!(
-            "It has {} arguments; quota.finish_job() takes the ticket's column, and an outcome.",
-            args.len()
-        )))
+                "It has {} arguments; {func} takes the ticket's column, and {}.",
+                args.len(),
+                match func {
+                    JobFn::Finish => "an outcome",
+                    JobFn::Claim => "the lease",
+                }
+            )))
         }
     };
     let parts = split_path(path);
@@ -96,7 +131,7 @@ pub fn parse_job_trigger(
     Ok(JobTrigger {
         column: parts[0].to_vec(),
         keys: parts[1..].iter().map(|p| p.to_vec()).collect(),
-        outcome,
+        action,
     })
 }
 
@@ -139,15 +174,20 @@ mod tests {
 
     fn parse(args: &[&str]) -> Result<JobTrigger, QuotaError> {
         let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
-        parse_job_trigger("t", &args, printable)
+        parse_job_trigger(JobFn::Finish, "t", &args, printable)
+    }
+
+    fn parse_claim(args: &[&str]) -> Result<JobTrigger, QuotaError> {
+        let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
+        parse_job_trigger(JobFn::Claim, "t", &args, printable)
     }
 
     #[test]
     fn a_column_and_the_default_outcome() {
         let t = parse(&["ticket"]).unwrap();
         assert_eq!(
-            (t.column.as_slice(), t.keys.len(), t.outcome),
-            (&b"ticket"[..], 0, Outcome::Succeeded)
+            (t.column.as_slice(), t.keys.len(), &t.action),
+            (&b"ticket"[..], 0, &JobAction::Finish(Outcome::Succeeded))
         );
         assert_eq!(t.path(printable), "ticket");
     }
@@ -157,7 +197,8 @@ mod tests {
         let t = parse(&["args->job->ticket", "failed"]).unwrap();
         assert_eq!(t.column, b"args");
         assert_eq!(t.keys, vec![b"job".to_vec(), b"ticket".to_vec()]);
-        assert_eq!(t.outcome, Outcome::Failed);
+        assert_eq!(t.action, JobAction::Finish(Outcome::Failed));
+        assert_eq!(t.func(), JobFn::Finish);
         assert_eq!(t.path(printable), "args->job->ticket");
         // Names are taken as written: case and spaces are part of them.
         let t = parse(&["Payload-> ticket"]).unwrap();
@@ -192,6 +233,40 @@ mod tests {
         assert_eq!(e.sqlstate(), Sqlstate::InvalidParameterValue);
         assert!(
             e.detail().unwrap().contains("\"done\" is not succeeded"),
+            "{:?}",
+            e.detail()
+        );
+    }
+
+    #[test]
+    fn claim_takes_a_path_and_a_lease() {
+        let t = parse_claim(&["args->ticket", "5 minutes"]).unwrap();
+        assert_eq!(t.column, b"args");
+        assert_eq!(t.keys, vec![b"ticket".to_vec()]);
+        assert_eq!(
+            t.action,
+            JobAction::Claim {
+                lease: b"5 minutes".to_vec()
+            }
+        );
+        assert_eq!(t.func(), JobFn::Claim);
+        // The lease is required; an outcome is not one of its arguments.
+        for args in [
+            &["args->ticket"][..],
+            &[][..],
+            &["a", "1 min", "x"][..],
+            &["->t", "1 min"][..],
+        ] {
+            let e = parse_claim(args).unwrap_err();
+            assert_eq!(e.sqlstate(), Sqlstate::InvalidParameterValue, "{args:?}");
+            assert!(e.to_string().contains("quota.claim_job()"), "{e}");
+            assert!(e.hint().unwrap().contains("lease"), "{:?}", e.hint());
+        }
+        let e = parse_claim(&["ticket"]).unwrap_err();
+        assert!(
+            e.detail().unwrap().contains(
+                "1 arguments; quota.claim_job() takes the ticket's column, and the lease"
+            ),
             "{:?}",
             e.detail()
         );

@@ -14,7 +14,7 @@ pub mod stats;
 pub mod ticket;
 
 pub use decision::{decide, refuse_on_active, Decision, Limits, Refusal, RefusalKind, Usage};
-pub use errors::{QuotaError, Sqlstate};
+pub use errors::{JobFn, QuotaError, Sqlstate};
 pub use ticket::{
     check_key, check_label, check_tenant, parse_outcome, uuid_v7, Outcome, MAX_LABEL_CHARS,
 };

@@ -236,7 +236,7 @@ pub fn trigger_created(trigoid: pg_sys::Oid) {
     }
     if let Some(job) = job {
         let args: Vec<&[u8]> = job.args.split(|&b| b == 0).take(job.nargs).collect();
-        match crate::job_trigger::check_created(&name, job.tgtype, rel, &args) {
+        match crate::job_trigger::check_created(job.func, &name, job.tgtype, rel, &args) {
             Err(e) => raise(e),
             // The trigger depends on the column it reads, as on the columns of its WHEN
             // clause: DROP COLUMN is refused (or, with CASCADE, drops the trigger), and so
@@ -267,15 +267,18 @@ pub fn trigger_created(trigoid: pg_sys::Oid) {
     }
 }
 
-/// What pg_trigger holds of a quota.finish_job() trigger, besides its table and name.
+/// What pg_trigger holds of a quota.finish_job() or quota.claim_job() trigger, besides
+/// its table and name.
 struct JobTriggerRow {
+    func: crate::core::JobFn,
     tgtype: i16,
     nargs: usize,
     /// tgargs: the arguments, each followed by a NUL.
     args: Vec<u8>,
 }
 
-/// The trigger in `tup` if its function is pg_quota's quota.finish_job().
+/// The trigger in `tup` if its function is pg_quota's quota.finish_job() or
+/// quota.claim_job().
 ///
 /// # Safety
 /// `tup` is a pg_trigger tuple and `desc` pg_trigger's descriptor.
@@ -287,10 +290,18 @@ unsafe fn job_trigger_of(tup: pg_sys::HeapTuple, desc: pg_sys::TupleDesc) -> Opt
         let ns = pg_sys::get_namespace_oid(c"quota".as_ptr(), true);
         let ext = pg_sys::get_extension_oid(c"pg_quota".as_ptr(), true);
         let fname = pg_sys::get_func_name(func);
+        let job_fn = if fname.is_null() {
+            None
+        } else if CStr::from_ptr(fname) == c"finish_job" {
+            Some(crate::core::JobFn::Finish)
+        } else if CStr::from_ptr(fname) == c"claim_job" {
+            Some(crate::core::JobFn::Claim)
+        } else {
+            None
+        };
         if ns == pg_sys::InvalidOid
             || ext == pg_sys::InvalidOid
-            || fname.is_null()
-            || CStr::from_ptr(fname) != c"finish_job"
+            || job_fn.is_none()
             || pg_sys::get_func_namespace(func) != ns
             || pg_sys::getExtensionOfObject(pg_sys::ProcedureRelationId, func) != ext
         {
@@ -310,6 +321,7 @@ unsafe fn job_trigger_of(tup: pg_sys::HeapTuple, desc: pg_sys::TupleDesc) -> Opt
             pgrx::varlena::varlena_to_byte_slice(bytea).to_vec()
         };
         Some(JobTriggerRow {
+            func: job_fn?,
             tgtype: (*form).tgtype,
             nargs: (*form).tgnargs as usize,
             args,

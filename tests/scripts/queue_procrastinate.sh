@@ -3,10 +3,13 @@
 # with the recipes of tests/queues/procrastinate/recipe.py, in two databases:
 # - enqueue: each job is deferred (Task.configure(connection=conn).defer_async) in the
 #   transaction that takes its transactional ticket (try_start(tenant, transactional),
-#   lease 30 s: the wait in the queue); the job carries its ticket; a worker middleware
-#   renews it to the run's lease (8 s) when a run starts and keeps it while the job is
-#   retried; triggers on procrastinate_jobs (quota.finish_job(), 0.6.0) finish it in
-#   the transaction of procrastinate's status update when the job ends;
+#   lease 30 s: the wait in the queue); the job carries its ticket; a trigger on
+#   procrastinate_jobs (quota.claim_job(), 0.6.0) renews it to the run's lease (8 s) in
+#   procrastinate's claim, and clears it from the job's args where it has ended (a run
+#   then takes a writer-committed slot of its own in the worker middleware, which also
+#   keeps the ticket while the job is retried); triggers on procrastinate_jobs
+#   (quota.finish_job()) finish it in the transaction of procrastinate's status update
+#   when the job ends;
 # - claim: jobs are deferred plainly; a worker middleware takes a writer-committed
 #   try_start for the job's tenant right after procrastinate claimed it (its claim is
 #   procrastinate_fetch_job_v2's own transaction), finishes it when the run ends, and on
@@ -110,6 +113,7 @@ for MODE in enqueue claim; do
     skip "$MODE: pg_quota refused starts at the limit"
     [ "$MODE" = enqueue ] && skip "$MODE: the rolled-back enqueues' charges rolled back with them"
     [ "$MODE" = enqueue ] && skip "$MODE: every job's ticket was written by the transaction that deferred the job"
+    [ "$MODE" = enqueue ] && skip "$MODE: procrastinate's claim cleared the ended tickets of the killed worker's jobs"
     [ "$MODE" = enqueue ] && skip "$MODE: each job's ticket was finished by procrastinate's own status update"
   else
     expect_eq "$MODE: the killed run's ticket came back through its lease (outcome expired)" 1 \
@@ -125,9 +129,18 @@ for MODE in enqueue claim; do
       expect_eq "$MODE: every job's ticket was written by the transaction that deferred the job (transactional)" \
         "$N_JOBS" "$(sql -c "SELECT count(*) FROM procrastinate_jobs j
              JOIN procrastinate_events e ON e.job_id = j.id AND e.type = 'deferred'
-             JOIN quota.ledger l ON l.id = (j.args->>'ticket')::uuid
-            WHERE j.args->>'key' LIKE 'j%' AND l.tenant = j.args->>'tenant' AND l.label = 'pq:' || (j.args->>'key')
+             JOIN quota.ledger l ON l.label = 'pq:' || (j.args->>'key')
+            WHERE j.args->>'key' LIKE 'j%' AND l.tenant = j.args->>'tenant'
               AND l.txid IS NOT NULL AND xid(l.txid) = e.xmin")"
+      # The claim trigger (quota.claim_job()) cleared the ticket of exactly the jobs
+      # whose ticket had ended when procrastinate claimed them again: the killed
+      # worker's, whose tickets expired; every other job still carries its own.
+      expect_eq "$MODE: procrastinate's claim cleared the ended tickets of the killed worker's jobs, and only theirs" \
+        "$(sql -c "SELECT string_agg(DISTINCT key, ' ' ORDER BY key) FROM pq_reaped")" \
+        "$(sql -c "SELECT string_agg(j.args->>'key', ' ' ORDER BY j.args->>'key') FROM procrastinate_jobs j
+                    WHERE j.args->'ticket' = 'null' OR NOT EXISTS (
+                      SELECT 1 FROM quota.ledger l WHERE l.id = (j.args->>'ticket')::uuid
+                         AND l.label = 'pq:' || (j.args->>'key'))")"
       # The recipe's triggers (quota.finish_job()): the ticket was last changed by the
       # transaction of procrastinate's status update to succeeded, the one that wrote
       # its 'succeeded' event. The killed worker's jobs ran again under a ticket of

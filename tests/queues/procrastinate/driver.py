@@ -48,6 +48,7 @@ async def setup(mode):
     async with await psycopg.AsyncConnection.connect(DSN, autocommit=True) as c:
         if mode == "enqueue" and not NO_QUOTA:
             await c.execute(recipe.FINISH_TRIGGERS)
+            await c.execute(recipe.claim_trigger(LEASE))
         await c.execute("CREATE TABLE pq_running (key text, tenant text, pid int)")
         await c.execute("CREATE TABLE pq_runs (key text, tenant text, ok bool, at timestamptz DEFAULT clock_timestamp())")
         await c.execute("CREATE TABLE pq_kills (key text, tenant text, pid int)")
@@ -60,7 +61,8 @@ async def worker(mode, concurrency):
     middleware = []
     if not NO_QUOTA:
         if mode == "enqueue":
-            middleware = [recipe.enqueued_ticket_middleware(POOL, LEASE, QUEUE_LEASE, label_of)]
+            middleware = [recipe.enqueued_ticket_middleware(POOL, LEASE, QUEUE_LEASE, label_of,
+                                                            renewed_at_claim=True)]
         else:
             middleware = [recipe.claim_ticket_middleware(
                 POOL, LEASE, tenant_of=lambda job: job.task_kwargs["tenant"], label_of=label_of)]

@@ -94,21 +94,38 @@ CREATE TRIGGER quota_job_deleted AFTER DELETE ON procrastinate_jobs FOR EACH ROW
 """
 
 
-def enqueued_ticket_middleware(pool, lease, queue_lease, label_of=lambda job: None):
+def claim_trigger(lease):
+    """The trigger that renews a job's ticket to `lease` (the run's) when procrastinate
+    claims the job, in the transaction of its own fetch (quota.claim_job(), 0.6.0): no
+    transaction of ours when a run starts. Where the ticket has ended (its worker was
+    killed and the lease gave the slot back; the job waited past its lease), the claim
+    clears it from the job's args (JSON null), and the run knows to take a slot of its
+    own. Run once, by the owner of procrastinate_jobs, after its schema."""
+    return f"""
+CREATE TRIGGER quota_job_claimed BEFORE UPDATE OF status ON procrastinate_jobs FOR EACH ROW
+  WHEN (NEW.status = 'doing' AND OLD.status = 'todo')
+  EXECUTE FUNCTION quota.claim_job('args->ticket', '{lease}');
+"""
+
+
+def enqueued_ticket_middleware(pool, lease, queue_lease, label_of=lambda job: None,
+                               renewed_at_claim=False):
     """Worker middleware for jobs deferred with defer_with_ticket, whose tickets the
     FINISH_TRIGGERS finish when procrastinate ends the job (succeeded, failed for good,
     cancelled or aborted). The job's ticket (task kwarg `ticket`) is renewed to `lease`
-    (the run's) when a run starts, and renewed to `queue_lease` (as at enqueue) when the
-    job goes back to the queue for a retry. If the ticket has ended by the time a run
-    starts (its worker was killed and the lease gave the slot back; the job waited past
-    its lease), the run takes a writer-committed slot for its tenant instead, which this
-    middleware finishes when the run ends; none free: AtCapacity (retry later).
+    (the run's) when a run starts: by the claim_trigger(lease) in procrastinate's own
+    claim where `renewed_at_claim`, else here, in a transaction of its own; and renewed
+    to `queue_lease` (as at enqueue) when the job goes back to the queue for a retry.
+    If the ticket has ended by the time a run starts (its worker was killed and the
+    lease gave the slot back; the job waited past its lease), the run takes a
+    writer-committed slot for its tenant instead, which this middleware finishes when
+    the run ends; none free: AtCapacity (retry later).
     """
     async def middleware(call_next, context, worker):
         job = context.job
         own = job.task_kwargs["ticket"]
         tenant = job.task_kwargs["tenant"]
-        if await _renew(pool, own, lease):
+        if own is not None and (renewed_at_claim or await _renew(pool, own, lease)):
             ticket = own
         else:
             ticket = await _try_start(pool, label_of(job), lease, tenant)
@@ -126,7 +143,7 @@ def enqueued_ticket_middleware(pool, lease, queue_lease, label_of=lambda job: No
         finally:
             if ticket != own:
                 await _finish(pool, ticket, outcome)
-            elif retried:
+            elif retried and own is not None:
                 # Back to the queue holding its ticket. (If its lease ran out during the
                 # run, _renew is False and the next run takes a slot anew.)
                 await _renew(pool, own, queue_lease)

@@ -20,6 +20,9 @@ as it must be for (b) and (c)):
                  procrastinate's claim, recipe.enqueued_ticket_middleware takes a slot
                  for a run whose ticket ended; recipe.FINISH_TRIGGERS (quota.finish_job()) finish it
                  in procrastinate's status update when the job ends
+  (b') enqueue-renew  the same without the claim trigger: the middleware renews the
+                 ticket when the run starts, in a transaction of its own (the recipe
+                 before quota.claim_job(), and where a queue's payload is json)
   (c)  claim     admission at claim: jobs deferred plainly; recipe.claim_ticket_middleware
                  takes a writer-committed try_start when the run starts, finishes it
                  at its end
@@ -67,11 +70,13 @@ import psycopg
 
 import jobqueue_app as qa
 
-VARIANTS = ["plain", "plain-tx", "enqueue", "claim"]
+VARIANTS = ["plain", "plain-tx", "enqueue", "enqueue-renew", "claim"]
 TITLE = {"plain": "(a) plain procrastinate", "plain-tx": "(a') plain, defer in a transaction",
-         "enqueue": "(b) admission at enqueue", "claim": "(c) admission at claim"}
+         "enqueue": "(b) admission at enqueue",
+         "enqueue-renew": "(b') at enqueue, renewed by the middleware", "claim": "(c) admission at claim"}
 ENQUEUE_ONLY = {"plain-tx"}
-DB = {"plain": "q_plain", "plain-tx": "q_plain", "enqueue": "q_enqueue", "claim": "q_claim"}
+DB = {"plain": "q_plain", "plain-tx": "q_plain", "enqueue": "q_enqueue", "enqueue-renew": "q_enqueue_renew",
+      "claim": "q_claim"}
 LIMIT = 1000000  # quota.max_active_per_tenant and _per_role: nothing is refused
 
 
@@ -153,16 +158,17 @@ def setup(cl, args):
         # procrastinate's schema through its own API, as the application's role.
         subprocess.run([sys.executable, os.path.abspath(__file__), "schema"], check=True,
                        env=dict(os.environ, BENCH_QUEUE_DSN=cl.dsn(db, "app")))
-        if db == DB["enqueue"]:
+        if db in (DB["enqueue"], DB["enqueue-renew"]):
             # The recipe's triggers, which finish a job's ticket in procrastinate's
-            # status update (quota.finish_job(), 0.6.0), and renew it in its claim
-            # (quota.claim_job()).
+            # status update (quota.finish_job(), 0.6.0), and (b) renew it in its claim
+            # (quota.claim_job()); (b') renews it in the middleware instead.
             cl.sql(db, qa.recipe.FINISH_TRIGGERS)
+        if db == DB["enqueue"]:
             cl.sql(db, qa.recipe.claim_trigger(qa.RUN_LEASE))
 
 
 def uses_quota(variant):
-    return variant in ("enqueue", "claim")
+    return variant in ("enqueue", "enqueue-renew", "claim")
 
 
 def counters(cl, variant, settled=True):
@@ -397,7 +403,7 @@ def check(cl, variant, args, rnd):
     if succeeded != jobs or retried:
         problems.append(f"{succeeded} of {jobs} jobs succeeded, {retried} went back to the queue")
     if uses_quota(variant):
-        label = ("pq:" if variant == "enqueue" else "pq-run:") + f"{rnd}.%"
+        label = ("pq-run:" if variant == "claim" else "pq:") + f"{rnd}.%"
         tickets, good, active, expired = cl.sql(
             db, "SELECT count(*), count(*) FILTER (WHERE outcome = 'succeeded'), "
                 "count(*) FILTER (WHERE ended_at IS NULL), count(*) FILTER (WHERE outcome = 'expired') "

@@ -5,7 +5,8 @@ imported by jobqueue.py (which the deferrer and worker processes run), so that t
 does not live in the main module (procrastinate warns about an app there).
 
 Variants: "plain" (procrastinate alone), "plain-tx" (each defer in an explicit
-transaction), "enqueue" (recipe.defer_with_ticket; enqueued_ticket_middleware),
+transaction), "enqueue" (recipe.defer_with_ticket; recipe.claim_trigger and
+enqueued_ticket_middleware), "enqueue-renew" (the same, the middleware renewing),
 "claim" (plain defers; claim_ticket_middleware).
 
 Environment: BENCH_QUEUE_DSN, the libpq conninfo of the application's role.
@@ -52,7 +53,7 @@ async def apply_schema():
 
 
 async def defer_one(conn, variant, tenant, key):
-    if variant == "enqueue":
+    if variant in ("enqueue", "enqueue-renew"):
         await recipe.defer_with_ticket(conn, noop, tenant, QUEUE_LEASE, "pq:" + key, key=key)
     elif variant == "plain-tx":
         async with conn.transaction():
@@ -91,9 +92,9 @@ async def worker(variant, concurrency):
     pool = psycopg_pool.AsyncConnectionPool(DSN, min_size=size, max_size=size, open=False)
     await pool.open(wait=True)
     middleware = []
-    if variant == "enqueue":
+    if variant in ("enqueue", "enqueue-renew"):
         middleware = [recipe.enqueued_ticket_middleware(pool, RUN_LEASE, QUEUE_LEASE, label_of,
-                                                        renewed_at_claim=True)]
+                                                        renewed_at_claim=variant == "enqueue")]
     elif variant == "claim":
         middleware = [recipe.claim_ticket_middleware(
             pool, RUN_LEASE, tenant_of=lambda job: job.task_kwargs["tenant"], label_of=label_of)]

@@ -148,14 +148,21 @@ pub fn renew_ticket(
     rels::rels().require_v2("quota.renew()");
     // SAFETY: plain read of the clock.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let until = crate::timestamps::lease_end(now, lease)?;
+    crate::timestamps::lease_end(now, lease)?;
     let (tables, rels) = Tables::open_current();
     // The lease that had run out when this call's update was checked: written back.
     let mut put_back: Option<pg_sys::TimestampTz> = None;
+    // The ticket's lease before this call's first update that went through: the one
+    // checked, and put back, on every later pass (which finds this call's own version).
+    let mut before: Option<Option<pg_sys::TimestampTz>> = None;
     loop {
         // As in finish().
         // SAFETY: makes this transaction's earlier writes visible to new snapshots.
         unsafe { pg_sys::CommandCounterIncrement() };
+        // The lease runs from now, read again on each pass: an update that waited for
+        // another transaction on the ticket's row must not write a lease already past.
+        // SAFETY: plain read of the clock.
+        let until = crate::timestamps::lease_end(unsafe { pg_sys::GetCurrentTimestamp() }, lease)?;
         let snap = Latest::take();
         let Some(found) = find(&tables, &rels, &snap, ticket, |values, nulls| {
             values[COL_LEASE_UNTIL - 1] = put_back.unwrap_or(until).into();
@@ -187,11 +194,18 @@ pub fn renew_ticket(
         if put_back.is_some() {
             return Ok(Renewal::Ended { expired: true });
         }
+        let old_lease = *before.get_or_insert(found.lease_until);
         // SAFETY: plain read of the clock, after the update.
         let checked = unsafe { pg_sys::GetCurrentTimestamp() };
-        if let Some(old) = found.lease_until.filter(|&l| l <= checked) {
+        if let Some(old) = old_lease.filter(|&l| l <= checked) {
             // Ran out: the row gets its old lease back (the sweep ends it as expired).
             put_back = Some(old);
+            continue;
+        }
+        if until <= checked {
+            // The update waited for another transaction longer than the lease: write
+            // one from now (the row is this transaction's now, so the next pass does
+            // not wait).
             continue;
         }
         // quota.stats counts the renewal when this transaction commits, and the

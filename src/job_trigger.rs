@@ -203,16 +203,27 @@ fn lease_datum(name: &str, lease: &[u8]) -> Result<pg_sys::Datum, QuotaError> {
         pg_sys::getTypeInputInfo(pg_sys::INTERVALOID, &mut input, &mut ioparam);
         pg_sys::OidInputFunctionCall(input, text.as_ptr().cast_mut(), ioparam, -1)
     };
+    // A field below zero would make the lease's length depend on the date (a month
+    // less thirty days) or on IntervalStyle: each of months, days and time must be at
+    // least zero, and their sum longer than zero.
+    // SAFETY: interval_in returns a pointer to an Interval.
+    let fields = unsafe { *datum.cast_mut_ptr::<pg_sys::Interval>() };
     // SAFETY: plain read of the clock.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    crate::timestamps::lease_end(now, datum).map_err(|_| QuotaError::TriggerArguments {
-        func: JobFn::Claim,
-        trigger: name.to_string(),
-        why: format!(
-            "The lease \"{}\" is not longer than zero.",
-            server_text(lease)
-        ),
-    })?;
+    if fields.month < 0
+        || fields.day < 0
+        || fields.time < 0
+        || crate::timestamps::lease_end(now, datum).is_err()
+    {
+        return Err(QuotaError::TriggerArguments {
+            func: JobFn::Claim,
+            trigger: name.to_string(),
+            why: format!(
+                "The lease \"{}\" is not longer than zero, or has a field below zero.",
+                server_text(lease)
+            ),
+        });
+    }
     Ok(datum)
 }
 
@@ -320,14 +331,19 @@ unsafe fn ticket_column(
         });
     }
     // SAFETY: attnum names a column (or a system column, below zero) of tupdesc.
-    let type_oid = unsafe { pg_sys::getBaseType(pg_sys::SPI_gettypeid(tupdesc, attnum)) };
+    let declared = unsafe { pg_sys::SPI_gettypeid(tupdesc, attnum) };
+    // SAFETY: a syscache lookup of a type that exists.
+    let type_oid = unsafe { pg_sys::getBaseType(declared) };
     let with_keys = !spec.keys.is_empty();
-    // claim_job() writes JSON null where it clears a ticket: jsonb only.
-    let json_ok = spec.func() == JobFn::Finish;
+    // claim_job() writes the column where it clears a ticket: JSON null in jsonb (not
+    // json, which it would re-format), NULL in the others; not through a domain, whose
+    // constraints a trigger's write would bypass.
+    let claim = spec.func() == JobFn::Claim;
     let readable = attnum > 0
+        && !(claim && declared != type_oid)
         && match type_oid {
             pg_sys::UUIDOID | pg_sys::TEXTOID | pg_sys::VARCHAROID => !with_keys,
-            pg_sys::JSONOID => with_keys && json_ok,
+            pg_sys::JSONOID => with_keys && !claim,
             pg_sys::JSONBOID => with_keys,
             _ => false,
         };
@@ -338,7 +354,14 @@ unsafe fn ticket_column(
             column: server_text(&spec.column),
             // SAFETY: format_type_be names any type oid (or says ???).
             type_name: server_text(
-                unsafe { CStr::from_ptr(pg_sys::format_type_be(type_oid)) }.to_bytes(),
+                unsafe {
+                    CStr::from_ptr(pg_sys::format_type_be(if claim {
+                        declared
+                    } else {
+                        type_oid
+                    }))
+                }
+                .to_bytes(),
             ),
         });
     }
@@ -411,34 +434,38 @@ pub fn check_created(
         let rel = pg_sys::relation_open(relid, pg_sys::AccessShareLock as i32);
         let checked = ticket_column(trigger, &spec, rel)
             .and_then(|(attnum, _)| refuse_virtual(trigger, &spec, rel, attnum).map(|()| attnum))
-            .and_then(|attnum| refuse_not_null(trigger, &spec, rel, attnum).map(|()| attnum));
+            .and_then(|attnum| refuse_unclearable(trigger, &spec, rel, attnum).map(|()| attnum));
         pg_sys::relation_close(rel, pg_sys::AccessShareLock as i32);
         checked
     }
 }
 
-/// Refuses, for quota.claim_job(), a uuid or text column declared NOT NULL: the
-/// trigger clears a ticket it cannot renew by setting the column to NULL, which the
-/// constraint would turn into a failed claim, again at every try of the queue.
+/// Refuses, for quota.claim_job(), a column it could not clear a ticket in: a uuid or
+/// text column declared NOT NULL (the trigger clears a ticket it cannot renew by
+/// setting the column to NULL, which the constraint would turn into a failed claim,
+/// again at every try of the queue), or a generated column (computed again after
+/// BEFORE triggers, from the values the trigger cannot see changed: the cleared ticket
+/// would come back).
 ///
 /// # Safety
 /// `rel` is an open relation and `attnum` one of its columns.
-unsafe fn refuse_not_null(
+unsafe fn refuse_unclearable(
     trigger: &str,
     spec: &JobTrigger,
     rel: pg_sys::Relation,
     attnum: i32,
 ) -> Result<(), QuotaError> {
-    if spec.func() != JobFn::Claim || !spec.keys.is_empty() {
+    if spec.func() != JobFn::Claim {
         return Ok(());
     }
     // SAFETY: attnum (from ticket_column) is a user column of the descriptor.
-    let notnull =
-        unsafe { (*crate::compat::tuple_desc_attr((*rel).rd_att, attnum as usize - 1)).attnotnull };
-    if notnull {
+    let attr = unsafe { &*crate::compat::tuple_desc_attr((*rel).rd_att, attnum as usize - 1) };
+    let generated = attr.attgenerated as u8 != 0;
+    if generated || (attr.attnotnull && spec.keys.is_empty()) {
         return Err(QuotaError::TicketColumnNotNull {
             trigger: trigger.to_string(),
             column: server_text(&spec.column),
+            generated,
         });
     }
     Ok(())

@@ -233,10 +233,16 @@ pub enum QuotaError {
         trigger: String,
         column: String,
     },
-    /// The uuid or text column a quota.claim_job() trigger reads the ticket from is NOT
-    /// NULL: the trigger could not clear a ticket it cannot renew.
-    #[error("column \"{column}\" is NOT NULL, and quota.claim_job() clears a ticket it cannot renew by setting it to NULL")]
-    TicketColumnNotNull { trigger: String, column: String },
+    /// The column a quota.claim_job() trigger reads the ticket from is one the trigger
+    /// could not clear a ticket in: a uuid or text column declared NOT NULL (`generated`
+    /// false), or a generated column, which PostgreSQL computes again after BEFORE
+    /// triggers (`generated` true).
+    #[error("quota.claim_job() cannot clear a ticket in column \"{column}\": it is {}", if *.generated { "a generated column" } else { "NOT NULL" })]
+    TicketColumnNotNull {
+        trigger: String,
+        column: String,
+        generated: bool,
+    },
     /// A job's ticket that the role firing a job trigger may not finish or renew (a
     /// WARNING). As for ForeignTicket, nothing names the ticket's owner.
     #[error("permission denied to {} ticket {ticket}", .func.action())]
@@ -636,8 +642,11 @@ impl QuotaError {
             QuotaError::JobTicketForeign { func: JobFn::Claim, firing_role, .. } => Some(format!(
                 "Claim the job as the role that started the ticket, or make \"{firing_role}\" a member of it (GRANT)."
             )),
-            QuotaError::TicketColumnNotNull { .. } => Some(
+            QuotaError::TicketColumnNotNull { generated: false, .. } => Some(
                 "Drop the NOT NULL constraint, or keep the ticket in a jsonb column, where the trigger writes JSON null.".to_string(),
+            ),
+            QuotaError::TicketColumnNotNull { generated: true, .. } => Some(
+                "Name the column the ticket is computed from: PostgreSQL computes a generated column after BEFORE triggers, so what the trigger writes there is lost.".to_string(),
             ),
             QuotaError::TicketColumnVirtual { .. } => Some(
                 "Make it a stored generated column (GENERATED ALWAYS AS (expression) STORED), or name the column it is computed from.".to_string(),

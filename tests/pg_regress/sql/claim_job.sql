@@ -9,13 +9,17 @@ GRANT CREATE ON SCHEMA public TO cj_app;
 SET quota.max_active_per_role = 2;
 SET quota.max_retained_per_role = 0;
 SET ROLE cj_app;
+CREATE DOMAIN cj_uuid AS uuid;
 CREATE TABLE cj_jobs (
     id int PRIMARY KEY,
     status text NOT NULL DEFAULT 'todo',
     args jsonb,
     ticket uuid,
+    ticket_text text,
     must_have uuid NOT NULL DEFAULT gen_random_uuid(),
-    payload json
+    payload json,
+    via_domain cj_uuid,
+    generated text GENERATED ALWAYS AS (args->>'ticket') STORED
 );
 GRANT SELECT, UPDATE ON cj_jobs TO cj_other;
 CREATE TRIGGER cj_claimed BEFORE UPDATE OF status ON cj_jobs FOR EACH ROW
@@ -51,12 +55,19 @@ SELECT label, outcome FROM quota.tickets WHERE label = 'c1';
 
 -- A ticket whose lease has run out, not yet swept: cleared too, and not revived. The
 -- renewal's update is undone by a second one (the old lease back), so it stays lapsed
--- and its slot stays free.
+-- and its slot stays free. The transaction holds the ticket's row FOR SHARE before
+-- the lease runs out, so that the ledger writer's sweep (which skips rows others
+-- lock) cannot end it first: the claim meets it lapsed, not ended.
 INSERT INTO cj_jobs (id, args)
-  SELECT 2, jsonb_build_object('ticket', quota.start('c2', lease => '1 ms'));
-SELECT pg_sleep(0.05);
+  SELECT 2, jsonb_build_object('ticket', quota.start('c2', lease => '500 ms'));
 SELECT lease_until AS c2_lease FROM quota.tickets WHERE label = 'c2' \gset
+BEGIN;
+RESET ROLE;
+SELECT label AS held FROM quota.active WHERE label = 'c2' FOR SHARE;
+SET ROLE cj_app;
+SELECT pg_sleep_until(:'c2_lease'::timestamptz + interval '50 ms');
 UPDATE cj_jobs SET status = 'doing' WHERE id = 2 RETURNING args;
+COMMIT;
 SELECT lease_until = :'c2_lease' AS old_lease_kept, outcome FROM quota.tickets WHERE label = 'c2';
 SELECT count(*) AS active FROM quota.tickets WHERE outcome IS NULL;
 SELECT quota.try_start('c3a') IS NOT NULL AND quota.try_start('c3b') IS NOT NULL AS both_slots_free;
@@ -93,7 +104,20 @@ SET ROLE cj_app;
 SELECT lease_until < now() + interval '2 minutes' AS c30_untouched, outcome FROM quota.tickets WHERE label = 'c30';
 SELECT quota.finish(id) FROM quota.tickets WHERE label = 'c30';
 
--- A uuid column: cleared to NULL.
+-- Keys nested in the document: null at that place, the rest as it was.
+CREATE TRIGGER cj_claimed_nested BEFORE UPDATE OF status ON cj_jobs FOR EACH ROW
+  WHEN (NEW.status = 'nested') EXECUTE FUNCTION quota.claim_job('args->job->ticket', '10 minutes');
+INSERT INTO cj_jobs (id, args) VALUES
+  (35, '{"job": {"ticket": "00000000-0000-7000-8000-000000000000", "n": 35}, "ticket": 1}');
+UPDATE cj_jobs SET status = 'nested' WHERE id = 35 RETURNING args;
+DROP TRIGGER cj_claimed_nested ON cj_jobs;
+
+-- A text column, and a uuid column: cleared to NULL.
+CREATE TRIGGER cj_claimed_text BEFORE UPDATE OF status ON cj_jobs FOR EACH ROW
+  WHEN (NEW.status = 'texted') EXECUTE FUNCTION quota.claim_job('ticket_text', '10 minutes');
+INSERT INTO cj_jobs (id, ticket_text) VALUES (36, '00000000-0000-7000-8000-000000000000');
+UPDATE cj_jobs SET status = 'texted' WHERE id = 36 RETURNING ticket_text IS NULL AS cleared;
+DROP TRIGGER cj_claimed_text ON cj_jobs;
 CREATE TRIGGER cj_claimed_col BEFORE UPDATE OF status ON cj_jobs FOR EACH ROW
   WHEN (NEW.status = 'running') EXECUTE FUNCTION quota.claim_job('ticket', '10 minutes');
 INSERT INTO cj_jobs (id, ticket) SELECT 40, quota.start('c40', lease => '1 minute');
@@ -104,8 +128,10 @@ SELECT quota.finish(id) FROM quota.tickets WHERE label = 'c40';
 DROP TRIGGER cj_claimed_col ON cj_jobs;
 
 -- Mistakes in the definition are refused at CREATE TRIGGER: how it fires, its
--- arguments, its lease, its column (json, which it cannot write; NOT NULL, which it
--- cannot clear; missing; of a type that holds no ticket).
+-- arguments, its lease (not above zero, a field below zero, not an interval), its
+-- column (json, which it would re-format; NOT NULL, which it cannot clear; a domain,
+-- whose constraints its write would bypass; generated, which PostgreSQL computes after
+-- it; missing; of a type that holds no ticket).
 CREATE TRIGGER cj_bad AFTER UPDATE ON cj_jobs FOR EACH ROW
   EXECUTE FUNCTION quota.claim_job('args->ticket', '1 hour');
 CREATE TRIGGER cj_bad BEFORE INSERT OR UPDATE ON cj_jobs FOR EACH ROW
@@ -117,7 +143,13 @@ CREATE TRIGGER cj_bad BEFORE UPDATE ON cj_jobs FOR EACH ROW
 CREATE TRIGGER cj_bad BEFORE UPDATE ON cj_jobs FOR EACH ROW
   EXECUTE FUNCTION quota.claim_job('args->ticket', '0 s');
 CREATE TRIGGER cj_bad BEFORE UPDATE ON cj_jobs FOR EACH ROW
+  EXECUTE FUNCTION quota.claim_job('args->ticket', '1 mon -30 days');
+CREATE TRIGGER cj_bad BEFORE UPDATE ON cj_jobs FOR EACH ROW
   EXECUTE FUNCTION quota.claim_job('args->ticket', 'soon');
+CREATE TRIGGER cj_bad BEFORE UPDATE ON cj_jobs FOR EACH ROW
+  EXECUTE FUNCTION quota.claim_job('via_domain', '1 hour');
+CREATE TRIGGER cj_bad BEFORE UPDATE ON cj_jobs FOR EACH ROW
+  EXECUTE FUNCTION quota.claim_job('generated', '1 hour');
 CREATE TRIGGER cj_bad BEFORE UPDATE ON cj_jobs FOR EACH ROW
   EXECUTE FUNCTION quota.claim_job('payload->ticket', '1 hour');
 CREATE TRIGGER cj_bad BEFORE UPDATE ON cj_jobs FOR EACH ROW
@@ -136,4 +168,5 @@ RESET ROLE;
 SELECT renewed FROM quota.stats WHERE role = 'cj_app' AND datname = current_database();
 
 DROP TABLE cj_jobs;
+DROP DOMAIN cj_uuid;
 REVOKE CREATE ON SCHEMA public FROM cj_app;

@@ -139,7 +139,10 @@ pub enum Renewal {
 /// active even past its old lease (counts::being_changed), so a renew that passes the
 /// check can never revive a slot that admission already handed out. One that fails it
 /// puts the old lease back, in a second update, so that the transaction may go on and
-/// commit without renewing.
+/// commit without renewing. An update that had to wait for another transaction on the
+/// row (1 ms or more) is written once more with the lease counted from then: the row
+/// is this transaction's by then, so that write does not wait, and the old lease is
+/// not checked again (the first check was the one that counted).
 pub fn renew_ticket(
     ticket: pgrx::Uuid,
     lease: pg_sys::Datum,
@@ -147,25 +150,24 @@ pub fn renew_ticket(
 ) -> Result<Renewal, QuotaError> {
     rels::rels().require_v2("quota.renew()");
     // SAFETY: plain read of the clock.
-    let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    crate::timestamps::lease_end(now, lease)?;
+    crate::timestamps::lease_end(unsafe { pg_sys::GetCurrentTimestamp() }, lease)?;
     let (tables, rels) = Tables::open_current();
-    // The lease that had run out when this call's update was checked: written back.
-    let mut put_back: Option<pg_sys::TimestampTz> = None;
-    // The ticket's lease before this call's first update that went through: the one
-    // checked, and put back, on every later pass (which finds this call's own version).
-    let mut before: Option<Option<pg_sys::TimestampTz>> = None;
+    // What the pass after this call's own update writes: None before that update.
+    let mut again: Option<Again> = None;
     loop {
         // As in finish().
         // SAFETY: makes this transaction's earlier writes visible to new snapshots.
         unsafe { pg_sys::CommandCounterIncrement() };
-        // The lease runs from now, read again on each pass: an update that waited for
-        // another transaction on the ticket's row must not write a lease already past.
+        // The lease runs from this pass: one before it may have waited.
         // SAFETY: plain read of the clock.
         let until = crate::timestamps::lease_end(unsafe { pg_sys::GetCurrentTimestamp() }, lease)?;
+        let write = match again {
+            Some(Again::PutBack(old)) => old,
+            _ => until,
+        };
         let snap = Latest::take();
         let Some(found) = find(&tables, &rels, &snap, ticket, |values, nulls| {
-            values[COL_LEASE_UNTIL - 1] = put_back.unwrap_or(until).into();
+            values[COL_LEASE_UNTIL - 1] = write.into();
             nulls[COL_LEASE_UNTIL - 1] = false;
         }) else {
             return Err(QuotaError::UnknownTicket(ticket.to_string()));
@@ -177,6 +179,8 @@ pub fn renew_ticket(
             });
         }
         found.require_in_ledger(ticket);
+        // SAFETY: plain read of the clock, before the update.
+        let started = unsafe { pg_sys::GetCurrentTimestamp() };
         // An unended ticket is in the table tickets start in (0.6.0: quota.active),
         // where it stays.
         match tables
@@ -185,28 +189,34 @@ pub fn renew_ticket(
         {
             pg_sys::TM_Result::TM_Ok => {}
             // Changed by another transaction that committed meanwhile, or by this
-            // command (seen after the next CommandCounterIncrement): look again.
+            // command (seen after the next CommandCounterIncrement): look again. Not
+            // after this call's own update, which holds the row.
             pg_sys::TM_Result::TM_Updated
             | pg_sys::TM_Result::TM_Deleted
-            | pg_sys::TM_Result::TM_SelfModified => continue,
+            | pg_sys::TM_Result::TM_SelfModified
+                if again.is_none() =>
+            {
+                continue
+            }
             other => pgrx::error!("pg_quota: unexpected result {other} updating ticket {ticket}"),
         }
-        if put_back.is_some() {
-            return Ok(Renewal::Ended { expired: true });
-        }
-        let old_lease = *before.get_or_insert(found.lease_until);
-        // SAFETY: plain read of the clock, after the update.
-        let checked = unsafe { pg_sys::GetCurrentTimestamp() };
-        if let Some(old) = old_lease.filter(|&l| l <= checked) {
-            // Ran out: the row gets its old lease back (the sweep ends it as expired).
-            put_back = Some(old);
-            continue;
-        }
-        if until <= checked {
-            // The update waited for another transaction longer than the lease: write
-            // one from now (the row is this transaction's now, so the next pass does
-            // not wait).
-            continue;
+        match again {
+            Some(Again::PutBack(_)) => return Ok(Renewal::Ended { expired: true }),
+            Some(Again::Fresh) => {}
+            None => {
+                // SAFETY: plain read of the clock, after the update.
+                let checked = unsafe { pg_sys::GetCurrentTimestamp() };
+                if let Some(old) = found.lease_until.filter(|&l| l <= checked) {
+                    // Ran out: the row gets its old lease back (the sweep ends it as
+                    // expired).
+                    again = Some(Again::PutBack(old));
+                    continue;
+                }
+                if checked - started >= WAITED_US {
+                    again = Some(Again::Fresh);
+                    continue;
+                }
+            }
         }
         // quota.stats counts the renewal when this transaction commits, and the
         // scope counters learn the lease it may shorten (see `note_renew`).
@@ -214,6 +224,20 @@ pub fn renew_ticket(
         return Ok(Renewal::Renewed(until));
     }
 }
+
+/// The second write of renew_ticket, on the row its first one updated.
+#[derive(Clone, Copy)]
+enum Again {
+    /// The old lease had run out: this lease goes back.
+    PutBack(pg_sys::TimestampTz),
+    /// The update waited for another transaction: a lease from now.
+    Fresh,
+}
+
+/// How long (microseconds) renew_ticket's update may take before it is taken to have
+/// waited for another transaction, and the lease is written again from the clock. An
+/// update that does not wait takes microseconds.
+const WAITED_US: i64 = 1_000;
 
 /// The ticket as found, and its replacement tuple.
 struct Found {

@@ -191,6 +191,9 @@ fn warn_foreign(func: JobFn, name: &str, ticket: String) {
     });
 }
 
+/// The shortest lease a claim_job() trigger gives (microseconds).
+const MIN_CLAIM_LEASE_US: i64 = 1_000_000;
+
 /// claim_job()'s lease argument as an interval datum; 22023 if it is not an interval
 /// longer than zero (interval input's own errors are raised as they are).
 fn lease_datum(name: &str, lease: &[u8]) -> Result<pg_sys::Datum, QuotaError> {
@@ -210,18 +213,22 @@ fn lease_datum(name: &str, lease: &[u8]) -> Result<pg_sys::Datum, QuotaError> {
     let fields = unsafe { *datum.cast_mut_ptr::<pg_sys::Interval>() };
     // SAFETY: plain read of the clock.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    if fields.month < 0
-        || fields.day < 0
-        || fields.time < 0
-        || crate::timestamps::lease_end(now, datum).is_err()
+    let why = if fields.month < 0 || fields.day < 0 || fields.time < 0 {
+        Some("has a field below zero")
+    } else if crate::timestamps::lease_end(now, datum)
+        .map_or(true, |until| until - now < MIN_CLAIM_LEASE_US)
     {
+        // A lease that short would run out before the worker starts the job it
+        // claimed, which would run with a ticket that holds no slot.
+        Some("is shorter than a second")
+    } else {
+        None
+    };
+    if let Some(why) = why {
         return Err(QuotaError::TriggerArguments {
             func: JobFn::Claim,
             trigger: name.to_string(),
-            why: format!(
-                "The lease \"{}\" is not longer than zero, or has a field below zero.",
-                server_text(lease)
-            ),
+            why: format!("The lease \"{}\" {why}.", server_text(lease)),
         });
     }
     Ok(datum)
@@ -240,6 +247,10 @@ unsafe fn cleared(
 ) -> Result<pg_sys::HeapTuple, QuotaError> {
     // SAFETY: the caller's open relation.
     let (attnum, _) = unsafe { ticket_column(name, spec, rel) }?;
+    // A NOT NULL constraint added since CREATE TRIGGER: an error that says why,
+    // rather than the constraint's.
+    // SAFETY: as above; attnum is one of its columns.
+    unsafe { refuse_unclearable(name, spec, rel, attnum) }?;
     let (mut value, mut isnull) = (pg_sys::Datum::from(0), true);
     if !spec.keys.is_empty() {
         // SAFETY: the row's jsonb column (ticket_column checked its type for a claim),

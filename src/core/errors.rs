@@ -101,7 +101,7 @@ impl JobFn {
     fn usage(self) -> &'static str {
         match self {
             JobFn::Finish => "Its arguments are the ticket's column (uuid or text, or json or jsonb with the keys to follow, as in 'args->ticket', with no spaces around ->) and, optionally, the outcome (succeeded, failed or cancelled; succeeded by default).",
-            JobFn::Claim => "Its arguments are the ticket's column (uuid or text, or jsonb with the keys to follow, as in 'args->ticket', with no spaces around ->) and the lease a claimed job's ticket gets from the claim (an interval, as in '5 minutes').",
+            JobFn::Claim => "Its arguments are the ticket's column (uuid or text, or jsonb with the keys to follow, as in 'args->ticket', with no spaces around ->; not a domain) and the lease a claimed job's ticket gets from the claim (an interval of a second or more, as in '5 minutes').",
         }
     }
 

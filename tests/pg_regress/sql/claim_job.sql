@@ -59,7 +59,7 @@ SELECT label, outcome FROM quota.tickets WHERE label = 'c1';
 -- the lease runs out, so that the ledger writer's sweep (which skips rows others
 -- lock) cannot end it first: the claim meets it lapsed, not ended.
 INSERT INTO cj_jobs (id, args)
-  SELECT 2, jsonb_build_object('ticket', quota.start('c2', lease => '500 ms'));
+  SELECT 2, jsonb_build_object('ticket', quota.start('c2', lease => '2 s'));
 SELECT lease_until AS c2_lease FROM quota.tickets WHERE label = 'c2' \gset
 BEGIN;
 RESET ROLE;
@@ -127,6 +127,28 @@ SELECT lease_until > now() + interval '9 minutes' AS c40_renewed FROM quota.tick
 SELECT quota.finish(id) FROM quota.tickets WHERE label = 'c40';
 DROP TRIGGER cj_claimed_col ON cj_jobs;
 
+-- A NOT NULL constraint added after CREATE TRIGGER: a claim that must clear the
+-- ticket fails with an error that says why; one that renews it goes through.
+CREATE TABLE cj_strict (id int, status text, ticket text);
+CREATE TRIGGER cj_strict_claimed BEFORE UPDATE OF status ON cj_strict FOR EACH ROW
+  WHEN (NEW.status = 'doing') EXECUTE FUNCTION quota.claim_job('ticket', '10 minutes');
+INSERT INTO cj_strict VALUES (1, 'todo', '00000000-0000-7000-8000-000000000000');
+INSERT INTO cj_strict SELECT 2, 'todo', quota.start('c50', lease => '1 minute');
+ALTER TABLE cj_strict ALTER COLUMN ticket SET NOT NULL;
+UPDATE cj_strict SET status = 'doing' WHERE id = 1;
+UPDATE cj_strict SET status = 'doing' WHERE id = 2 RETURNING id, ticket IS NOT NULL AS kept;
+SELECT quota.finish(id) FROM quota.tickets WHERE label = 'c50';
+DROP TABLE cj_strict;
+
+-- renew() with a lease shorter than its own work returns at once (a lease already
+-- past: the ticket lapses), as a renewal may shorten a lease.
+INSERT INTO cj_jobs (id, ticket) SELECT 42, quota.start('c42', lease => '1 minute');
+SET statement_timeout = '5s';
+SELECT quota.renew(ticket, '1 microsecond') <= clock_timestamp() AS already_past
+  FROM cj_jobs WHERE id = 42;
+RESET statement_timeout;
+SELECT outcome FROM quota.tickets WHERE label = 'c42';
+
 -- Mistakes in the definition are refused at CREATE TRIGGER: how it fires, its
 -- arguments, its lease (not above zero, a field below zero, not an interval), its
 -- column (json, which it would re-format; NOT NULL, which it cannot clear; a domain,
@@ -144,6 +166,8 @@ CREATE TRIGGER cj_bad BEFORE UPDATE ON cj_jobs FOR EACH ROW
   EXECUTE FUNCTION quota.claim_job('args->ticket', '0 s');
 CREATE TRIGGER cj_bad BEFORE UPDATE ON cj_jobs FOR EACH ROW
   EXECUTE FUNCTION quota.claim_job('args->ticket', '1 mon -30 days');
+CREATE TRIGGER cj_bad BEFORE UPDATE ON cj_jobs FOR EACH ROW
+  EXECUTE FUNCTION quota.claim_job('args->ticket', '500 ms');
 CREATE TRIGGER cj_bad BEFORE UPDATE ON cj_jobs FOR EACH ROW
   EXECUTE FUNCTION quota.claim_job('args->ticket', 'soon');
 CREATE TRIGGER cj_bad BEFORE UPDATE ON cj_jobs FOR EACH ROW

@@ -158,9 +158,11 @@ pub fn renew_ticket(
         // As in finish().
         // SAFETY: makes this transaction's earlier writes visible to new snapshots.
         unsafe { pg_sys::CommandCounterIncrement() };
-        // The lease runs from this pass: one before it may have waited.
+        // The lease runs from this pass: one before it may have waited. The same clock
+        // reading starts the timing of this pass, its lookup included.
         // SAFETY: plain read of the clock.
-        let until = crate::timestamps::lease_end(unsafe { pg_sys::GetCurrentTimestamp() }, lease)?;
+        let started = unsafe { pg_sys::GetCurrentTimestamp() };
+        let until = crate::timestamps::lease_end(started, lease)?;
         let write = match again {
             Some(Again::PutBack(old)) => old,
             _ => until,
@@ -170,17 +172,24 @@ pub fn renew_ticket(
             values[COL_LEASE_UNTIL - 1] = write.into();
             nulls[COL_LEASE_UNTIL - 1] = false;
         }) else {
+            if again.is_some() {
+                pgrx::error!(
+                    "pg_quota: ticket {ticket} is gone after this transaction's update of it"
+                );
+            }
             return Err(QuotaError::UnknownTicket(ticket.to_string()));
         };
-        check_holder(&found, ticket, action)?;
-        if found.ended.is_some() {
-            return Ok(Renewal::Ended {
-                expired: found.outcome_expired,
-            });
+        // A second pass finds this call's own version, checked on the first: no
+        // answer but its write (an answer here would leave the first write standing).
+        if again.is_none() {
+            check_holder(&found, ticket, action)?;
+            if found.ended.is_some() {
+                return Ok(Renewal::Ended {
+                    expired: found.outcome_expired,
+                });
+            }
         }
         found.require_in_ledger(ticket);
-        // SAFETY: plain read of the clock, before the update.
-        let started = unsafe { pg_sys::GetCurrentTimestamp() };
         // An unended ticket is in the table tickets start in (0.6.0: quota.active),
         // where it stays.
         match tables

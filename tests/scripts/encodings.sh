@@ -175,5 +175,19 @@ expect_eq "a misused finish_job() names the trigger and the path as the client w
 expect_eq "... and its column" 'column "pâyløad" of relation "jöbs" does not exist' \
   "$(refusal_of postgres enc_latin1 "CREATE TRIGGER \"fïnish2\" AFTER UPDATE ON jöbs FOR EACH ROW EXECUTE FUNCTION quota.finish_job('pâyløad->clé')")"
 
+# quota.claim_job() (0.6.0) there too: it clears a ticket it cannot renew at a
+# non-ASCII key of the document (jsonb_set, with the key in the server encoding), and
+# renews one it can.
+sql -d enc_latin1 -c "CREATE TRIGGER \"clâim\" BEFORE UPDATE ON jöbs FOR EACH ROW WHEN (NEW.status = 'doing')
+        EXECUTE FUNCTION quota.claim_job('pâyload->clé', '10 minutes')" >/dev/null
+t2=$(as enc_tenant enc_latin1 "SELECT quota.start('job2', lease => '1 minute')")
+sql -d enc_latin1 -c "INSERT INTO jöbs VALUES (3, 'todo', jsonb_build_object('clé', '${t2:-$NIL}'::text, 'nöte', 'é')),
+                                             (4, 'todo', '{\"clé\": \"00000000-0000-7000-8000-000000000000\", \"nöte\": \"é\"}')" >/dev/null
+sql -d enc_latin1 -c "UPDATE jöbs SET status = 'doing' WHERE id IN (3, 4)" >/dev/null
+expect_eq "claim_job() clears an unknown ticket at a non-ASCII key, the rest of the document as it was; renews a live one" \
+  "{\"clé\": null, \"nöte\": \"é\"} true" \
+  "$(sql -d enc_latin1 -c "SELECT (SELECT \"pâyload\"::text FROM jöbs WHERE id = 4) || ' '
+                              || (SELECT (lease_until > now() + interval '9 minutes')::text FROM quota.ledger WHERE id = '${t2:-$NIL}')")"
+
 check "no server process was terminated by a signal" test "$(grep -c 'terminated by signal' "$CL/server.log" || true)" = 0
 finish_checks

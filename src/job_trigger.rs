@@ -198,14 +198,20 @@ const MIN_CLAIM_LEASE_US: i64 = 1_000_000;
 /// longer than zero (interval input's own errors are raised as they are).
 fn lease_datum(name: &str, lease: &[u8]) -> Result<pg_sys::Datum, QuotaError> {
     let text = CString::new(lease).expect("trigger arguments have no NUL");
-    // SAFETY: interval's input function reads a NUL-terminated string (raising on
-    // bad input, as a cast would); typmod -1.
+    // SAFETY: interval_in reads a NUL-terminated string (raising on bad input, as a
+    // cast would), its type's oid and typmod -1; called directly, with no catalog
+    // lookup of the input function at each firing.
     let datum = unsafe {
-        let mut input = pg_sys::Oid::INVALID;
-        let mut ioparam = pg_sys::Oid::INVALID;
-        pg_sys::getTypeInputInfo(pg_sys::INTERVALOID, &mut input, &mut ioparam);
-        pg_sys::OidInputFunctionCall(input, text.as_ptr().cast_mut(), ioparam, -1)
-    };
+        pgrx::direct_function_call_as_datum(
+            pg_sys::interval_in,
+            &[
+                Some(pg_sys::Datum::from(text.as_ptr())),
+                Some(pg_sys::Datum::from(pg_sys::INTERVALOID)),
+                Some(pg_sys::Datum::from(-1i32)),
+            ],
+        )
+    }
+    .expect("interval input returns a value");
     // A field below zero would make the lease's length depend on the date (a month
     // less thirty days) or on IntervalStyle: each of months, days and time must be at
     // least zero, and their sum longer than zero.

@@ -325,12 +325,13 @@ psql_as() {  # psql_as USER [psql args...]: like sql, as USER, in database postg
   local user="$1"; shift
   timeout 20 "$PG_BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$CL" -p "$PORT" -U "$user" -d postgres "$@"
 }
-# open_session NAME USER: a psql session fed through the fifo $CL/NAME.in (write to it
-# with `say NAME SQL`), its output in $CL/NAME.out; `close_session NAME` ends it.
+# open_session NAME USER [DB]: a psql session (in database DB, postgres by default) fed
+# through the fifo $CL/NAME.in (write to it with `say NAME SQL`), its output in
+# $CL/NAME.out; `close_session NAME` ends it.
 open_session() {
-  local name="$1" user="$2" fd
+  local name="$1" user="$2" db="${3:-postgres}" fd
   rm -f "$CL/$name.out" "$CL/$name.in"; mkfifo -m 666 "$CL/$name.in"
-  bg bash -c "exec '$PG_BIN/psql' -X -q -At -v ON_ERROR_STOP=0 -h '$CL' -p '$PORT' -U $user -d postgres < '$CL/$name.in' > '$CL/$name.out' 2>&1"
+  bg bash -c "exec '$PG_BIN/psql' -X -q -At -v ON_ERROR_STOP=0 -h '$CL' -p '$PORT' -U $user -d '$db' < '$CL/$name.in' > '$CL/$name.out' 2>&1"
   exec {fd}> "$CL/$name.in"
   printf -v "FD_$name" %s "$fd"
 }

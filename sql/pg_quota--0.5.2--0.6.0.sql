@@ -29,17 +29,21 @@
 --    move takes every row it would reject. The triggers that empty the summary after
 --    SQL writes are off for the move (rows change tables, no role's count changes), so
 --    no role's summary row is lost to it. The views that read the table are made to
---    read the new quota.ledger view. An index a DBA made on quota.ledger stays on
+--    read the new quota.ledger view; the update stops, naming them, where a view or
+--    another object of the DBA's (a BEGIN ATOMIC function, a policy) is bound to the
+--    table and would follow it to quota.history. An index a DBA made on quota.ledger stays on
 --    quota.history, under its name (USER_GUIDE, "Upgrading to 0.6.0").
---    ALTER EXTENSION holds ACCESS EXCLUSIVE on the table from the rename on, so it
---    waits for every transaction that charged, finished or renewed a ticket to end
---    first, and start() waits for it (at most 5 seconds, then 55P03). It must run at
+--    ALTER EXTENSION holds ACCESS EXCLUSIVE on the table and the views that read it
+--    from its first statement on, taken all or none (see below), so it waits for every
+--    transaction that charged, finished or renewed a ticket to end first, and start()
+--    waits for it while it waits (at most 5 seconds, then 55P03). It must run at
 --    READ COMMITTED (each statement of the script then sees what committed before it:
 --    the move sees every ticket in flight) and refuses otherwise. The history's
 --    ledger_written is put back in the state it was in; where that was not ENABLE
 --    ALWAYS, the summary is emptied (counted afresh). quota.ledger_written() empties
 --    the summary once per transaction (writes through the view run one statement per
---    row). Renamed with the table: its constraints named ledger_* (the CHECKs, and
+--    row), and refuses, as before, a role without the TRUNCATE privilege on it.
+--    Renamed with the table: its constraints named ledger_* (the CHECKs, and
 --    PostgreSQL 18's NOT NULL constraints), where the DBA did not rename them.
 --
 -- Refusals from shared memory (0.6.0) need no SQL object; the shared memory layout of
@@ -62,6 +66,47 @@ LANGUAGE c
 AS 'MODULE_PATHNAME', 'claim_job_wrapper';
 
 -- 2. The ledger in two tables.
+-- Locks first, all of them or none. A reader of quota.usage locks the view, then the
+-- table; a transaction that started or finished a ticket holds the table, and may then
+-- read the view. An update that held the table while it waited for a view (the rename
+-- first, as it was) deadlocked with the first kind, one that held the views while it
+-- waited for the table with the second (40P01, update rolled back). So each try takes
+-- the views (ALTER VIEW locks no relation beneath it) and then the table with a short
+-- lock_timeout, and a try that times out or meets a deadlock is rolled back, which lets
+-- go of what it took, and tried again with twice the timeout (at most 10 s): the
+-- update waits for the table's holders as before, but never while a reader waits for
+-- it. The session's own lock_timeout, where set, bounds the whole wait. And no view of
+-- the DBA's on the table can be created once the check below has run.
+DO $$
+DECLARE
+    saved pg_catalog.text := pg_catalog.current_setting('lock_timeout');
+    bound pg_catalog.interval := pg_catalog.current_setting('lock_timeout')::pg_catalog.interval;
+    began pg_catalog.timestamptz := pg_catalog.clock_timestamp();
+    try_ms pg_catalog.int4 := 100;
+BEGIN
+    LOOP
+        BEGIN
+            PERFORM pg_catalog.set_config('lock_timeout', try_ms::pg_catalog.text || 'ms', true);
+            ALTER VIEW quota.usage SET (security_barrier = true);
+            ALTER VIEW quota.tickets SET (security_barrier = true);
+            ALTER VIEW quota.tenant_usage SET (security_barrier = true);
+            LOCK TABLE quota.ledger IN ACCESS EXCLUSIVE MODE;
+            EXIT;
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+            IF bound OPERATOR(pg_catalog.>) '0'::pg_catalog.interval
+               AND (pg_catalog.clock_timestamp() OPERATOR(pg_catalog.-) began) OPERATOR(pg_catalog.>=) bound THEN
+                RAISE EXCEPTION 'could not lock quota.ledger and the views that read it within lock_timeout (%)', saved
+                    USING ERRCODE = 'lock_not_available',
+                          HINT = 'Transactions that started, finished or renewed tickets, or that read quota.ledger, held it throughout. Run the update when they have ended, or with a longer lock_timeout.';
+            END IF;
+            IF try_ms OPERATOR(pg_catalog.<) 10000 THEN
+                try_ms := try_ms OPERATOR(pg_catalog.*) 2;
+            END IF;
+        END;
+    END LOOP;
+    PERFORM pg_catalog.set_config('lock_timeout', saved, true);
+END
+$$;
 -- The move below must see every unended row committed before the rename's lock, which
 -- a statement's own snapshot does only at READ COMMITTED (under REPEATABLE READ the
 -- script's statements share the one taken when ALTER EXTENSION began). And a view of
@@ -70,6 +115,7 @@ AS 'MODULE_PATHNAME', 'claim_job_wrapper';
 DO $$
 DECLARE
     views text;
+    others text;
 BEGIN
     IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' THEN
         RAISE EXCEPTION 'ALTER EXTENSION pg_quota UPDATE to 0.6.0 must run at READ COMMITTED'
@@ -95,6 +141,37 @@ BEGIN
         RAISE EXCEPTION 'cannot update pg_quota to 0.6.0 while views read quota.ledger: %', views
             USING ERRCODE = 'dependent_objects_still_exist',
                   HINT = 'Drop them, run ALTER EXTENSION pg_quota UPDATE, and create them again: from 0.6.0 quota.ledger is a view of quota.active and quota.history, with the same columns.';
+    END IF;
+    -- The same for anything else of the DBA's bound to the table by its OID, which would
+    -- follow it to quota.history: a BEGIN ATOMIC function, a policy of another table.
+    -- (Its own indexes, constraints, triggers and statistics depend on it
+    -- automatically, and stay on quota.history; the library refuses foreign keys to it.)
+    SELECT pg_catalog.string_agg(DISTINCT pg_catalog.pg_describe_object(d.classid, d.objid, 0), ', ')
+      INTO others
+      FROM pg_catalog.pg_depend d
+     WHERE d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass
+       AND d.refobjid OPERATOR(pg_catalog.=) 'quota.ledger'::pg_catalog.regclass
+       AND d.deptype OPERATOR(pg_catalog.=) 'n'
+       AND d.classid OPERATOR(pg_catalog.<>) 'pg_catalog.pg_rewrite'::pg_catalog.regclass
+       -- The table's own CHECKs depend on its columns this way too.
+       AND NOT EXISTS (SELECT FROM pg_catalog.pg_depend o
+                        WHERE o.classid OPERATOR(pg_catalog.=) d.classid
+                          AND o.objid OPERATOR(pg_catalog.=) d.objid
+                          AND o.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass
+                          AND o.refobjid OPERATOR(pg_catalog.=) 'quota.ledger'::pg_catalog.regclass
+                          AND o.deptype OPERATOR(pg_catalog.=) ANY ('{a,i}'::"char"[]))
+       AND NOT EXISTS (SELECT FROM pg_catalog.pg_depend e
+                        WHERE e.classid OPERATOR(pg_catalog.=) d.classid
+                          AND e.objid OPERATOR(pg_catalog.=) d.objid
+                          AND e.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_extension'::pg_catalog.regclass
+                          AND e.refobjid OPERATOR(pg_catalog.=)
+                              (SELECT x.oid FROM pg_catalog.pg_extension x
+                                WHERE x.extname OPERATOR(pg_catalog.=) 'pg_quota')
+                          AND e.deptype OPERATOR(pg_catalog.=) 'e');
+    IF others IS NOT NULL THEN
+        RAISE EXCEPTION 'cannot update pg_quota to 0.6.0 while objects depend on quota.ledger: %', others
+            USING ERRCODE = 'dependent_objects_still_exist',
+                  HINT = 'Drop them, run ALTER EXTENSION pg_quota UPDATE, and create them again on quota.active, quota.history or the new view quota.ledger: the update renames the table quota.history, and they would follow it there.';
     END IF;
 END
 $$;
@@ -226,9 +303,13 @@ BEGIN
     -- statement per row (its INSTEAD OF trigger); the summary, once emptied, stays
     -- locked (ACCESS EXCLUSIVE) and empty until this transaction ends, since only the
     -- ledger writer fills it. The mark is transaction-local (and undone with a
-    -- savepoint's rollback, as the TRUNCATE is).
+    -- savepoint's rollback, as the TRUNCATE is). Anybody can set it, so it spares the
+    -- TRUNCATE only to a role that may run it: any other (a member of
+    -- pg_write_all_data, say) still gets the TRUNCATE's 42501, and its write fails, as
+    -- in 0.5.2.
     IF pg_catalog.current_setting('pg_quota_internal.summary_emptied', true)
-       IS DISTINCT FROM pg_catalog.pg_current_xact_id()::pg_catalog.text THEN
+       IS DISTINCT FROM pg_catalog.pg_current_xact_id()::pg_catalog.text
+       OR NOT pg_catalog.has_table_privilege('quota.summary', 'TRUNCATE') THEN
         TRUNCATE quota.summary;
         PERFORM pg_catalog.set_config('pg_quota_internal.summary_emptied',
                                       pg_catalog.pg_current_xact_id()::pg_catalog.text, true);

@@ -186,9 +186,13 @@ BEGIN
     -- statement per row (its INSTEAD OF trigger); the summary, once emptied, stays
     -- locked (ACCESS EXCLUSIVE) and empty until this transaction ends, since only the
     -- ledger writer fills it. The mark is transaction-local (and undone with a
-    -- savepoint's rollback, as the TRUNCATE is).
+    -- savepoint's rollback, as the TRUNCATE is). Anybody can set it, so it spares the
+    -- TRUNCATE only to a role that may run it: any other (a member of
+    -- pg_write_all_data, say) still gets the TRUNCATE's 42501, and its write fails, as
+    -- in 0.5.2.
     IF pg_catalog.current_setting('pg_quota_internal.summary_emptied', true)
-       IS DISTINCT FROM pg_catalog.pg_current_xact_id()::pg_catalog.text THEN
+       IS DISTINCT FROM pg_catalog.pg_current_xact_id()::pg_catalog.text
+       OR NOT pg_catalog.has_table_privilege('quota.summary', 'TRUNCATE') THEN
         TRUNCATE quota.summary;
         PERFORM pg_catalog.set_config('pg_quota_internal.summary_emptied',
                                       pg_catalog.pg_current_xact_id()::pg_catalog.text, true);

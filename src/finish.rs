@@ -188,6 +188,13 @@ pub fn renew_ticket(
                     expired: found.outcome_expired,
                 });
             }
+            // Ran out before this call, and nobody is renewing it: nothing to write. A
+            // write would keep it counted as active (counts::being_changed) for as
+            // long as this transaction lasts: a queue's claim that goes on to run the
+            // job would hold the slot twice, its ticket's and the next one's.
+            if found.lapsed_untouched && !found.in_history {
+                return Ok(Renewal::Ended { expired: true });
+            }
         }
         found.require_in_ledger(ticket);
         // An unended ticket is in the table tickets start in (0.6.0: quota.active),
@@ -258,6 +265,9 @@ struct Found {
     /// Whether it ended by its lease (outcome `expired`, written by the sweep).
     outcome_expired: bool,
     lease_until: Option<pg_sys::TimestampTz>,
+    /// Whether it had not ended, its lease had run out when it was read, and no
+    /// transaction was changing it (counts::being_changed): no renewal can revive it.
+    lapsed_untouched: bool,
     new_tuple: pg_sys::HeapTuple,
     /// Whether it was found in quota.history (0.6.0), whose rows have all ended.
     in_history: bool,
@@ -356,6 +366,10 @@ fn find_in(
                 } else {
                     0
                 };
+                // The clock and the row's header only for a lease that ran out.
+                let lapsed_untouched = ended.is_none()
+                    && lease_until.is_some_and(|l| l <= pg_sys::GetCurrentTimestamp())
+                    && !crate::ledger::count::being_changed(slot);
                 change(&mut values, &mut nulls);
                 found = Some(Found {
                     tid: (*slot).tts_tid,
@@ -364,6 +378,7 @@ fn find_in(
                     ended,
                     outcome_expired,
                     lease_until,
+                    lapsed_untouched,
                     new_tuple: ledger.form(&mut values, &mut nulls),
                     in_history: false,
                 });

@@ -212,9 +212,14 @@ static mut FIXING: bool = false;
 
 /// A trigger was created (object_access_hook, OAT_POST_CREATE): refused on pg_quota's
 /// tables, unless by pg_quota's own scripts; a quota.finish_job() trigger anywhere is
-/// checked as its firing would check it (0.6.0, job_trigger.rs).
+/// checked as its firing would check it (0.6.0, job_trigger.rs). Under pg_upgrade
+/// (binary upgrade), which recreates the old cluster's triggers, nothing is refused,
+/// but a job trigger still gets its dependency on its column: pg_depend is not carried
+/// over, and without it the new cluster would let DROP COLUMN through.
 pub fn trigger_created(trigoid: pg_sys::Oid) {
-    if setting_up() {
+    // SAFETY: a plain read of a backend flag.
+    let binary_upgrade = unsafe { pg_sys::IsBinaryUpgrade };
+    if setting_up() && !binary_upgrade {
         return;
     }
     // One read of the new trigger's row: its table and name, and what a
@@ -228,7 +233,10 @@ pub fn trigger_created(trigoid: pg_sys::Oid) {
     ) else {
         return;
     };
-    if let Some(table) = our_table(rel) {
+    if binary_upgrade && job.is_none() {
+        return;
+    }
+    if let Some(table) = our_table(rel).filter(|_| !binary_upgrade) {
         raise(QuotaError::TriggerRefused {
             table: format!("quota.{table}"),
             trigger: name,
@@ -237,6 +245,8 @@ pub fn trigger_created(trigoid: pg_sys::Oid) {
     if let Some(job) = job {
         let args: Vec<&[u8]> = job.args.split(|&b| b == 0).take(job.nargs).collect();
         match crate::job_trigger::check_created(job.func, &name, job.tgtype, rel, &args) {
+            // The old cluster had it: carried over as it was, without the dependency.
+            Err(_) if binary_upgrade => {}
             Err(e) => raise(e),
             // The trigger depends on the column it reads, as on the columns of its WHEN
             // clause: DROP COLUMN is refused (or, with CASCADE, drops the trigger), and so

@@ -393,7 +393,7 @@ pub fn oldest_ended(
 /// out still counts as active: a renew() that began before the lease ran out and
 /// commits later keeps it active (see finish::renew), so counting it as expired now
 /// could admit past the limit. Over-counting for that moment is allowed (I2).
-fn being_changed(slot: *mut pg_sys::TupleTableSlot) -> bool {
+pub fn being_changed(slot: *mut pg_sys::TupleTableSlot) -> bool {
     // SAFETY: the slot holds a heap tuple in a buffer it pins (a heap index scan's
     // BufferHeapTupleTableSlot); its header is read under a share lock on the buffer,
     // as heap visibility checks read it.

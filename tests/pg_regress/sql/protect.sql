@@ -113,3 +113,28 @@ SET ROLE quota_alice;
 SELECT tenant.start_as_frank() IS NOT NULL AS admitted;
 RESET ROLE;
 SELECT role::regrole FROM quota.ledger WHERE label = 'via wrapper';
+
+-- pg_write_all_data_cannot_write_the_ledger: a member of pg_write_all_data has INSERT,
+-- UPDATE and DELETE on every table, pg_quota's too, but a write to the ledger empties
+-- the summary (quota.ledger_written()), which needs TRUNCATE on it: refused (42501).
+-- 0.6.0's once-per-transaction mark, a setting anybody can set, spares that TRUNCATE
+-- to no role without the privilege (seen failing when the mark alone decided: 00000
+-- for the marked DELETE and INSERT). Each try is rolled back, whatever it does.
+CREATE ROLE quota_writes_all IN ROLE pg_write_all_data;
+SELECT count(*) AS active_before FROM quota.active \gset
+SET ROLE quota_writes_all;
+DELETE FROM quota.active;
+\echo :SQLSTATE
+BEGIN;
+SELECT set_config('pg_quota_internal.summary_emptied', pg_current_xact_id()::text, true) IS NOT NULL AS marked;
+DELETE FROM quota.active;
+\echo :SQLSTATE
+ROLLBACK;
+BEGIN;
+SELECT set_config('pg_quota_internal.summary_emptied', pg_current_xact_id()::text, true) IS NOT NULL AS marked;
+INSERT INTO quota.active (id, role, started_at) VALUES (gen_random_uuid(), 'quota_frank'::regrole, now());
+\echo :SQLSTATE
+ROLLBACK;
+RESET ROLE;
+SELECT count(*) = :active_before AS active_unchanged FROM quota.active;
+DROP ROLE quota_writes_all;

@@ -142,7 +142,10 @@ pub enum Renewal {
 /// commit without renewing. An update that had to wait for another transaction on the
 /// row (1 ms or more) is written once more with the lease counted from then: the row
 /// is this transaction's by then, so that write does not wait, and the old lease is
-/// not checked again (the first check was the one that counted).
+/// not checked again (the first check was the one that counted). A ticket whose lease
+/// had run out when it was read, and whose row no transaction is changing, is answered
+/// without any write: no renewal can revive it, and a write would keep it counted as
+/// active until this transaction ends.
 pub fn renew_ticket(
     ticket: pgrx::Uuid,
     lease: pg_sys::Datum,

@@ -71,7 +71,7 @@ pub fn finish_ticket(ticket: pgrx::Uuid, outcome: Outcome) -> Result<bool, Quota
         // SAFETY: makes this transaction's earlier writes visible to new snapshots.
         unsafe { pg_sys::CommandCounterIncrement() };
         let snap = Latest::take();
-        let Some(found) = find(&tables, &rels, &snap, ticket, |values, nulls| {
+        let Some(found) = find(&tables, &rels, &snap, ticket, None, |values, nulls| {
             values[COL_ENDED_AT - 1] = now.into();
             nulls[COL_ENDED_AT - 1] = false;
             values[COL_OUTCOME - 1] = outcome.as_str().into_datum().unwrap();
@@ -171,10 +171,17 @@ pub fn renew_ticket(
             _ => until,
         };
         let snap = Latest::take();
-        let Some(found) = find(&tables, &rels, &snap, ticket, |values, nulls| {
-            values[COL_LEASE_UNTIL - 1] = write.into();
-            nulls[COL_LEASE_UNTIL - 1] = false;
-        }) else {
+        let Some(found) = find(
+            &tables,
+            &rels,
+            &snap,
+            ticket,
+            Some(started),
+            |values, nulls| {
+                values[COL_LEASE_UNTIL - 1] = write.into();
+                nulls[COL_LEASE_UNTIL - 1] = false;
+            },
+        ) else {
             if again.is_some() {
                 pgrx::error!(
                     "pg_quota: ticket {ticket} is gone after this transaction's update of it"
@@ -268,8 +275,9 @@ struct Found {
     /// Whether it ended by its lease (outcome `expired`, written by the sweep).
     outcome_expired: bool,
     lease_until: Option<pg_sys::TimestampTz>,
-    /// Whether it had not ended, its lease had run out when it was read, and no
-    /// transaction was changing it (counts::being_changed): no renewal can revive it.
+    /// Whether it had not ended, its lease had run out by the time `find` was given
+    /// (false where none was), and no transaction was changing it
+    /// (counts::being_changed): no renewal can revive it.
     lapsed_untouched: bool,
     new_tuple: pg_sys::HeapTuple,
     /// Whether it was found in quota.history (0.6.0), whose rows have all ended.
@@ -298,12 +306,14 @@ impl Found {
 /// Finds the ticket through the primary key under `snap` (0.6.0: in quota.active,
 /// else in quota.history, under the one snapshot, so a finish committed meanwhile is
 /// seen in one or the other), and forms its replacement tuple: a copy that `change`
-/// edits.
+/// edits. With `lapsed_by`, it also tells whether the ticket's lease had run out by
+/// then, untouched (`Found::lapsed_untouched`).
 fn find(
     tables: &Tables,
     rels: &Rels,
     snap: &Latest,
     ticket: pgrx::Uuid,
+    lapsed_by: Option<pg_sys::TimestampTz>,
     change: impl Fn(&mut [pg_sys::Datum], &mut [bool]),
 ) -> Option<Found> {
     let found = find_in(
@@ -312,6 +322,7 @@ fn find(
         rels,
         snap,
         ticket,
+        lapsed_by,
         &change,
     );
     if found.is_some() || !rels.split() {
@@ -323,6 +334,7 @@ fn find(
         rels,
         snap,
         ticket,
+        lapsed_by,
         &change,
     );
     if let Some(f) = found.as_mut() {
@@ -337,6 +349,7 @@ fn find_in(
     rels: &Rels,
     snap: &Latest,
     ticket: pgrx::Uuid,
+    lapsed_by: Option<pg_sys::TimestampTz>,
     change: &impl Fn(&mut [pg_sys::Datum], &mut [bool]),
 ) -> Option<Found> {
     let ncols = rels.ncols;
@@ -369,9 +382,9 @@ fn find_in(
                 } else {
                     0
                 };
-                // The clock and the row's header only for a lease that ran out.
+                // The row's header only for a lease that ran out.
                 let lapsed_untouched = ended.is_none()
-                    && lease_until.is_some_and(|l| l <= pg_sys::GetCurrentTimestamp())
+                    && lease_until.zip(lapsed_by).is_some_and(|(l, by)| l <= by)
                     && !crate::ledger::count::being_changed(slot);
                 change(&mut values, &mut nulls);
                 found = Some(Found {

@@ -84,7 +84,9 @@ pub unsafe fn fire(
             finish::begin(c"quota.finish_job()");
             // SAFETY: the relation the trigger fired on and the row, as the trigger
             // manager passed them.
-            if let Some(Some(ticket)) = unsafe { job_ticket(&name, &spec, rel, tuple) }? {
+            let column = unsafe { ticket_column(&name, &spec, rel) }?;
+            // SAFETY: as above; the column is one of the relation's.
+            if let Some(Some(ticket)) = unsafe { job_ticket(&name, &spec, rel, column, tuple) }? {
                 finish_job_ticket(&name, ticket, *outcome)?;
             }
             Ok(std::ptr::null_mut())
@@ -93,7 +95,9 @@ pub unsafe fn fire(
             finish::begin(c"quota.claim_job()");
             let lease = lease_datum(&name, lease)?;
             // SAFETY: as above.
-            let Some(ticket) = (unsafe { job_ticket(&name, &spec, rel, tuple) })? else {
+            let column = unsafe { ticket_column(&name, &spec, rel) }?;
+            // SAFETY: as above.
+            let Some(ticket) = (unsafe { job_ticket(&name, &spec, rel, column, tuple) })? else {
                 return Ok(tuple);
             };
             let keep = match ticket {
@@ -103,8 +107,8 @@ pub unsafe fn fire(
             if keep {
                 return Ok(tuple);
             }
-            // SAFETY: the trigger's relation and its new row.
-            unsafe { cleared(&name, &spec, rel, tuple) }
+            // SAFETY: the trigger's relation, its ticket's column and its new row.
+            unsafe { cleared(&name, &spec, rel, column.0, tuple) }
         }
     }
 }
@@ -113,15 +117,17 @@ pub unsafe fn fire(
 /// is not a uuid (a WARNING said so: the job's data, not the trigger's definition).
 ///
 /// # Safety
-/// `rel` and `tuple` are the trigger's relation and a row of it.
+/// `rel` and `tuple` are the trigger's relation and a row of it, `column` its ticket's
+/// column as `ticket_column` found it.
 unsafe fn job_ticket(
     name: &str,
     spec: &JobTrigger,
     rel: pg_sys::Relation,
+    column: (i32, pg_sys::Oid),
     tuple: pg_sys::HeapTuple,
 ) -> Result<Option<Option<pgrx::Uuid>>, QuotaError> {
     // SAFETY: the caller's.
-    let Some(text) = (unsafe { ticket_text(name, spec, rel, tuple) })? else {
+    let Some(text) = (unsafe { ticket_text(name, spec, rel, column, tuple) })? else {
         return Ok(None);
     };
     Ok(Some(match text {
@@ -244,15 +250,15 @@ fn lease_datum(name: &str, lease: &[u8]) -> Result<pg_sys::Datum, QuotaError> {
 /// column, NULL in a uuid or text column.
 ///
 /// # Safety
-/// `rel` and `tuple` are the trigger's relation and its new row.
+/// `rel` and `tuple` are the trigger's relation and its new row, `attnum` its ticket's
+/// column as `ticket_column` found it.
 unsafe fn cleared(
     name: &str,
     spec: &JobTrigger,
     rel: pg_sys::Relation,
+    attnum: i32,
     tuple: pg_sys::HeapTuple,
 ) -> Result<pg_sys::HeapTuple, QuotaError> {
-    // SAFETY: the caller's open relation.
-    let (attnum, _) = unsafe { ticket_column(name, spec, rel) }?;
     // A NOT NULL constraint added since CREATE TRIGGER: an error that says why,
     // rather than the constraint's.
     // SAFETY: as above; attnum is one of its columns.
@@ -387,19 +393,19 @@ unsafe fn ticket_column(
 
 /// Refuses column `attnum` of `rel` if it is a virtual generated column (PostgreSQL
 /// 18), which is never computed for triggers: it would read as NULL for every row, and
-/// finish nothing, silently. A catalog lookup: made at CREATE TRIGGER, and at firing
-/// only for a NULL, the one value such a column shows.
+/// finish nothing, silently. Checked at CREATE TRIGGER, and at firing only for a NULL,
+/// the one value such a column shows.
 ///
 /// # Safety
-/// `rel` is an open relation.
+/// `rel` is an open relation and `attnum` one of its columns (from ticket_column).
 unsafe fn refuse_virtual(
     trigger: &str,
     spec: &JobTrigger,
     rel: pg_sys::Relation,
     attnum: i32,
 ) -> Result<(), QuotaError> {
-    // SAFETY: a catalog lookup of the caller's relation's column.
-    if unsafe { pg_sys::get_attgenerated((*rel).rd_id, attnum as i16) } as u8 == b'v' {
+    // SAFETY: the caller's.
+    if unsafe { column_attr(rel, attnum) }.attgenerated as u8 == b'v' {
         return Err(QuotaError::TicketColumnVirtual {
             func: spec.func(),
             trigger: trigger.to_string(),
@@ -457,6 +463,15 @@ pub fn check_created(
     }
 }
 
+/// Column `attnum` of `rel`, as its descriptor says.
+///
+/// # Safety
+/// `rel` is an open relation and `attnum` a user column of it (from ticket_column).
+unsafe fn column_attr<'a>(rel: pg_sys::Relation, attnum: i32) -> &'a pg_sys::FormData_pg_attribute {
+    // SAFETY: the caller's; the descriptor lives as long as the open relation.
+    unsafe { &*crate::compat::tuple_desc_attr((*rel).rd_att, attnum as usize - 1) }
+}
+
 /// Refuses, for quota.claim_job(), a column it could not clear a ticket in: a uuid or
 /// text column declared NOT NULL (the trigger clears a ticket it cannot renew by
 /// setting the column to NULL, which the constraint would turn into a failed claim,
@@ -475,8 +490,8 @@ unsafe fn refuse_unclearable(
     if spec.func() != JobFn::Claim {
         return Ok(());
     }
-    // SAFETY: attnum (from ticket_column) is a user column of the descriptor.
-    let attr = unsafe { &*crate::compat::tuple_desc_attr((*rel).rd_att, attnum as usize - 1) };
+    // SAFETY: the caller's.
+    let attr = unsafe { column_attr(rel, attnum) };
     let generated = attr.attgenerated as u8 != 0;
     if generated || (attr.attnotnull && spec.keys.is_empty()) {
         return Err(QuotaError::TicketColumnNotNull {
@@ -491,15 +506,15 @@ unsafe fn refuse_unclearable(
 /// The ticket in `tuple` where `spec` says, None where there is none.
 ///
 /// # Safety
-/// `rel` and `tuple` are the trigger's relation and a row of it.
+/// `rel` and `tuple` are the trigger's relation and a row of it, `column` (number,
+/// base type) its ticket's column as `ticket_column` found it.
 unsafe fn ticket_text(
     trigger: &str,
     spec: &JobTrigger,
     rel: pg_sys::Relation,
+    (attnum, type_oid): (i32, pg_sys::Oid),
     tuple: pg_sys::HeapTuple,
 ) -> Result<Option<Ticket>, QuotaError> {
-    // SAFETY: the trigger's open relation.
-    let (attnum, type_oid) = unsafe { ticket_column(trigger, spec, rel) }?;
     let mut isnull = false;
     // SAFETY: a column of the row, read through the relation's descriptor.
     let value = unsafe { pg_sys::SPI_getbinval(tuple, (*rel).rd_att, attnum, &mut isnull) };

@@ -29,7 +29,9 @@ use std::ffi::{CStr, CString};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
-use crate::core::job_trigger::{parse_job_trigger, parse_uuid, JobAction, JobTrigger};
+use crate::core::job_trigger::{
+    fires_as, parse_job_trigger, parse_uuid, Firing, JobAction, JobTrigger,
+};
 use crate::core::{JobFn, QuotaError};
 use crate::encoding::server_text;
 use crate::finish;
@@ -52,16 +54,15 @@ pub unsafe fn fire(
     let op = event & pg_sys::TRIGGER_EVENT_OPMASK;
     let updated = op == pg_sys::TRIGGER_EVENT_UPDATE;
     let timing = event & pg_sys::TRIGGER_EVENT_TIMINGMASK;
-    let for_row = event & pg_sys::TRIGGER_EVENT_ROW != 0;
-    let fits = match func {
-        JobFn::Finish => {
-            for_row
-                && timing == pg_sys::TRIGGER_EVENT_AFTER
-                && (updated || op == pg_sys::TRIGGER_EVENT_DELETE)
-        }
-        JobFn::Claim => for_row && timing == pg_sys::TRIGGER_EVENT_BEFORE && updated,
+    let how = Firing {
+        row: event & pg_sys::TRIGGER_EVENT_ROW != 0,
+        before: timing == pg_sys::TRIGGER_EVENT_BEFORE,
+        instead: timing == pg_sys::TRIGGER_EVENT_INSTEAD,
+        inserts: op == pg_sys::TRIGGER_EVENT_INSERT || op == pg_sys::TRIGGER_EVENT_TRUNCATE,
+        updates: updated,
+        deletes: op == pg_sys::TRIGGER_EVENT_DELETE,
     };
-    if !fits {
+    if !fires_as(func, how) {
         return Err(QuotaError::TriggerMisfired {
             func,
             trigger: name,
@@ -429,20 +430,15 @@ pub fn check_created(
     args: &[&[u8]],
 ) -> Result<i32, QuotaError> {
     let t = tgtype as u32;
-    let row = t & pg_sys::TRIGGER_TYPE_ROW != 0;
-    let before = t & pg_sys::TRIGGER_TYPE_BEFORE != 0;
-    let instead = t & pg_sys::TRIGGER_TYPE_INSTEAD != 0;
-    let inserts = t & (pg_sys::TRIGGER_TYPE_INSERT | pg_sys::TRIGGER_TYPE_TRUNCATE) != 0;
-    let deletes = t & pg_sys::TRIGGER_TYPE_DELETE != 0;
-    let updates = t & pg_sys::TRIGGER_TYPE_UPDATE != 0;
-    let fits = row
-        && !instead
-        && !inserts
-        && match func {
-            JobFn::Finish => !before && (updates || deletes),
-            JobFn::Claim => before && updates && !deletes,
-        };
-    if !fits {
+    let how = Firing {
+        row: t & pg_sys::TRIGGER_TYPE_ROW != 0,
+        before: t & pg_sys::TRIGGER_TYPE_BEFORE != 0,
+        instead: t & pg_sys::TRIGGER_TYPE_INSTEAD != 0,
+        inserts: t & (pg_sys::TRIGGER_TYPE_INSERT | pg_sys::TRIGGER_TYPE_TRUNCATE) != 0,
+        updates: t & pg_sys::TRIGGER_TYPE_UPDATE != 0,
+        deletes: t & pg_sys::TRIGGER_TYPE_DELETE != 0,
+    };
+    if !fires_as(func, how) {
         return Err(QuotaError::TriggerMisfired {
             func,
             trigger: trigger.to_string(),

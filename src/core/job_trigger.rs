@@ -144,6 +144,32 @@ fn hex(b: u8) -> Option<u8> {
     }
 }
 
+/// How a trigger fires (or, at CREATE TRIGGER, may fire): for each row or statement,
+/// its timing, and the events it fires on.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Firing {
+    pub row: bool,
+    pub before: bool,
+    pub instead: bool,
+    /// On INSERT or TRUNCATE.
+    pub inserts: bool,
+    pub updates: bool,
+    pub deletes: bool,
+}
+
+/// Whether a trigger of `func` may fire so: finish_job() AFTER UPDATE or DELETE (the
+/// queue ends the job), claim_job() BEFORE UPDATE only (it changes the claimed row),
+/// each FOR EACH ROW. The one rule for CREATE TRIGGER and for each firing.
+pub fn fires_as(func: JobFn, how: Firing) -> bool {
+    how.row
+        && !how.instead
+        && !how.inserts
+        && match func {
+            JobFn::Finish => !how.before && (how.updates || how.deletes),
+            JobFn::Claim => how.before && how.updates && !how.deletes,
+        }
+}
+
 /// Reads a uuid from text as PostgreSQL's `uuid` input does: 32 hex digits, either
 /// case, a hyphen allowed after any group of four (but not at the end), the whole
 /// optionally in braces. None where PostgreSQL would raise 22P02.
@@ -180,6 +206,83 @@ mod tests {
     fn parse_claim(args: &[&str]) -> Result<JobTrigger, QuotaError> {
         let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
         parse_job_trigger(JobFn::Claim, "t", &args, printable)
+    }
+
+    #[test]
+    fn how_each_trigger_may_fire() {
+        let row = Firing {
+            row: true,
+            ..Firing::default()
+        };
+        let after_update = Firing {
+            updates: true,
+            ..row
+        };
+        let before_update = Firing {
+            before: true,
+            ..after_update
+        };
+        let after_delete = Firing {
+            deletes: true,
+            ..row
+        };
+        assert!(fires_as(JobFn::Finish, after_update));
+        assert!(fires_as(JobFn::Finish, after_delete));
+        assert!(fires_as(
+            JobFn::Finish,
+            Firing {
+                deletes: true,
+                ..after_update
+            }
+        ));
+        assert!(!fires_as(JobFn::Finish, before_update));
+        assert!(fires_as(JobFn::Claim, before_update));
+        assert!(!fires_as(JobFn::Claim, after_update));
+        assert!(!fires_as(
+            JobFn::Claim,
+            Firing {
+                deletes: true,
+                ..before_update
+            }
+        ));
+        for func in [JobFn::Finish, JobFn::Claim] {
+            assert!(!fires_as(
+                func,
+                Firing {
+                    row: false,
+                    ..before_update
+                }
+            ));
+            assert!(!fires_as(
+                func,
+                Firing {
+                    row: false,
+                    ..after_update
+                }
+            ));
+            assert!(!fires_as(
+                func,
+                Firing {
+                    inserts: true,
+                    ..before_update
+                }
+            ));
+            assert!(!fires_as(
+                func,
+                Firing {
+                    inserts: true,
+                    ..after_update
+                }
+            ));
+            assert!(!fires_as(
+                func,
+                Firing {
+                    instead: true,
+                    before: false,
+                    ..before_update
+                }
+            ));
+        }
     }
 
     #[test]

@@ -161,7 +161,7 @@ fn refuse_from_counters(
     }
     let tags = crate::ledger::rels::current_tags()?;
     let live = |key: scopes::ScopeKey| {
-        scopes::peek(key, tags)
+        scopes::peek(key, tags, now)
             .filter(|p| p.earliest > now)
             .map(|p| p.active + p.open)
     };

@@ -97,6 +97,11 @@ impl Caller<'_> {
 
 /// Counts the characters of `bytes` in the server encoding.
 fn chars(bytes: &[u8]) -> usize {
+    // Every server encoding is a superset of ASCII, a byte a character there: the common
+    // label, key or tenant is counted without a call into PostgreSQL.
+    if bytes.is_ascii() {
+        return bytes.len();
+    }
     // SAFETY: the length is that of a text datum, which fits in an int.
     unsafe { pg_sys::pg_mbstrlen_with_len(bytes.as_ptr().cast(), bytes.len() as i32) as usize }
 }
@@ -189,10 +194,14 @@ pub fn start(
     shmem::require_callable(name);
     // A standby or a read-only transaction refuses with 25006, as nextval() does:
     // the charge is a write, even though it is not the caller's own.
-    // SAFETY: both raise ERROR or return.
+    // SAFETY: both raise ERROR or return; XactReadOnly is a plain backend flag, read
+    // first as PreventCommandIfReadOnly() reads it, so that a refusal makes one call
+    // into PostgreSQL fewer.
     unsafe {
         pg_sys::PreventCommandDuringRecovery(name.as_ptr());
-        pg_sys::PreventCommandIfReadOnly(name.as_ptr());
+        if pg_sys::XactReadOnly {
+            pg_sys::PreventCommandIfReadOnly(name.as_ptr());
+        }
     }
     if let Some(l) = args.label {
         check_label(chars(l), l.len())?;
@@ -260,8 +269,9 @@ pub fn start(
     };
     // Check the lease now, so that a bad one fails before any wait.
     lease_until(now, args.lease, policy.default_lease_secs)?;
+    // None: the start does not wait (see core::lease::deadline).
     let deadline = match args.wait {
-        None => now,
+        None => None,
         Some(w) => {
             // SAFETY: an interval datum points at its Interval.
             let i = unsafe { &*w.cast_mut_ptr::<pg_sys::Interval>() };
@@ -271,17 +281,21 @@ pub fn start(
                     value: interval_text(w),
                 });
             };
-            now.saturating_add(us)
+            crate::core::lease::deadline(now, us)
         }
     };
 
     let mut place: Option<(crate::waiters::Place, WaitTimer)> = None;
+    // The clock as the next try reads it: the first try's is the one read above.
+    let mut now = now;
     loop {
         if place.is_some() {
             queue::drop_abandoned_answer();
+            // SAFETY: plain clock read.
+            now = unsafe { pg_sys::GetCurrentTimestamp() };
         }
         let seq = place.as_ref().map_or(u64::MAX, |p| p.0.seq);
-        let r = match attempt(&caller, seq)? {
+        let r = match attempt(&caller, seq, now)? {
             Ok((id, found_here)) => {
                 // The writer counts what it answers (see writer/batch.rs, count_admitted),
                 // a transactional start counts its admission when it commits
@@ -293,18 +307,22 @@ pub fn start(
             }
             Err(r) => r,
         };
-        // SAFETY: plain clock read.
-        let now = unsafe { pg_sys::GetCurrentTimestamp() };
-        if now >= deadline {
+        // The deadline if the wait goes on.
+        let waiting_until = deadline.and_then(|d| {
+            // SAFETY: plain clock read.
+            now = unsafe { pg_sys::GetCurrentTimestamp() };
+            (now < d).then_some(d)
+        });
+        let Some(deadline) = waiting_until else {
             if place.is_some() {
                 stats::add(role, Counter::WaitTimeouts, 1);
             }
-            count_refusal(&caller, &r);
+            count_refusal(&caller, &r, now);
             return match on_refusal {
                 OnRefusal::Raise => Err(caller.refusal(&r)),
                 OnRefusal::Null => Ok(None),
             };
-        }
+        };
         let Some((p, _)) = &place else {
             // Take a place in line, then look again at once: a finish() that
             // committed before we were in line could not wake us.
@@ -366,9 +384,9 @@ impl Drop for WaitTimer {
 
 /// Counts a refusal, and writes its LOG line if quota.log_refusals asks for one and
 /// the rate limit lets it through.
-fn count_refusal(caller: &Caller, r: &Refused) {
+fn count_refusal(caller: &Caller, r: &Refused, now: pg_sys::TimestampTz) {
     let log = gucs::log_refusals();
-    if let Some(suppressed) = stats::refused(caller.role, Counter::refused(r.kind), log) {
+    if let Some(suppressed) = stats::refused(caller.role, Counter::refused(r.kind), log, now) {
         let (usage, _) = r.numbers(caller);
         let tenant = caller.args.tenant.map(server_text);
         let line = crate::core::stats::refusal_log_line(
@@ -410,12 +428,14 @@ fn wait_for_key(caller: &Caller, key: &[u8]) {
     }
 }
 
-/// One try at admission for a caller at place `seq` in line (u64::MAX if it is not
-/// waiting). The outer Result carries errors, the inner one refusals; an admission
-/// says whether this session found it as an idempotent repeat.
-fn attempt(caller: &Caller, seq: u64) -> Result<Result<(pgrx::Uuid, bool), Refused>, QuotaError> {
-    // SAFETY: plain clock read.
-    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+/// One try at admission, at `now`, for a caller at place `seq` in line (u64::MAX if
+/// it is not waiting). The outer Result carries errors, the inner one refusals; an
+/// admission says whether this session found it as an idempotent repeat.
+fn attempt(
+    caller: &Caller,
+    seq: u64,
+    mut now: pg_sys::TimestampTz,
+) -> Result<Result<(pgrx::Uuid, bool), Refused>, QuotaError> {
     let cutoff = cutoff(now, caller.policy.retention_secs);
     // An idempotent repeat is answered here, whatever the limits say: it charges
     // nothing. The writer checks again, for requests racing with the same key. Where
@@ -451,6 +471,10 @@ fn attempt(caller: &Caller, seq: u64) -> Result<Result<(pgrx::Uuid, bool), Refus
             }
             repeat = true;
         }
+        // The wait for the key may have been long: the writer's try reads the clock
+        // anew (its counts judge leases against it).
+        // SAFETY: plain clock read.
+        now = unsafe { pg_sys::GetCurrentTimestamp() };
     }
     // A length: the ticket's lease runs this long from when it really starts.
     let lease_us = lease_until(now, caller.args.lease, caller.policy.default_lease_secs)?
@@ -458,6 +482,6 @@ fn attempt(caller: &Caller, seq: u64) -> Result<Result<(pgrx::Uuid, bool), Refus
     if caller.args.transactional {
         transactional::attempt(caller, seq, lease_us)
     } else {
-        writer::attempt(caller, seq, lease_us, repeat)
+        writer::attempt(caller, seq, now, lease_us, repeat)
     }
 }

@@ -33,7 +33,7 @@ pub(crate) fn attempt(
     // No writer is needed here, but one folds transactional tickets into their roles'
     // summary rows and purges them when it runs (writer/fold.rs).
     crate::workers::start_soon();
-    let mut waited = Patience::new();
+    let mut waited = Patience::lazy();
     loop {
         // SAFETY: plain clock read.
         let now = unsafe { pg_sys::GetCurrentTimestamp() };

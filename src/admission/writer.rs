@@ -14,14 +14,15 @@ use crate::queue::Request;
 pub(crate) fn attempt(
     caller: &Caller,
     seq: u64,
+    now: pg_sys::TimestampTz,
     lease_us: Option<i64>,
     repeat: bool,
 ) -> Result<Result<(pgrx::Uuid, bool), Refused>, crate::core::QuotaError> {
     let args = caller.args;
     let limits = caller.limits;
     let retention = caller.policy.retention_secs;
-    // SAFETY: plain reads of backend state and the clock.
-    let (pid, now) = unsafe { (pg_sys::MyProcPid, pg_sys::GetCurrentTimestamp()) };
+    // SAFETY: a plain read of backend state.
+    let pid = unsafe { pg_sys::MyProcPid };
     let fill = |r: &mut Request| {
         r.exempt = caller.exempt;
         r.max_active = limits.max_active;
@@ -69,7 +70,7 @@ pub(crate) fn attempt(
     } else {
         // Kept across the tries below, so that writers that keep failing to start
         // end the call (see Patience).
-        let mut waited = Patience::new();
+        let mut waited = Patience::lazy();
         loop {
             let handed = under_lock(caller, now, seq, &mut waited, queue::reclaim_mine, |_| {
                 // Handed over only to a running writer: a wait in line for a writer

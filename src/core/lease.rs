@@ -117,6 +117,15 @@ pub fn wait_ms(now: i64, deadline: i64, next_expiry: Option<i64>, poll_ms: i64) 
     ms.clamp(0, poll_ms)
 }
 
+/// When a start() called at `now` with a wait of `wait_us` stops waiting for capacity:
+/// None where it does not wait (a wait of zero, start()'s default), and then it gives up
+/// at its first refusal whatever the clock reads afterwards: judged by a second reading,
+/// a clock stepped back between the two would send it into line until the clock caught
+/// up again.
+pub fn deadline(now: i64, wait_us: i64) -> Option<i64> {
+    (wait_us > 0).then(|| now.saturating_add(wait_us))
+}
+
 /// An interval as a wait in microseconds: months count 30 days and days 24 hours, as
 /// PostgreSQL's `interval` comparisons count them (a wait does not follow the
 /// calendar), saturating instead of overflowing, so that a wait of any size works.
@@ -144,6 +153,15 @@ mod tests {
         assert!(ends(i64::MAX - 5, 100) < END_TIMESTAMP);
     }
     use proptest::prelude::*;
+
+    /// A start without a wait never waits: no deadline to judge against a clock that
+    /// may have stepped back since it was read.
+    #[test]
+    fn a_start_without_a_wait_has_no_deadline() {
+        assert_eq!(deadline(1_000, 0), None);
+        assert_eq!(deadline(1_000, 1), Some(1_001));
+        assert_eq!(deadline(i64::MAX - 1, 10), Some(i64::MAX));
+    }
 
     #[test]
     fn a_lease_in_the_future_keeps_the_ticket_active() {

@@ -319,7 +319,8 @@ pub fn in_flight_with_key(role: pg_sys::Oid, tenant: u128, key: &[u8]) -> bool {
 /// there for the requests of this database, starting a new one when the last one is
 /// gone, and gives up with a clear error when writers keep failing to start.
 pub struct Patience {
-    last_check: Instant,
+    /// None until the first look of a `lazy` one.
+    last_check: Option<Instant>,
     starts: u32,
     never_started: u32,
 }
@@ -327,7 +328,18 @@ pub struct Patience {
 impl Patience {
     pub fn new() -> Patience {
         Patience {
-            last_check: Instant::now(),
+            last_check: Some(Instant::now()),
+            starts: 0,
+            never_started: 0,
+        }
+    }
+
+    /// A Patience whose clock starts at its first look, for a path that seldom looks
+    /// (a start decided under its scope lock waits for requests in flight only when they
+    /// could take the last slots): a refusal then reads no clock for it.
+    pub fn lazy() -> Patience {
+        Patience {
+            last_check: None,
             starts: 0,
             never_started: 0,
         }
@@ -354,10 +366,14 @@ impl Patience {
     /// holds no lock that others wait for (a start under its scope lock). Raises when
     /// writers keep failing to start.
     pub fn writer_needed(&mut self) -> bool {
-        if self.last_check.elapsed() < LIVENESS_EVERY {
+        let Some(last) = self.last_check else {
+            self.last_check = Some(Instant::now());
+            return false;
+        };
+        if last.elapsed() < LIVENESS_EVERY {
             return false;
         }
-        self.last_check = Instant::now();
+        self.last_check = Some(Instant::now());
         match workers::writer_state() {
             WriterState::Alive => return false,
             WriterState::Gone => {}

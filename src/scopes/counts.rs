@@ -305,7 +305,7 @@ pub fn refresh_earliest(
         (RefusalKind::Active, _) => (ScopeKey::role(role), None),
         _ => return,
     };
-    let Some(p) = super::peek(key, tags) else {
+    let Some(p) = super::peek(key, tags, now) else {
         return;
     };
     if p.earliest > now {

@@ -214,15 +214,19 @@ fn find(key: (u32, u32, u128)) -> Option<&'static Counter> {
 /// the counters it reads look idle nor see every counter it read as read just now.
 fn now_secs() -> u32 {
     // SAFETY: a clock read.
-    let ts = unsafe { pg_sys::GetCurrentTimestamp() };
+    secs(unsafe { pg_sys::GetCurrentTimestamp() })
+}
+
+/// A timestamp as the whole seconds a counter's `used` keeps.
+fn secs(ts: pg_sys::TimestampTz) -> u32 {
     (ts / 1_000_000).clamp(0, i64::from(u32::MAX)) as u32
 }
 
-/// Marks `e` as read now. `used` only moves forward (a reader whose transaction began
-/// long ago must not make a hot counter look idle), and it is written only when the
-/// second moved, so that readers of a hot scope do not all write its cache line.
-fn touch(e: &Counter) {
-    let now = now_secs();
+/// Marks `e` as read at `now` (seconds, see `secs`). `used` only moves forward (a reader
+/// whose transaction began long ago must not make a hot counter look idle), and it is
+/// written only when the second moved, so that readers of a hot scope do not all write
+/// its cache line.
+fn touch(e: &Counter, now: u32) {
     if e.used.load(Ordering::Relaxed) < now {
         e.used.fetch_max(now, Ordering::Relaxed);
     }
@@ -269,7 +273,7 @@ fn vacancy(key: (u32, u32, u128), tags: Tags) -> Option<(&'static Counter, Optio
 
 /// The counter's numbers if it is current, marking it as read.
 fn read(e: &Counter, tags: Tags) -> Option<(i64, i64)> {
-    current(e, tags).inspect(|_| touch(e))
+    current(e, tags).inspect(|_| touch(e, now_secs()))
 }
 
 fn current(e: &Counter, tags: Tags) -> Option<(i64, i64)> {
@@ -380,13 +384,15 @@ pub struct Peeked {
 
 /// Scope `key`'s counter if it is current for `tags`, read without building it: None
 /// if it is missing or stale (the caller then takes the path that counts). Marks it as
-/// read. The open charges are read before the numbers, as in `get`.
-pub fn peek(key: ScopeKey, tags: Tags) -> Option<Peeked> {
+/// read at `now`, the caller's clock reading. The open charges are read before the
+/// numbers, as in `get`.
+pub fn peek(key: ScopeKey, tags: Tags, now: pg_sys::TimestampTz) -> Option<Peeked> {
     let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
     let e = find(key.shared())?;
     let version = e.version.load(Ordering::Acquire);
     let open = e.open.load(Ordering::Acquire);
-    let (active, _) = read(e, tags)?;
+    let (active, _) = current(e, tags)?;
+    touch(e, secs(now));
     Some(Peeked {
         active,
         open,

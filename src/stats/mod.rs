@@ -110,10 +110,10 @@ pub fn waited(role: pg_sys::Oid, us: u64) {
     });
 }
 
-/// Counts a refusal of `role` in this database, and returns the line to log if
-/// `quota.log_refusals` is on and the rate limit lets it through.
-pub fn refused(role: pg_sys::Oid, counter: Counter, log: bool) -> Option<u64> {
-    let t = now();
+/// Counts a refusal of `role` in this database at `t` (the refusal's clock reading), and
+/// returns the line to log if `quota.log_refusals` is on and the rate limit lets it
+/// through.
+pub fn refused(role: pg_sys::Oid, counter: Counter, log: bool, t: i64) -> Option<u64> {
     let mut line = None;
     with_entry(crate::shmem::my_db(), role, true, |e| {
         e.counters[counter as usize].fetch_add(1, Ordering::Relaxed);

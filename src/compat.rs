@@ -150,6 +150,32 @@ pub unsafe fn index_insert_cleanup(idx: pg_sys::Relation, info: *mut pg_sys::Ind
     }
 }
 
+/// Whether this transaction holds a lock on relation `relid` (of this database) in
+/// exactly `mode`: C's CheckRelationLockedByMe() without the open relation, a look
+/// into the backend's own lock table.
+pub fn relation_lock_held(relid: pg_sys::Oid, mode: u32) -> bool {
+    let tag = pg_sys::LOCKTAG {
+        // SAFETY: a plain read of backend state.
+        locktag_field1: u32::from(unsafe { pg_sys::MyDatabaseId }),
+        locktag_field2: u32::from(relid),
+        locktag_field3: 0,
+        locktag_field4: 0,
+        locktag_type: pg_sys::LockTagType::LOCKTAG_RELATION as u8,
+        locktag_lockmethodid: pg_sys::DEFAULT_LOCKMETHOD as u8,
+    };
+    // SAFETY: a lookup in the backend's local lock table.
+    unsafe {
+        #[cfg(not(feature = "pg18"))]
+        {
+            pg_sys::LockHeldByMe(&tag, mode as i32)
+        }
+        #[cfg(feature = "pg18")]
+        {
+            pg_sys::LockHeldByMe(&tag, mode as i32, false)
+        }
+    }
+}
+
 /// Attribute `i` (0-based) of a tuple descriptor: C's TupleDescAttr().
 ///
 /// # Safety

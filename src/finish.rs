@@ -59,7 +59,7 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
 pub fn finish_ticket(ticket: pgrx::Uuid, outcome: Outcome) -> Result<bool, QuotaError> {
     // SAFETY: plain read of the clock.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let (tables, rels) = Tables::open_current();
+    let (tables, rels) = Tables::open_current_to_end();
 
     loop {
         // The latest snapshot, not the transaction's: under REPEATABLE READ a ticket

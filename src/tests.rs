@@ -104,3 +104,30 @@ fn ledger_records_role_label_and_outcome() {
     .unwrap();
     assert_eq!(row, (Some("nightly export".into()), Some("cancelled".into()), Some(true)));
 }
+
+/// 0.6.x: ticket ids take their random bits from a batch fetched at once; every draw
+/// is fresh, across refills (none repeats, none is the zeroed buffer).
+#[pg_test]
+fn ticket_ids_draw_fresh_random_bytes() {
+    let n = 3 * crate::ledger::write::RANDOM_BATCH + 5;
+    let draws: Vec<[u8; 8]> = (0..n).map(|_| crate::ledger::write::random_bytes()).collect();
+    let distinct: std::collections::HashSet<_> = draws.iter().collect();
+    assert_eq!(distinct.len(), n, "a draw repeated");
+    assert!(!draws.contains(&[0u8; 8]), "a draw was the zeroed buffer");
+}
+
+/// 0.6.x: a Reader skips its read lock on a relation this transaction holds in
+/// RowExclusiveLock; the look into the lock table must see exactly that mode there.
+#[pg_test]
+fn relation_lock_held_sees_this_transactions_row_exclusive_lock() {
+    let oid = |name: &str| -> pg_sys::Oid {
+        Spi::get_one(&format!("SELECT '{name}'::regclass::oid")).unwrap().unwrap()
+    };
+    let (active, history) = (oid("quota.active"), oid("quota.history"));
+    let held = |rel| crate::compat::relation_lock_held(rel, pg_sys::RowExclusiveLock);
+    assert!(!held(active) && !held(history), "nothing locked yet");
+    Spi::run("LOCK TABLE quota.active IN ROW EXCLUSIVE MODE").unwrap();
+    Spi::run("LOCK TABLE quota.history IN ACCESS SHARE MODE").unwrap();
+    assert!(held(active), "the row exclusive lock on quota.active");
+    assert!(!held(history), "an access share lock is not a row exclusive one");
+}

@@ -11,36 +11,94 @@ use pgrx::pg_sys;
 
 use crate::compat::{self, IndexUpdate};
 
-/// A table opened for writing, with the indexes that take inserts; closed on drop,
-/// keeping the locks to the end of the transaction as the executor does.
+/// Each index of a table that takes inserts, its IndexInfo, and its predicate as
+/// rels::null_tests gives it (empty for a full index).
+type Indexes = Vec<(pg_sys::Relation, *mut pg_sys::IndexInfo, Vec<(usize, bool)>)>;
+
+/// A table opened for writing, and its indexes once a write needs them; closed on
+/// drop, keeping the locks to the end of the transaction as the executor does.
 pub struct OpenRel {
     pub heap: pg_sys::Relation,
-    /// Each index that takes inserts, its IndexInfo, and its predicate as
-    /// rels::null_tests gives it (empty for a full index).
-    indexes: Vec<(pg_sys::Relation, *mut pg_sys::IndexInfo, Vec<(usize, bool)>)>,
+    /// The indexes that take inserts, opened at the first insert or update: a delete
+    /// needs none, as DELETE opens none (0.6.x: a finish deletes its ticket from
+    /// quota.active, whose indexes a transactional ticket's finish locked and opened
+    /// for nothing).
+    indexes: std::cell::OnceCell<Indexes>,
+    /// Indexes opened alone for a lookup (`index`) before the others were needed.
+    looked_up: std::cell::RefCell<Vec<pg_sys::Relation>>,
+    /// For the error that names the table.
+    name: String,
+    key_col: usize,
+    /// The memory context the table was opened in, which the indexes' IndexInfo must
+    /// live in too, however later they are opened.
+    context: pg_sys::MemoryContext,
     ncols: usize,
 }
 
 impl OpenRel {
     /// Opens `relid` and its indexes with RowExclusiveLock, what INSERT, UPDATE and
-    /// DELETE take, each lock with a bounded wait (see rels::lock_bounded).
-    /// `key_col` is the table's identity column (the ledger's id, the summary's role),
-    /// the only column a unique index may cover.
+    /// DELETE take, each lock with a bounded wait (see rels::lock_bounded) and every
+    /// one taken here, before any row is written. `key_col` is the table's identity
+    /// column (the ledger's id, the summary's role), the only column a unique index
+    /// may cover.
+    pub fn open(relid: pg_sys::Oid, name: &str, key_col: usize) -> OpenRel {
+        let rel = OpenRel::open_lazy(relid, name, key_col);
+        rel.indexes();
+        rel
+    }
+
+    /// `open`, but the indexes are opened only when a write first needs them, which a
+    /// table that only sees deletes never does (0.6.x: quota.active when a ticket
+    /// ends). A write that needs them opens them before it writes its row.
+    pub fn open_lazy(relid: pg_sys::Oid, name: &str, key_col: usize) -> OpenRel {
+        crate::ledger::rels::lock_bounded(relid, pg_sys::RowExclusiveLock);
+        // The lock processed invalidations: make sure the table still has the shape
+        // and membership pg_quota checked.
+        crate::ledger::rels::rels();
+        // SAFETY: the relation exists and is locked.
+        unsafe {
+            let heap = pg_sys::table_open(relid, pg_sys::NoLock as i32);
+            let ncols = (*(*heap).rd_att).natts as usize;
+            OpenRel {
+                heap,
+                indexes: std::cell::OnceCell::new(),
+                looked_up: std::cell::RefCell::new(Vec::new()),
+                name: name.to_string(),
+                key_col,
+                context: pg_sys::CurrentMemoryContext,
+                ncols,
+            }
+        }
+    }
+
+    /// The indexes that take inserts, opened with RowExclusiveLock (bounded waits) at
+    /// the first call, each checked to be one pg_quota can keep up to date (else
+    /// 0A000, naming it).
     ///
     /// As ExecOpenIndices and CatalogIndexInsert do, indexes that are not ready for
     /// inserts (`indisready = false`: a CREATE INDEX or REINDEX CONCURRENTLY in its
     /// first phase, or an index being dropped) get no entries: their storage may not
     /// exist yet, and the concurrent build adds our rows itself. Indexes that are
     /// ready but not valid (a build that was cancelled) do get entries.
-    pub fn open(relid: pg_sys::Oid, name: &str, key_col: usize) -> OpenRel {
-        crate::ledger::rels::lock_bounded(relid, pg_sys::RowExclusiveLock);
-        // The lock processed invalidations: make sure the table still has the shape
-        // and membership pg_quota checked, and find its current indexes.
-        crate::ledger::rels::rels();
-        // SAFETY: the relation exists and is locked; the index list comes from the
-        // relcache, and each index is locked before it is opened.
+    fn indexes(&self) -> &Indexes {
+        self.indexes.get_or_init(|| self.open_indexes())
+    }
+
+    fn open_indexes(&self) -> Indexes {
+        struct Restore(pg_sys::MemoryContext);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                // SAFETY: puts back the context current before `open_indexes`.
+                unsafe { pg_sys::CurrentMemoryContext = self.0 };
+            }
+        }
+        let (heap, key_col) = (self.heap, self.key_col);
+        // SAFETY: the table is open and locked, and `context` (current when it was
+        // opened) outlives it; the index list comes from the relcache, and each index
+        // is locked before it is opened.
         unsafe {
-            let heap = pg_sys::table_open(relid, pg_sys::NoLock as i32);
+            let _restore = Restore(pg_sys::CurrentMemoryContext);
+            pg_sys::CurrentMemoryContext = self.context;
             let list = pg_sys::RelationGetIndexList(heap);
             let n = if list.is_null() {
                 0
@@ -56,7 +114,7 @@ impl OpenRel {
                 let predicate = check_index(idx, info, key_col);
                 if let Err(e) = predicate {
                     pg_sys::index_close(idx, pg_sys::NoLock as i32);
-                    let table = format!("quota.{name}");
+                    let table = format!("quota.{}", self.name);
                     let index = crate::catalog::name_text(pg_sys::get_rel_name(oid));
                     crate::error::raise(crate::core::QuotaError::UnsupportedIndex {
                         table,
@@ -70,23 +128,31 @@ impl OpenRel {
                 }
                 indexes.push((idx, info, predicate.unwrap_or_default()));
             }
-            let ncols = (*(*heap).rd_att).natts as usize;
-            OpenRel {
-                heap,
-                indexes,
-                ncols,
-            }
+            indexes
         }
     }
 
-    /// The open index `oid` of this table.
+    /// Index `oid` of this table, open for a lookup: one of `indexes` if they are open,
+    /// else opened alone, with the lock they take, and kept open with the table.
     pub fn index(&self, oid: pg_sys::Oid) -> pg_sys::Relation {
-        self.indexes
-            .iter()
-            // SAFETY: open relations; rd_id is their OID.
-            .find(|(idx, _, _)| unsafe { (**idx).rd_id } == oid)
-            .map(|&(idx, _, _)| idx)
-            .unwrap_or_else(|| pgrx::error!("pg_quota: index {} is not open", u32::from(oid)))
+        // SAFETY: open relations; rd_id is their OID.
+        let is = |idx: pg_sys::Relation| unsafe { (*idx).rd_id } == oid;
+        if let Some(indexes) = self.indexes.get() {
+            return indexes
+                .iter()
+                .find(|&&(idx, _, _)| is(idx))
+                .map(|&(idx, _, _)| idx)
+                .unwrap_or_else(|| pgrx::error!("pg_quota: index {} is not open", u32::from(oid)));
+        }
+        let mut looked_up = self.looked_up.borrow_mut();
+        if let Some(&idx) = looked_up.iter().find(|&&idx| is(idx)) {
+            return idx;
+        }
+        crate::ledger::rels::lock_bounded(oid, pg_sys::RowExclusiveLock);
+        // SAFETY: locked above; closed (the lock kept) when the table is.
+        let idx = unsafe { pg_sys::index_open(oid, pg_sys::NoLock as i32) };
+        looked_up.push(idx);
+        idx
     }
 
     /// Deletes the version at `tid`, waiting for a concurrent writer of the same row
@@ -158,6 +224,8 @@ impl OpenRel {
 
     /// Inserts `tuple` (formed by `form`) and its index entries, and frees it.
     pub fn insert_tuple(&self, tuple: pg_sys::HeapTuple) {
+        // Opened (and locked) before the row is written, where they were not yet.
+        self.indexes();
         // SAFETY: the relation is open with RowExclusiveLock; heap_insert WAL-logs the
         // row and sets its t_self, which the index entries point to.
         unsafe {
@@ -197,6 +265,8 @@ impl OpenRel {
         new_tuple: pg_sys::HeapTuple,
         changed: &[usize],
     ) -> (pg_sys::TM_Result::Type, pg_sys::ItemPointerData) {
+        // Opened (and locked) before the row is written, where they were not yet.
+        self.indexes();
         // SAFETY: the relation is open with RowExclusiveLock; heap_update WAL-logs the
         // change, takes the tuple lock, and checks SSI conflicts. No crosscheck
         // snapshot: callers act on the latest committed version.
@@ -234,7 +304,8 @@ impl OpenRel {
         changed: &[usize],
         only_summarizing: bool,
     ) {
-        if self.indexes.is_empty() {
+        let indexes = self.indexes();
+        if indexes.is_empty() {
             return;
         }
         // SAFETY: the caller passes a tuple just stored in our heap, so t_self is set;
@@ -248,7 +319,7 @@ impl OpenRel {
                 values.as_mut_ptr(),
                 nulls.as_mut_ptr(),
             );
-            for (idx, info, predicate) in &self.indexes {
+            for (idx, info, predicate) in indexes {
                 let (idx, info) = (*idx, *info);
                 if only_summarizing && !compat::index_is_summarizing(info) {
                     continue;
@@ -334,8 +405,11 @@ impl Drop for OpenRel {
         // transaction. As ExecCloseIndices, the access method frees what its inserts
         // cached first.
         unsafe {
-            for &(idx, info, _) in &self.indexes {
+            for &(idx, info, _) in self.indexes.get().into_iter().flatten() {
                 compat::index_insert_cleanup(idx, info);
+                pg_sys::index_close(idx, pg_sys::NoLock as i32);
+            }
+            for &idx in self.looked_up.borrow().iter() {
                 pg_sys::index_close(idx, pg_sys::NoLock as i32);
             }
             pg_sys::table_close(self.heap, pg_sys::NoLock as i32);

@@ -85,8 +85,19 @@ impl Tables {
     /// as `rels` names them: `rels` must be current, as a Reader's are (or see
     /// `open_current`).
     pub fn open(rels: &Rels) -> Tables {
+        Tables::open_as(rels, false)
+    }
+
+    /// `open`, with the table tickets start in opened as `OpenRel::open_lazy` where
+    /// `lazy`.
+    fn open_as(rels: &Rels, lazy: bool) -> Tables {
+        let (relid, name) = (rels.ledger, rels.ledger_name());
         Tables {
-            ledger: OpenRel::open(rels.ledger, rels.ledger_name(), COL_ID),
+            ledger: if lazy {
+                OpenRel::open_lazy(relid, name, COL_ID)
+            } else {
+                OpenRel::open(relid, name, COL_ID)
+            },
             history: std::cell::OnceCell::new(),
             history_oid: rels.split().then_some(rels.history),
         }
@@ -98,9 +109,20 @@ impl Tables {
     /// processing of invalidations shows. Opened under a stale one, the locks stay to
     /// the end of the transaction, harmlessly.
     pub fn open_current() -> (Tables, Rels) {
+        Tables::open_current_as(false)
+    }
+
+    /// `open_current` for ending a ticket (finish()): where tickets end by a delete from
+    /// quota.active (0.6.0), its indexes are not opened for it (`OpenRel::open_lazy`);
+    /// the lookup opens the primary key alone.
+    pub fn open_current_to_end() -> (Tables, Rels) {
+        Tables::open_current_as(true)
+    }
+
+    fn open_current_as(lazy: bool) -> (Tables, Rels) {
         loop {
             let before = crate::ledger::rels::rels();
-            let tables = Tables::open(&before);
+            let tables = Tables::open_as(&before, lazy);
             let now = crate::ledger::rels::rels();
             if now == before {
                 return (tables, now);
@@ -443,6 +465,35 @@ fn changed_version(
     }
 }
 
+/// How many tickets' random bytes one call to pg_strong_random() fetches.
+pub(crate) const RANDOM_BATCH: usize = 64;
+
+/// Eight bytes from pg_strong_random(), taken from a batch this process fetched at
+/// once: each call into the random source (OpenSSL's, where PostgreSQL is built with
+/// it) costs about as much for 8 bytes as for 512, and a transactional start paid it
+/// on every ticket (3% of a JOBT job's CPU in one backend). Each byte is used once.
+pub(crate) fn random_bytes() -> [u8; 8] {
+    thread_local! {
+        static BATCH: std::cell::RefCell<([u8; 8 * RANDOM_BATCH], usize)> =
+            const { std::cell::RefCell::new(([0; 8 * RANDOM_BATCH], 8 * RANDOM_BATCH)) };
+    }
+    BATCH.with_borrow_mut(|(bytes, used)| {
+        if *used == bytes.len() {
+            // SAFETY: fills the buffer we pass; returns false only if the source fails.
+            if !unsafe { pg_sys::pg_strong_random(bytes.as_mut_ptr().cast(), bytes.len()) } {
+                pgrx::error!("pg_quota: could not generate random bytes for a ticket id");
+            }
+            *used = 0;
+        }
+        let mut out = [0u8; 8];
+        out.copy_from_slice(&bytes[*used..*used + 8]);
+        // Not kept once handed out.
+        bytes[*used..*used + 8].fill(0);
+        *used += 8;
+        out
+    })
+}
+
 /// A new ticket id: a version 7 UUID of `now` (so ids sort by start time), rising in
 /// this process. The writer's and a transactional start's ids come from here.
 pub fn new_ticket_id(now: pg_sys::TimestampTz) -> [u8; 16] {
@@ -450,11 +501,7 @@ pub fn new_ticket_id(now: pg_sys::TimestampTz) -> [u8; 16] {
         /// The last id this writer issued; ids of one batch share `now`.
         static LAST_ID: std::cell::Cell<Option<[u8; 16]>> = const { std::cell::Cell::new(None) };
     }
-    let mut random = [0u8; 8];
-    // SAFETY: fills the buffer we pass; returns false only if the OS source fails.
-    if !unsafe { pg_sys::pg_strong_random(random.as_mut_ptr().cast(), random.len()) } {
-        pgrx::error!("pg_quota: could not generate random bytes for a ticket id");
-    }
+    let random = random_bytes();
     // TimestampTz counts microseconds from 2000-01-01; UUIDv7 wants Unix time.
     const PG_EPOCH_UNIX_US: i64 = 946_684_800_000_000;
     let unix_us = (now + PG_EPOCH_UNIX_US).max(0) as u64;

@@ -118,16 +118,14 @@ check "no refusal line holds the UTF-8 replacement character" bash -c "! grep -a
 # whose row finish() deletes) and quota.history (where finish() inserts the ended
 # ticket); quota.ledger is a view, which takes no index and no row trigger. So the index
 # goes on quota.active for the writer's path, then on quota.history for finish()'s
-# insert, and the trigger on each table.
+# insert, and the trigger on each table. (0.6.x: finish() no longer opens quota.active's
+# indexes, since its delete adds no entries; it names the one on quota.history.)
 t=$(as enc_tenant enc_latin1 "SELECT quota.start('before the index')")
 sql -d enc_latin1 -c "CREATE INDEX \"ledger_löwer\" ON quota.active (lower(label))" >/dev/null
 expect_eq "the writer's refusal of the index, relayed, names it as the client wrote it" \
   'pg_quota ledger writer failed: pg_quota cannot maintain the expression index "ledger_löwer" on quota.active' \
   "$(refusal_of enc_tenant enc_latin1 "SELECT quota.start('with the index')")"
 expect_eq "... and keeps its SQLSTATE (0A000)" 0A000 "$(state enc_tenant enc_latin1 "SELECT quota.start('with the index')")"
-expect_eq "finish() names the index as the client wrote it" \
-  'pg_quota cannot maintain the expression index "ledger_löwer" on quota.active' \
-  "$(refusal_of enc_tenant enc_latin1 "SELECT quota.finish('${t:-$NIL}')")"
 # (The writer's fold pass fails on the index too, a second apart, and its error may be
 # the last one: either names the index.)
 last_error=$(sql -d enc_latin1 -c "SELECT last_error FROM quota.writer_stats WHERE datname = current_database()")

@@ -165,11 +165,12 @@ pub fn relation_lock_held(relid: pg_sys::Oid, mode: u32) -> bool {
     };
     // SAFETY: a lookup in the backend's local lock table.
     unsafe {
-        #[cfg(not(feature = "pg18"))]
+        // 17 added `orstronger`; false asks for exactly `mode`, as before.
+        #[cfg(any(feature = "pg15", feature = "pg16"))]
         {
             pg_sys::LockHeldByMe(&tag, mode as i32)
         }
-        #[cfg(feature = "pg18")]
+        #[cfg(any(feature = "pg17", feature = "pg18"))]
         {
             pg_sys::LockHeldByMe(&tag, mode as i32, false)
         }

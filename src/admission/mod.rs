@@ -212,14 +212,10 @@ pub fn start(
     if let Some(t) = args.tenant {
         check_tenant(chars(t), t.len())?;
     }
-    // SAFETY: plain reads of backend state and the clock.
-    let (role, exempt, now) = unsafe {
+    // SAFETY: plain reads of backend state.
+    let (role, exempt) = unsafe {
         let role = pg_sys::GetUserId();
-        (
-            role,
-            pg_sys::superuser_arg(role),
-            pg_sys::GetCurrentTimestamp(),
-        )
+        (role, pg_sys::superuser_arg(role))
     };
     // The policy of the role charged (after SET ROLE, not the login's; see policy.rs).
     let policy = crate::policy::of(role);
@@ -267,6 +263,12 @@ pub fn start(
         .for_tenant(tenant.is_some()),
         tenant,
     };
+    // The clock reading the first try decides on (and its statistics record), taken
+    // after what may wait (the policy's and the relations' lookups, which lock
+    // catalogs and pg_quota's tables when a cache was invalidated): a lease that runs
+    // out meanwhile must not still count against this start.
+    // SAFETY: plain clock read.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
     // Check the lease now, so that a bad one fails before any wait.
     lease_until(now, args.lease, policy.default_lease_secs)?;
     // None: the start does not wait (see core::lease::deadline).
@@ -436,7 +438,8 @@ fn attempt(
     seq: u64,
     mut now: pg_sys::TimestampTz,
 ) -> Result<Result<(pgrx::Uuid, bool), Refused>, QuotaError> {
-    let cutoff = cutoff(now, caller.policy.retention_secs);
+    // When the call began, for the writer-liveness timer (queue::Patience::since).
+    let began = now;
     // An idempotent repeat is answered here, whatever the limits say: it charges
     // nothing. The writer checks again, for requests racing with the same key. Where
     // synchronous standbys are named, the writer answers repeats of its tickets
@@ -455,6 +458,11 @@ fn attempt(
             return Ok(Ok((pgrx::Uuid::from_bytes(id), true)));
         }
         wait_for_key(caller, key);
+        // The wait may have been long: what follows (the lookup of the key's ticket,
+        // the writer's try) judges ages and leases by the clock after it.
+        // SAFETY: plain clock read.
+        now = unsafe { pg_sys::GetCurrentTimestamp() };
+        let cutoff = cutoff(now, caller.policy.retention_secs);
         let reader = Reader::open();
         let snap = Latest::take();
         if let Some(id) = retained_with_key(
@@ -471,17 +479,13 @@ fn attempt(
             }
             repeat = true;
         }
-        // The wait for the key may have been long: the writer's try reads the clock
-        // anew (its counts judge leases against it).
-        // SAFETY: plain clock read.
-        now = unsafe { pg_sys::GetCurrentTimestamp() };
     }
     // A length: the ticket's lease runs this long from when it really starts.
     let lease_us = lease_until(now, caller.args.lease, caller.policy.default_lease_secs)?
         .map(|until| crate::core::lease::length(now, until));
     if caller.args.transactional {
-        transactional::attempt(caller, seq, lease_us)
+        transactional::attempt(caller, seq, began, lease_us)
     } else {
-        writer::attempt(caller, seq, now, lease_us, repeat)
+        writer::attempt(caller, seq, now, began, lease_us, repeat)
     }
 }

@@ -20,10 +20,12 @@ use crate::ledger::rels::rels;
 use crate::ledger::write::{new_ticket_id, record, Admitted, Tables};
 use crate::queue::caller::{self as queue, Patience};
 
-/// One try in the caller's transaction; see super::attempt.
+/// One try in the caller's transaction; see super::attempt. `began`: when the call
+/// began (see Patience::since).
 pub(crate) fn attempt(
     caller: &Caller,
     seq: u64,
+    began: pg_sys::TimestampTz,
     lease_us: Option<i64>,
 ) -> Result<Result<(pgrx::Uuid, bool), Refused>, QuotaError> {
     // The ledger is opened for writing before the scope lock is taken: a wait for it
@@ -33,7 +35,7 @@ pub(crate) fn attempt(
     // No writer is needed here, but one folds transactional tickets into their roles'
     // summary rows and purges them when it runs (writer/fold.rs).
     crate::workers::start_soon();
-    let mut waited = Patience::lazy();
+    let mut waited = Patience::since(began);
     loop {
         // SAFETY: plain clock read.
         let now = unsafe { pg_sys::GetCurrentTimestamp() };

@@ -9,12 +9,14 @@ use super::{Caller, Numbers, Refused};
 use crate::queue::caller::{self as queue, Answer, Patience};
 use crate::queue::Request;
 
-/// One try through the writer; see super::attempt. `repeat`: the caller's key names a
-/// ticket already, which the writer must answer (synchronous standbys are named).
+/// One try through the writer at `now`; see super::attempt. `began`: when the call
+/// began (see Patience::since). `repeat`: the caller's key names a ticket already,
+/// which the writer must answer (synchronous standbys are named).
 pub(crate) fn attempt(
     caller: &Caller,
     seq: u64,
-    now: pg_sys::TimestampTz,
+    mut now: pg_sys::TimestampTz,
+    began: pg_sys::TimestampTz,
     lease_us: Option<i64>,
     repeat: bool,
 ) -> Result<Result<(pgrx::Uuid, bool), Refused>, crate::core::QuotaError> {
@@ -70,7 +72,7 @@ pub(crate) fn attempt(
     } else {
         // Kept across the tries below, so that writers that keep failing to start
         // end the call (see Patience).
-        let mut waited = Patience::lazy();
+        let mut waited = Patience::since(began);
         loop {
             let handed = under_lock(caller, now, seq, &mut waited, queue::reclaim_mine, |_| {
                 // Handed over only to a running writer: a wait in line for a writer
@@ -101,6 +103,10 @@ pub(crate) fn attempt(
                 }
                 Err(_) => break through_writer(),
             }
+            // Either wait may have been long: the next decision judges leases and ages
+            // by the clock after it.
+            // SAFETY: plain clock read.
+            now = unsafe { pg_sys::GetCurrentTimestamp() };
         }
     };
     Ok(match answer {

@@ -13,7 +13,7 @@ use crate::compat::{self, IndexUpdate};
 
 /// Each index of a table that takes inserts, its IndexInfo, and its predicate as
 /// rels::null_tests gives it (empty for a full index).
-type Indexes = Vec<(pg_sys::Relation, *mut pg_sys::IndexInfo, Vec<(usize, bool)>)>;
+pub type Indexes = Vec<(pg_sys::Relation, *mut pg_sys::IndexInfo, Vec<(usize, bool)>)>;
 
 /// A table opened for writing, and its indexes once a write needs them; closed on
 /// drop, keeping the locks to the end of the transaction as the executor does.
@@ -80,7 +80,7 @@ impl OpenRel {
     /// first phase, or an index being dropped) get no entries: their storage may not
     /// exist yet, and the concurrent build adds our rows itself. Indexes that are
     /// ready but not valid (a build that was cancelled) do get entries.
-    fn indexes(&self) -> &Indexes {
+    pub fn indexes(&self) -> &Indexes {
         self.indexes.get_or_init(|| self.open_indexes())
     }
 
@@ -149,9 +149,18 @@ impl OpenRel {
             return idx;
         }
         crate::ledger::rels::lock_bounded(oid, pg_sys::RowExclusiveLock);
-        // SAFETY: locked above; closed (the lock kept) when the table is.
+        // SAFETY: locked above; closed (the lock kept) when the table is. rd_index is
+        // set for an index relation.
         let idx = unsafe { pg_sys::index_open(oid, pg_sys::NoLock as i32) };
         looked_up.push(idx);
+        // As the set of the table's own indexes vouched for it: an index of this table.
+        if unsafe { (*(*idx).rd_index).indrelid != (*self.heap).rd_id } {
+            pgrx::error!(
+                "pg_quota: index {} is not one of quota.{}",
+                u32::from(oid),
+                self.name
+            );
+        }
         idx
     }
 

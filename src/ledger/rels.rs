@@ -304,11 +304,13 @@ impl Locks {
     pub fn take(&mut self, relid: pg_sys::Oid, mode: u32) {
         // A read lock under the write lock this transaction holds to its end (a
         // transactional start's insert opened the table and its indexes just before it
-        // counts, the writer's batch opened its tables) adds nothing: the write lock
-        // keeps out everything the read lock would (DROP, TRUNCATE, VACUUM FULL, and
-        // REINDEX CONCURRENTLY's swap, which waits for it), and it processed the
-        // invalidations when it was taken. Taking and releasing it cost a JOBT ticket
-        // 5% of its CPU in one backend.
+        // counts) adds nothing: the write lock keeps out everything the read lock would
+        // (DROP, TRUNCATE, VACUUM FULL, a plain REINDEX or DROP INDEX), and the
+        // concurrent index commands wait for every locker of the table before they
+        // make an index ready, set one dead or drop it, so the index choice made under
+        // the write lock stays current; that lock processed the invalidations when it
+        // was taken. Taking and releasing it cost a JOBT ticket 5% of its CPU in one
+        // backend.
         if mode == pg_sys::AccessShareLock
             && crate::compat::relation_lock_held(relid, pg_sys::RowExclusiveLock)
         {

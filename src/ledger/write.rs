@@ -78,6 +78,9 @@ pub struct Tables {
     /// quota.history's OID as the `Rels` the tables were opened with say, if the schema
     /// has it.
     history_oid: Option<pg_sys::Oid>,
+    /// Tables opened to end a ticket (`open_current_to_end`): each opens its indexes
+    /// only where a write needs them (see OpenRel::open_lazy).
+    lazy: bool,
 }
 
 impl Tables {
@@ -100,6 +103,7 @@ impl Tables {
             },
             history: std::cell::OnceCell::new(),
             history_oid: rels.split().then_some(rels.history),
+            lazy,
         }
     }
 
@@ -113,8 +117,9 @@ impl Tables {
     }
 
     /// `open_current` for ending a ticket (finish()): where tickets end by a delete from
-    /// quota.active (0.6.0), its indexes are not opened for it (`OpenRel::open_lazy`);
-    /// the lookup opens the primary key alone.
+    /// quota.active (0.6.0), its indexes are not opened for it (`OpenRel::open_lazy`),
+    /// nor quota.history's where the ticket had ended already; a lookup opens the
+    /// primary key alone.
     pub fn open_current_to_end() -> (Tables, Rels) {
         Tables::open_current_as(true)
     }
@@ -135,8 +140,13 @@ impl Tables {
         let Some(oid) = self.history_oid else {
             return &self.ledger;
         };
-        self.history
-            .get_or_init(|| OpenRel::open(oid, "history", COL_ID))
+        self.history.get_or_init(|| {
+            if self.lazy {
+                OpenRel::open_lazy(oid, "history", COL_ID)
+            } else {
+                OpenRel::open(oid, "history", COL_ID)
+            }
+        })
     }
 
     /// The open table whose OID is `relid` (one of the two).
@@ -168,6 +178,10 @@ impl Tables {
             return self.ledger.update(tid, ended, changed);
         }
         let history = self.history();
+        // Its indexes are opened (and locked) before the row is deleted: no lock wait
+        // while that row is locked. A finish of a ticket already ended looks it up in
+        // quota.history and opens none of them.
+        history.indexes();
         let result = self.ledger.delete(tid);
         if result == pg_sys::TM_Result::TM_Ok {
             // The tables have the same columns (rels.rs checks), so a tuple formed for

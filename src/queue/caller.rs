@@ -319,8 +319,10 @@ pub fn in_flight_with_key(role: pg_sys::Oid, tenant: u128, key: &[u8]) -> bool {
 /// there for the requests of this database, starting a new one when the last one is
 /// gone, and gives up with a clear error when writers keep failing to start.
 pub struct Patience {
-    /// None until the first look of a `lazy` one.
+    /// None until the first look of one made `since` a clock reading.
     last_check: Option<Instant>,
+    /// For one made `since`: that reading, which its first look counts from.
+    began: pg_sys::TimestampTz,
     starts: u32,
     never_started: u32,
 }
@@ -329,17 +331,22 @@ impl Patience {
     pub fn new() -> Patience {
         Patience {
             last_check: Some(Instant::now()),
+            began: 0,
             starts: 0,
             never_started: 0,
         }
     }
 
-    /// A Patience whose clock starts at its first look, for a path that seldom looks
-    /// (a start decided under its scope lock waits for requests in flight only when they
-    /// could take the last slots): a refusal then reads no clock for it.
-    pub fn lazy() -> Patience {
+    /// A Patience whose timer runs from `began`, a clock reading the caller took when
+    /// its call began, but reads the clock only at its first look: a path that seldom
+    /// looks (a start decided under its scope lock waits for requests in flight only
+    /// when they could take the last slots) then reads none for a refusal, and a call
+    /// that already spent LIVENESS_EVERY queueing for the scope lock checks the writer
+    /// at its first look, as one timed from its beginning did.
+    pub fn since(began: pg_sys::TimestampTz) -> Patience {
         Patience {
             last_check: None,
+            began,
             starts: 0,
             never_started: 0,
         }
@@ -366,10 +373,14 @@ impl Patience {
     /// holds no lock that others wait for (a start under its scope lock). Raises when
     /// writers keep failing to start.
     pub fn writer_needed(&mut self) -> bool {
-        let Some(last) = self.last_check else {
-            self.last_check = Some(Instant::now());
-            return false;
-        };
+        let last = *self.last_check.get_or_insert_with(|| {
+            // SAFETY: plain clock read.
+            let waited = unsafe { pg_sys::GetCurrentTimestamp() }.saturating_sub(self.began);
+            let now = Instant::now();
+            // A wall clock stepped back counts as no time waited.
+            now.checked_sub(Duration::from_micros(waited.max(0) as u64))
+                .unwrap_or(now)
+        });
         if last.elapsed() < LIVENESS_EVERY {
             return false;
         }

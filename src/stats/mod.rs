@@ -117,7 +117,9 @@ pub fn refused(role: pg_sys::Oid, counter: Counter, log: bool, t: i64) -> Option
     let mut line = None;
     with_entry(crate::shmem::my_db(), role, true, |e| {
         e.counters[counter as usize].fetch_add(1, Ordering::Relaxed);
-        e.last_used.store(t, Ordering::Relaxed);
+        // Forward only: `t` is the refusal's own clock reading, which a later call may
+        // already have passed.
+        e.last_used.fetch_max(t, Ordering::Relaxed);
         if !log {
             return;
         }

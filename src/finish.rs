@@ -154,7 +154,7 @@ pub fn renew_ticket(
     rels::rels().require_v2("quota.renew()");
     // SAFETY: plain read of the clock.
     crate::timestamps::lease_end(unsafe { pg_sys::GetCurrentTimestamp() }, lease)?;
-    let (tables, rels) = Tables::open_current();
+    let (tables, rels) = Tables::open_current_to_renew();
     // What the pass after this call's own update writes: None before that update.
     let mut again: Option<Again> = None;
     loop {

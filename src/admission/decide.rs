@@ -237,12 +237,20 @@ pub(crate) fn under_lock<T>(
     let tenant = caller.tenant_key();
     let limits = caller.limits;
     let retention = caller.policy.retention_secs;
-    let cutoff = cutoff(now, retention);
     let key = caller.args.key;
+    // The clock after a wait for pg_quota's locks (a Reader's, bounded, behind
+    // maintenance; the scope lock, behind the role's other starts): the counts and a
+    // key's lookup after it judge leases and ages by this reading, not `now`.
+    // SAFETY: plain clock read.
+    let clock = || unsafe { pg_sys::GetCurrentTimestamp() };
     // `counted`: the counts the decision was made on, without the waiters ahead. Where
     // both role limits are set they are the full numbers the message needs, and an
     // active-limit refusal (the common one) reports them without counting again.
-    let refuse = |reader: &Reader, kind: RefusalKind, ahead: Ahead, counted: Usage| {
+    let refuse = |reader: &Reader,
+                  kind: RefusalKind,
+                  ahead: Ahead,
+                  counted: Usage,
+                  now: pg_sys::TimestampTz| {
         if let Some(key) = key {
             // A start with our key may have committed after our last look, and the
             // counts we refuse on may include its ticket: look again, under a snapshot
@@ -263,7 +271,7 @@ pub(crate) fn under_lock<T>(
                 caller.args.tenant,
                 key,
                 now,
-                cutoff,
+                cutoff(now, retention),
             ) {
                 return Err(Repeat::Found(pgrx::Uuid::from_bytes(id)));
             }
@@ -292,6 +300,8 @@ pub(crate) fn under_lock<T>(
             }
         }
         let reader = Reader::open();
+        let now = clock();
+        let cutoff = cutoff(now, retention);
         let snap = scopes::others_view();
         // After the snapshot: a charge that commits in between is missed here, which
         // only lets the locked path below count again; counted twice, it could refuse
@@ -306,7 +316,7 @@ pub(crate) fn under_lock<T>(
         if let Decision::Refuse(r) = decide(limits, with_ahead(usage, ahead), false) {
             // So that the next refusals of the scope read its counter alone.
             counts::refresh_earliest(&reader, role, caller.tenant, r.kind, now);
-            return refuse(&reader, r.kind, ahead, usage);
+            return refuse(&reader, r.kind, ahead, usage, now);
         }
     }
 
@@ -341,6 +351,8 @@ pub(crate) fn under_lock<T>(
                 ScopeLock::cap_shared()
             }
         });
+        let now = clock();
+        let cutoff = cutoff(now, retention);
         // Read the requests in flight BEFORE taking the snapshot: a request that the
         // writer commits in between is then counted twice (we wait and count again),
         // never missed. The other order could miss it in both places. The same for
@@ -402,7 +414,7 @@ pub(crate) fn under_lock<T>(
         let counted = usage_for(&reader, &snap, open_db, caller, now, cutoff, admits);
         let usage = with_ahead(counted, ahead);
         if let Decision::Refuse(r) = decide(limits, usage, false) {
-            return refuse(&reader, r.kind, ahead, counted);
+            return refuse(&reader, r.kind, ahead, counted, now);
         }
         if decide(limits, with_inflight(usage), false) == Decision::Admit {
             return take(&reader).map(Ok);

@@ -160,6 +160,15 @@ impl Refused {
         (usage, next)
     }
 
+    /// The clock reading the refusal was decided at, where the start's own decision
+    /// made it (the writer's answer carries none).
+    fn at(&self) -> Option<pg_sys::TimestampTz> {
+        match self.numbers {
+            Numbers::Full(..) => None,
+            Numbers::Counted(_, now) | Numbers::ActiveOnly(_, now) => Some(now),
+        }
+    }
+
     /// When capacity returns without a finish, where a retained limit refused.
     fn next_ageout(&self, caller: &Caller) -> Option<pg_sys::TimestampTz> {
         match self.kind {
@@ -212,6 +221,18 @@ pub fn start(
     if let Some(t) = args.tenant {
         check_tenant(chars(t), t.len())?;
     }
+    // A wait runs from the call's beginning, what the lookups below may wait for
+    // included: a start that waits reads the clock for it here (one that does not,
+    // start()'s default, reads none).
+    let called_at = args
+        .wait
+        .filter(|w| {
+            // SAFETY: an interval datum points at its Interval.
+            let i = unsafe { &*w.cast_mut_ptr::<pg_sys::Interval>() };
+            i.month != 0 || i.day != 0 || i.time != 0
+        })
+        // SAFETY: plain clock read.
+        .map(|_| unsafe { pg_sys::GetCurrentTimestamp() });
     // SAFETY: plain reads of backend state.
     let (role, exempt) = unsafe {
         let role = pg_sys::GetUserId();
@@ -263,10 +284,10 @@ pub fn start(
         .for_tenant(tenant.is_some()),
         tenant,
     };
-    // The clock reading the first try decides on (and its statistics record), taken
-    // after what may wait (the policy's and the relations' lookups, which lock
-    // catalogs and pg_quota's tables when a cache was invalidated): a lease that runs
-    // out meanwhile must not still count against this start.
+    // The clock reading the first try decides on, taken after what may wait (the
+    // policy's and the relations' lookups, which lock catalogs and pg_quota's tables
+    // when a cache was invalidated): a lease that runs out meanwhile must not still
+    // count against this start.
     // SAFETY: plain clock read.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     // Check the lease now, so that a bad one fails before any wait.
@@ -283,7 +304,7 @@ pub fn start(
                     value: interval_text(w),
                 });
             };
-            crate::core::lease::deadline(now, us)
+            crate::core::lease::deadline(called_at.unwrap_or(now), us)
         }
     };
 
@@ -319,7 +340,7 @@ pub fn start(
             if place.is_some() {
                 stats::add(role, Counter::WaitTimeouts, 1);
             }
-            count_refusal(&caller, &r, now);
+            count_refusal(&caller, &r, r.at().unwrap_or(now));
             return match on_refusal {
                 OnRefusal::Raise => Err(caller.refusal(&r)),
                 OnRefusal::Null => Ok(None),
@@ -438,7 +459,7 @@ fn attempt(
     seq: u64,
     mut now: pg_sys::TimestampTz,
 ) -> Result<Result<(pgrx::Uuid, bool), Refused>, QuotaError> {
-    // When the call began, for the writer-liveness timer (queue::Patience::since).
+    // When this try began, for the writer-liveness timer (queue::Patience::since).
     let began = now;
     // An idempotent repeat is answered here, whatever the limits say: it charges
     // nothing. The writer checks again, for requests racing with the same key. Where
@@ -458,13 +479,15 @@ fn attempt(
             return Ok(Ok((pgrx::Uuid::from_bytes(id), true)));
         }
         wait_for_key(caller, key);
-        // The wait may have been long: what follows (the lookup of the key's ticket,
-        // the writer's try) judges ages and leases by the clock after it.
+        let reader = Reader::open();
+        let snap = Latest::take();
+        // The wait for the key, and the Reader's for its locks, may have been long:
+        // what follows (the lookup of the key's ticket, the writer's try) judges ages
+        // and leases by the clock after them. Read after the snapshot, a cutoff only
+        // moves later than the snapshot's moment, never earlier.
         // SAFETY: plain clock read.
         now = unsafe { pg_sys::GetCurrentTimestamp() };
         let cutoff = cutoff(now, caller.policy.retention_secs);
-        let reader = Reader::open();
-        let snap = Latest::take();
         if let Some(id) = retained_with_key(
             &reader.rels,
             &snap,

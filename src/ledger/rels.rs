@@ -302,18 +302,11 @@ impl Locks {
     }
 
     pub fn take(&mut self, relid: pg_sys::Oid, mode: u32) {
-        // A read lock under the write lock this transaction holds to its end (a
-        // transactional start's insert opened the table and its indexes just before it
-        // counts) adds nothing: the write lock keeps out everything the read lock would
-        // (DROP, TRUNCATE, VACUUM FULL, a plain REINDEX or DROP INDEX), and the
-        // concurrent index commands wait for every locker of the table before they
-        // make an index ready, set one dead or drop it, so the index choice made under
-        // the write lock stays current; that lock processed the invalidations when it
-        // was taken. Taking and releasing it cost a JOBT ticket 5% of its CPU in one
-        // backend.
-        if mode == pg_sys::AccessShareLock
-            && crate::compat::relation_lock_held(relid, pg_sys::RowExclusiveLock)
-        {
+        // Not under a write lock held to the transaction's end (a transactional start's
+        // tables): it keeps out all a read lock would, concurrent index commands wait
+        // for it to make an index ready, dead or gone, and it processed invalidations.
+        let write_held = || compat::relation_lock_held(relid, pg_sys::RowExclusiveLock);
+        if mode == pg_sys::AccessShareLock && write_held() {
             return;
         }
         lock_bounded(relid, mode);

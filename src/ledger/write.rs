@@ -68,6 +68,14 @@ pub fn delete_counting(
     (n, apart_n)
 }
 
+/// Which of the ledger's tables `Tables` opens without their indexes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Lazy {
+    None,
+    History,
+    Both,
+}
+
 /// The ledger's tables opened for writing: the one tickets start in, and (0.6.0's
 /// schema) quota.history, where ended tickets go.
 pub struct Tables {
@@ -78,9 +86,10 @@ pub struct Tables {
     /// quota.history's OID as the `Rels` the tables were opened with say, if the schema
     /// has it.
     history_oid: Option<pg_sys::Oid>,
-    /// Tables opened to end a ticket (`open_current_to_end`): each opens its indexes
-    /// only where a write needs them (see OpenRel::open_lazy).
-    lazy: bool,
+    /// quota.history opens its indexes only where a write needs them (see
+    /// OpenRel::open_lazy): Tables opened to end or renew a ticket, which only look
+    /// tickets up there, or insert the one they end.
+    history_lazy: bool,
 }
 
 impl Tables {
@@ -88,22 +97,21 @@ impl Tables {
     /// as `rels` names them: `rels` must be current, as a Reader's are (or see
     /// `open_current`).
     pub fn open(rels: &Rels) -> Tables {
-        Tables::open_as(rels, false)
+        Tables::open_as(rels, Lazy::None)
     }
 
-    /// `open`, with the table tickets start in opened as `OpenRel::open_lazy` where
-    /// `lazy`.
-    fn open_as(rels: &Rels, lazy: bool) -> Tables {
+    /// `open`, with the tables `lazy` names opened as `OpenRel::open_lazy`.
+    fn open_as(rels: &Rels, lazy: Lazy) -> Tables {
         let (relid, name) = (rels.ledger, rels.ledger_name());
         Tables {
-            ledger: if lazy {
+            ledger: if lazy == Lazy::Both {
                 OpenRel::open_lazy(relid, name, COL_ID)
             } else {
                 OpenRel::open(relid, name, COL_ID)
             },
             history: std::cell::OnceCell::new(),
             history_oid: rels.split().then_some(rels.history),
-            lazy,
+            history_lazy: lazy != Lazy::None,
         }
     }
 
@@ -113,7 +121,7 @@ impl Tables {
     /// processing of invalidations shows. Opened under a stale one, the locks stay to
     /// the end of the transaction, harmlessly.
     pub fn open_current() -> (Tables, Rels) {
-        Tables::open_current_as(false)
+        Tables::open_current_as(Lazy::None)
     }
 
     /// `open_current` for ending a ticket (finish()): where tickets end by a delete from
@@ -121,10 +129,17 @@ impl Tables {
     /// nor quota.history's where the ticket had ended already; a lookup opens the
     /// primary key alone.
     pub fn open_current_to_end() -> (Tables, Rels) {
-        Tables::open_current_as(true)
+        Tables::open_current_as(Lazy::Both)
     }
 
-    fn open_current_as(lazy: bool) -> (Tables, Rels) {
+    /// `open_current` for renewing a ticket (renew(), claim_job()): quota.active with
+    /// its indexes (the renewal is an update there), quota.history only for lookups
+    /// (`OpenRel::open_lazy`), where a renewal finds a ticket that has ended.
+    pub fn open_current_to_renew() -> (Tables, Rels) {
+        Tables::open_current_as(Lazy::History)
+    }
+
+    fn open_current_as(lazy: Lazy) -> (Tables, Rels) {
         loop {
             let before = crate::ledger::rels::rels();
             let tables = Tables::open_as(&before, lazy);
@@ -141,7 +156,7 @@ impl Tables {
             return &self.ledger;
         };
         self.history.get_or_init(|| {
-            if self.lazy {
+            if self.history_lazy {
                 OpenRel::open_lazy(oid, "history", COL_ID)
             } else {
                 OpenRel::open(oid, "history", COL_ID)

@@ -338,11 +338,11 @@ impl Patience {
     }
 
     /// A Patience whose timer runs from `began`, a clock reading the caller took when
-    /// its call began, but reads the clock only at its first look: a path that seldom
+    /// its try began, but reads the clock only at its first look: a path that seldom
     /// looks (a start decided under its scope lock waits for requests in flight only
-    /// when they could take the last slots) then reads none for a refusal, and a call
+    /// when they could take the last slots) then reads none for a refusal, and a try
     /// that already spent LIVENESS_EVERY queueing for the scope lock checks the writer
-    /// at its first look, as one timed from its beginning did.
+    /// at its first look, as one timed from the try's beginning did.
     pub fn since(began: pg_sys::TimestampTz) -> Patience {
         Patience {
             last_check: None,

@@ -46,8 +46,9 @@ SET ROLE quota_alice;
 -- A finish of a ticket that had ended already only looks it up: false, no error;
 -- a renew of it, the same lookup, says it has ended (55000), not 0A000.
 SELECT quota.finish(:'t') AS finished_again;
+\set VERBOSITY sqlstate
 SELECT quota.renew(:'t', '1 minute');
-\echo :LAST_ERROR_SQLSTATE
+\set VERBOSITY default
 SELECT quota.finish(:'t2');
 \echo :LAST_ERROR_SQLSTATE
 RESET ROLE;

@@ -221,18 +221,25 @@ pub fn start(
     if let Some(t) = args.tenant {
         check_tenant(chars(t), t.len())?;
     }
-    // A wait runs from the call's beginning, what the lookups below may wait for
-    // included: a start that waits reads the clock for it here (one that does not,
-    // start()'s default, reads none).
-    let called_at = args
-        .wait
-        .filter(|w| {
+    // When the wait ends, None where the start does not wait (see
+    // core::lease::deadline). A wait runs from the call's beginning, what the lookups
+    // below may wait for included: a start that waits reads the clock for it here (one
+    // that does not, start()'s default, reads none). Err: a negative wait, raised below
+    // after the lease's check, as before.
+    let deadline = match args.wait {
+        None => Ok(None),
+        Some(w) => {
             // SAFETY: an interval datum points at its Interval.
             let i = unsafe { &*w.cast_mut_ptr::<pg_sys::Interval>() };
-            i.month != 0 || i.day != 0 || i.time != 0
-        })
-        // SAFETY: plain clock read.
-        .map(|_| unsafe { pg_sys::GetCurrentTimestamp() });
+            match crate::core::lease::wait_micros(i.month, i.day, i.time) {
+                // SAFETY: plain clock read.
+                Some(us) => Ok(crate::core::lease::deadline(us, || unsafe {
+                    pg_sys::GetCurrentTimestamp()
+                })),
+                None => Err(w),
+            }
+        }
+    };
     // SAFETY: plain reads of backend state.
     let (role, exempt) = unsafe {
         let role = pg_sys::GetUserId();
@@ -292,21 +299,10 @@ pub fn start(
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     // Check the lease now, so that a bad one fails before any wait.
     lease_until(now, args.lease, policy.default_lease_secs)?;
-    // None: the start does not wait (see core::lease::deadline).
-    let deadline = match args.wait {
-        None => None,
-        Some(w) => {
-            // SAFETY: an interval datum points at its Interval.
-            let i = unsafe { &*w.cast_mut_ptr::<pg_sys::Interval>() };
-            let Some(us) = crate::core::lease::wait_micros(i.month, i.day, i.time) else {
-                return Err(QuotaError::InvalidInterval {
-                    what: "wait",
-                    value: interval_text(w),
-                });
-            };
-            crate::core::lease::deadline(called_at.unwrap_or(now), us)
-        }
-    };
+    let deadline = deadline.map_err(|w| QuotaError::InvalidInterval {
+        what: "wait",
+        value: interval_text(w),
+    })?;
 
     let mut place: Option<(crate::waiters::Place, WaitTimer)> = None;
     // The clock as the next try reads it: the first try's is the one read above.

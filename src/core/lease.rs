@@ -117,13 +117,14 @@ pub fn wait_ms(now: i64, deadline: i64, next_expiry: Option<i64>, poll_ms: i64) 
     ms.clamp(0, poll_ms)
 }
 
-/// When a start() called at `now` with a wait of `wait_us` stops waiting for capacity:
-/// None where it does not wait (a wait of zero, start()'s default), and then it gives up
-/// at its first refusal whatever the clock reads afterwards: judged by a second reading,
-/// a clock stepped back between the two would send it into line until the clock caught
+/// When a start() with a wait of `wait_us` stops waiting for capacity, counted from
+/// `now()`, the clock when it was called (read only for a start that waits): None
+/// where it does not wait (a wait of zero, start()'s default), and then it gives up at
+/// its first refusal whatever the clock reads afterwards: judged by a second reading, a
+/// clock stepped back between the two would send it into line until the clock caught
 /// up again.
-pub fn deadline(now: i64, wait_us: i64) -> Option<i64> {
-    (wait_us > 0).then(|| now.saturating_add(wait_us))
+pub fn deadline(wait_us: i64, now: impl FnOnce() -> i64) -> Option<i64> {
+    (wait_us > 0).then(|| now().saturating_add(wait_us))
 }
 
 /// An interval as a wait in microseconds: months count 30 days and days 24 hours, as
@@ -158,9 +159,14 @@ mod tests {
     /// may have stepped back since it was read.
     #[test]
     fn a_start_without_a_wait_has_no_deadline() {
-        assert_eq!(deadline(1_000, 0), None);
-        assert_eq!(deadline(1_000, 1), Some(1_001));
-        assert_eq!(deadline(i64::MAX - 1, 10), Some(i64::MAX));
+        assert_eq!(
+            deadline(0, || unreachable!(
+                "no clock for a start that does not wait"
+            )),
+            None
+        );
+        assert_eq!(deadline(1, || 1_000), Some(1_001));
+        assert_eq!(deadline(10, || i64::MAX - 1), Some(i64::MAX));
     }
 
     #[test]

@@ -59,7 +59,7 @@ pub fn finish(ticket: Option<pgrx::Uuid>, outcome: Option<&[u8]>) -> Result<bool
 pub fn finish_ticket(ticket: pgrx::Uuid, outcome: Outcome) -> Result<bool, QuotaError> {
     // SAFETY: plain read of the clock.
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let (tables, rels) = Tables::open_current_to_end();
+    let (tables, rels) = Tables::open_current_for_one();
 
     loop {
         // The latest snapshot, not the transaction's: under REPEATABLE READ a ticket
@@ -154,7 +154,7 @@ pub fn renew_ticket(
     rels::rels().require_v2("quota.renew()");
     // SAFETY: plain read of the clock.
     crate::timestamps::lease_end(unsafe { pg_sys::GetCurrentTimestamp() }, lease)?;
-    let (tables, rels) = Tables::open_current_to_renew();
+    let (tables, rels) = Tables::open_current_for_one();
     // What the pass after this call's own update writes: None before that update.
     let mut again: Option<Again> = None;
     loop {

@@ -599,6 +599,9 @@ pub struct Keyed {
     pub lease_until: Option<pg_sys::TimestampTz>,
     /// Its tenant's text (0.5.0), None for the role itself.
     pub tenant: Option<Vec<u8>>,
+    /// Unended, and its row being replaced by a transaction that has not aborted (see
+    /// being_changed).
+    pub changing: bool,
 }
 
 /// The tickets of `role` with idempotency key `key` (a text datum) (0.2.0's schema
@@ -630,12 +633,14 @@ fn keyed(
             if let (Some(d), Some(started_at)) =
                 (attr(slot, COL_ID as i32), ts_attr(slot, COL_STARTED_AT))
             {
+                let ended_at = ts_attr(slot, COL_ENDED_AT);
                 out.push(Keyed {
                     // SAFETY: a uuid datum points at its 16 bytes.
                     id: unsafe { *(d.cast_mut_ptr::<[u8; 16]>()) },
                     started_at,
-                    ended_at: ts_attr(slot, COL_ENDED_AT),
+                    ended_at,
                     lease_until: ts_attr(slot, COL_LEASE_UNTIL),
+                    changing: ended_at.is_none() && being_changed(slot),
                     tenant: if r.v5() {
                         text_attr(slot, COL_TENANT)
                     } else {
@@ -732,7 +737,9 @@ pub fn retained_with_key(
     with_key(rels, snap, role, datum)
         .into_iter()
         .filter(|k| k.tenant.as_deref() == tenant)
-        .filter(|k| crate::core::lease::is_retained(k.ended_at, k.lease_until, now, cutoff))
+        .filter(|k| {
+            crate::core::lease::repeat_finds(k.ended_at, k.lease_until, k.changing, now, cutoff)
+        })
         .max_by_key(|k| k.started_at)
         .map(|k| k.id)
 }

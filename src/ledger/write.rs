@@ -68,14 +68,6 @@ pub fn delete_counting(
     (n, apart_n)
 }
 
-/// Which of the ledger's tables `Tables` opens without their indexes.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Lazy {
-    None,
-    History,
-    Both,
-}
-
 /// The ledger's tables opened for writing: the one tickets start in, and (0.6.0's
 /// schema) quota.history, where ended tickets go.
 pub struct Tables {
@@ -87,9 +79,9 @@ pub struct Tables {
     /// has it.
     history_oid: Option<pg_sys::Oid>,
     /// quota.history opens its indexes only where a write needs them (see
-    /// OpenRel::open_lazy): Tables opened to end or renew a ticket, which only look
-    /// tickets up there, or insert the one they end.
-    history_lazy: bool,
+    /// OpenRel::open_lazy), as quota.active does: Tables opened to end or renew a
+    /// ticket, which only look tickets up there, or insert the one they end.
+    lazy: bool,
 }
 
 impl Tables {
@@ -97,21 +89,21 @@ impl Tables {
     /// as `rels` names them: `rels` must be current, as a Reader's are (or see
     /// `open_current`).
     pub fn open(rels: &Rels) -> Tables {
-        Tables::open_as(rels, Lazy::None)
+        Tables::open_as(rels, false)
     }
 
-    /// `open`, with the tables `lazy` names opened as `OpenRel::open_lazy`.
-    fn open_as(rels: &Rels, lazy: Lazy) -> Tables {
+    /// `open`, with the tables opened as `OpenRel::open_lazy` if `lazy`.
+    fn open_as(rels: &Rels, lazy: bool) -> Tables {
         let (relid, name) = (rels.ledger, rels.ledger_name());
         Tables {
-            ledger: if lazy == Lazy::Both {
+            ledger: if lazy {
                 OpenRel::open_lazy(relid, name, COL_ID)
             } else {
                 OpenRel::open(relid, name, COL_ID)
             },
             history: std::cell::OnceCell::new(),
             history_oid: rels.split().then_some(rels.history),
-            history_lazy: lazy != Lazy::None,
+            lazy,
         }
     }
 
@@ -121,25 +113,20 @@ impl Tables {
     /// processing of invalidations shows. Opened under a stale one, the locks stay to
     /// the end of the transaction, harmlessly.
     pub fn open_current() -> (Tables, Rels) {
-        Tables::open_current_as(Lazy::None)
+        Tables::open_current_as(false)
     }
 
-    /// `open_current` for ending a ticket (finish()): where tickets end by a delete from
-    /// quota.active (0.6.0), its indexes are not opened for it (`OpenRel::open_lazy`),
-    /// nor quota.history's where the ticket had ended already; a lookup opens the
-    /// primary key alone.
-    pub fn open_current_to_end() -> (Tables, Rels) {
-        Tables::open_current_as(Lazy::Both)
+    /// `open_current` for ending or renewing one ticket (finish(), renew(),
+    /// claim_job()), which looks it up by its id and then writes at most its own row:
+    /// each table opens its indexes only when it is written (`OpenRel::open_lazy`), and
+    /// a lookup opens the primary key alone. A finish deletes from quota.active
+    /// (0.6.0), which adds no index entries; a renew updates there; neither writes
+    /// anything for a ticket that had ended already.
+    pub fn open_current_for_one() -> (Tables, Rels) {
+        Tables::open_current_as(true)
     }
 
-    /// `open_current` for renewing a ticket (renew(), claim_job()): quota.active with
-    /// its indexes (the renewal is an update there), quota.history only for lookups
-    /// (`OpenRel::open_lazy`), where a renewal finds a ticket that has ended.
-    pub fn open_current_to_renew() -> (Tables, Rels) {
-        Tables::open_current_as(Lazy::History)
-    }
-
-    fn open_current_as(lazy: Lazy) -> (Tables, Rels) {
+    fn open_current_as(lazy: bool) -> (Tables, Rels) {
         loop {
             let before = crate::ledger::rels::rels();
             let tables = Tables::open_as(&before, lazy);
@@ -156,7 +143,7 @@ impl Tables {
             return &self.ledger;
         };
         self.history.get_or_init(|| {
-            if self.history_lazy {
+            if self.lazy {
                 OpenRel::open_lazy(oid, "history", COL_ID)
             } else {
                 OpenRel::open(oid, "history", COL_ID)

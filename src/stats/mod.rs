@@ -87,7 +87,9 @@ pub fn add_in(db: pg_sys::Oid, role: pg_sys::Oid, counter: Counter, n: u64) {
     let t = now();
     with_entry(db, role, true, |e| {
         e.counters[counter as usize].fetch_add(n, Ordering::Relaxed);
-        e.last_used.store(t, Ordering::Relaxed);
+        // Forward only, as in `refused`: a backend that read the clock earlier may
+        // store after one that read it later.
+        e.last_used.fetch_max(t, Ordering::Relaxed);
     });
 }
 
@@ -95,7 +97,7 @@ pub fn add_in(db: pg_sys::Oid, role: pg_sys::Oid, counter: Counter, n: u64) {
 pub fn ensure(role: pg_sys::Oid) {
     let t = now();
     with_entry(crate::shmem::my_db(), role, true, |e| {
-        e.last_used.store(t, Ordering::Relaxed);
+        e.last_used.fetch_max(t, Ordering::Relaxed);
     });
 }
 

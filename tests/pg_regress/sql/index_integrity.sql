@@ -39,6 +39,12 @@ SET ROLE quota_alice;
 SELECT quota.start('expression index');
 \echo :LAST_ERROR_SQLSTATE
 SELECT quota.finish(:'t') AS finished_past_an_index_on_active;
+-- A renew of the ticket it ended only looks it up: 55000, as for any ended ticket;
+-- a renew of an active ticket, an update there, refuses at the index (0A000).
+\set VERBOSITY sqlstate
+SELECT quota.renew(:'t', '1 minute');
+SELECT quota.renew(:'t2', '1 minute');
+\set VERBOSITY default
 RESET ROLE;
 DROP INDEX quota.ledger_lower_label;
 CREATE INDEX history_lower_label ON quota.history (lower(label));

@@ -153,6 +153,21 @@ RESET quota.retention;
 DELETE FROM quota.ledger WHERE started_at < now() - interval '8 days';
 \endif
 
+-- After those starts, finishes, refusals and the superuser's writes on the old layout
+-- (0.1.0 to 0.5.2: one table, a finish updates its row in place; 0.6.0: a finish moves
+-- it to quota.history), every btree index of pg_quota's tables holds exactly the
+-- entries of the rows it covers (amcheck's bt_index_check with heapallindexed).
+CREATE EXTENSION amcheck;
+SELECT expect('every index of pg_quota''s tables on the old schema passes amcheck (' ||
+              string_agg(c.relname, ', ' ORDER BY c.relname) || ')',
+              bool_and(bt_index_check(c.oid, true) IS NOT NULL) AND count(*) >= 3)
+  FROM pg_index i
+  JOIN pg_class c ON c.oid = i.indexrelid
+  JOIN pg_class t ON t.oid = i.indrelid
+  JOIN pg_am am ON am.oid = c.relam
+ WHERE t.relnamespace = 'quota'::regnamespace AND t.relkind = 'r' AND am.amname = 'btree';
+DROP EXTENSION amcheck;
+
 SELECT expect('the extension is still at version ' || :'version',
               (SELECT extversion FROM pg_extension WHERE extname = 'pg_quota') = :'version');
 DROP FUNCTION public.expect_error(text, text, text, text);

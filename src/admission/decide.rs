@@ -11,7 +11,7 @@ use pgrx::pg_sys;
 use super::{Caller, Numbers, Refused};
 use crate::compat::{self, nap};
 use crate::core::{decide, refuse_on_active, Decision, RefusalKind, Usage};
-use crate::ledger::count::{db_active, key_in_progress, retained_with_key};
+use crate::ledger::count::{db_active, key_in_progress, lookup_key, KeyLookup};
 use crate::ledger::rels::Reader;
 use crate::ledger::scan::Latest;
 use crate::queue::caller::{self as queue, Patience};
@@ -191,8 +191,9 @@ pub(crate) enum Repeat {
     Found(pgrx::Uuid),
     /// A start with the key, in the writer's hands: the writer must answer this one.
     InFlight,
-    /// A transactional start with the key whose transaction is still open: wait for it
-    /// without the lock, then look again.
+    /// A transactional start with the key whose transaction is still open, or another
+    /// transaction's change to the key's ticket that decides whether it is retained
+    /// (count::KeyLookup::Undecided): wait for it without the lock, then look again.
     InProgress,
     /// The database has no writer, to take the request or to answer the requests in
     /// flight it waited for; one is to be started without the scope lock.
@@ -264,7 +265,7 @@ pub(crate) fn under_lock<T>(
             if key_in_progress(&reader.rels, role, caller.args.tenant, key).is_some() {
                 return Err(Repeat::InProgress);
             }
-            if let Some(id) = retained_with_key(
+            match lookup_key(
                 &reader.rels,
                 &Latest::take(),
                 role,
@@ -273,7 +274,9 @@ pub(crate) fn under_lock<T>(
                 now,
                 cutoff(now, retention),
             ) {
-                return Err(Repeat::Found(pgrx::Uuid::from_bytes(id)));
+                KeyLookup::Retained(id) => return Err(Repeat::Found(pgrx::Uuid::from_bytes(id))),
+                KeyLookup::Undecided(_) => return Err(Repeat::InProgress),
+                KeyLookup::Missing => {}
             }
         }
         // The counts stay tickets; the starts waiting ahead are named apart (see
@@ -382,8 +385,9 @@ pub(crate) fn under_lock<T>(
         // transaction charged with our key is found by charges::own_with_key first.
         let snap = scopes::others_view();
         if let Some(key) = key {
-            // A start with our key committed while we waited for in-flight ones.
-            if let Some(id) = retained_with_key(
+            // A start with our key committed while we waited for in-flight ones, or a
+            // change to its ticket began (a renew() that may keep it).
+            match lookup_key(
                 &reader.rels,
                 &snap,
                 role,
@@ -392,7 +396,9 @@ pub(crate) fn under_lock<T>(
                 now,
                 cutoff,
             ) {
-                return Err(Repeat::Found(pgrx::Uuid::from_bytes(id)));
+                KeyLookup::Retained(id) => return Err(Repeat::Found(pgrx::Uuid::from_bytes(id))),
+                KeyLookup::Undecided(_) => return Err(Repeat::InProgress),
+                KeyLookup::Missing => {}
             }
         }
         if caller.exempt {

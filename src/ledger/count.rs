@@ -394,6 +394,18 @@ pub fn oldest_ended(
 /// commits later keeps it active (see finish::renew), so counting it as expired now
 /// could admit past the limit. Over-counting for that moment is allowed (I2).
 pub fn being_changed(slot: *mut pg_sys::TupleTableSlot) -> bool {
+    // SAFETY: transaction status lookups of a normal id.
+    updater(slot).is_some_and(|xid| unsafe {
+        pg_sys::TransactionIdIsCurrentTransactionId(xid)
+            || pg_sys::TransactionIdIsInProgress(xid)
+            || pg_sys::TransactionIdDidCommit(xid)
+    })
+}
+
+/// The transaction that replaced or deleted the version of a row in `slot` (visible to
+/// the scan's snapshot), if any: its xmax where that is not a lock only. It may have
+/// aborted.
+fn updater(slot: *mut pg_sys::TupleTableSlot) -> Option<pg_sys::TransactionId> {
     // SAFETY: the slot holds a heap tuple in a buffer it pins (a heap index scan's
     // BufferHeapTupleTableSlot); its header is read under a share lock on the buffer,
     // as heap visibility checks read it.
@@ -414,11 +426,20 @@ pub fn being_changed(slot: *mut pg_sys::TupleTableSlot) -> bool {
             (*hdr).t_choice.t_heap.t_xmax
         };
         pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_UNLOCK as i32);
-        xid != pg_sys::InvalidTransactionId
-            && (pg_sys::TransactionIdIsCurrentTransactionId(xid)
-                || pg_sys::TransactionIdIsInProgress(xid)
-                || pg_sys::TransactionIdDidCommit(xid))
+        (xid != pg_sys::InvalidTransactionId).then_some(xid)
     }
+}
+
+/// Another transaction that is replacing or deleting the version of a row in `slot`
+/// (see `updater`), still in progress or committed since the scan's snapshot was
+/// taken: a lookup that depends on its outcome waits for it (at once, if committed)
+/// and looks again under a new snapshot. Never this transaction.
+fn changer(slot: *mut pg_sys::TupleTableSlot) -> Option<pg_sys::TransactionId> {
+    // SAFETY: transaction status lookups of a normal id.
+    updater(slot).filter(|&xid| unsafe {
+        !pg_sys::TransactionIdIsCurrentTransactionId(xid)
+            && (pg_sys::TransactionIdIsInProgress(xid) || pg_sys::TransactionIdDidCommit(xid))
+    })
 }
 
 /// `role`'s unfinished tickets whose lease ran out by `now` (0.2.0's schema only):
@@ -599,9 +620,9 @@ pub struct Keyed {
     pub lease_until: Option<pg_sys::TimestampTz>,
     /// Its tenant's text (0.5.0), None for the role itself.
     pub tenant: Option<Vec<u8>>,
-    /// Unended, and its row being replaced by a transaction that has not aborted (see
-    /// being_changed).
-    pub changing: bool,
+    /// Unended, and its row being replaced or deleted by another transaction (a
+    /// renew(), a finish(), the expiry sweep; see `changer`): that transaction.
+    pub changer: Option<pg_sys::TransactionId>,
 }
 
 /// The tickets of `role` with idempotency key `key` (a text datum) (0.2.0's schema
@@ -640,7 +661,11 @@ fn keyed(
                     started_at,
                     ended_at,
                     lease_until: ts_attr(slot, COL_LEASE_UNTIL),
-                    changing: ended_at.is_none() && being_changed(slot),
+                    changer: if ended_at.is_none() {
+                        changer(slot)
+                    } else {
+                        None
+                    },
                     tenant: if r.v5() {
                         text_attr(slot, COL_TENANT)
                     } else {
@@ -718,10 +743,70 @@ pub fn roles_where(
         .collect()
 }
 
+/// What a repeat of an idempotency key finds in the ledger (see `lookup_key`).
+pub enum KeyLookup {
+    /// The key's ticket, retained: the repeat's answer.
+    Retained([u8; 16]),
+    /// A ticket with the key whose fate another transaction's change decides (see
+    /// core::lease::repeat_waits_for_change), still in progress or committed after the
+    /// snapshot: wait for it, then look again under a new snapshot.
+    Undecided(pg_sys::TransactionId),
+    /// No ticket with the key is retained.
+    Missing,
+}
+
 /// The ticket of `role` (of its tenant `tenant`, 0.5.0) with idempotency key `key`
 /// (bytes in the server encoding) that is still retained for a caller whose retention
-/// starts at `cutoff`, if any. A key is a scope's: the same key under another tenant
-/// (or under the role itself) is another ticket's.
+/// starts at `cutoff`, if any; or the transaction to wait for first, where the newest
+/// ticket with the key is one whose committed row is no longer retained but which
+/// another transaction is changing (a renew() that commits keeps it). A key is a
+/// scope's: the same key under another tenant (or under the role itself) is another
+/// ticket's.
+pub fn lookup_key(
+    rels: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    tenant: Option<&[u8]>,
+    key: &[u8],
+    now: pg_sys::TimestampTz,
+    cutoff: pg_sys::TimestampTz,
+) -> KeyLookup {
+    let datum = text_datum(key);
+    let found: Vec<Keyed> = with_key(rels, snap, role, datum)
+        .into_iter()
+        .filter(|k| k.tenant.as_deref() == tenant)
+        .collect();
+    // Sessions of one role may run with different retentions, so more than one ticket
+    // with the key may be retained here: the newest is the one a retry should get.
+    let retained = found
+        .iter()
+        .filter(|k| crate::core::lease::is_retained(k.ended_at, k.lease_until, now, cutoff))
+        .max_by_key(|k| k.started_at);
+    let undecided = found
+        .iter()
+        .filter(|k| {
+            k.changer.is_some()
+                && crate::core::lease::repeat_waits_for_change(
+                    k.ended_at,
+                    k.lease_until,
+                    now,
+                    cutoff,
+                )
+        })
+        .max_by_key(|k| k.started_at);
+    match (retained, undecided) {
+        (r, Some(u)) if r.is_none_or(|r| u.started_at > r.started_at) => {
+            KeyLookup::Undecided(u.changer.expect("filtered on a changer"))
+        }
+        (Some(r), _) => KeyLookup::Retained(r.id),
+        _ => KeyLookup::Missing,
+    }
+}
+
+/// `lookup_key` for the ledger writer, which answers a batch and waits for nobody: a
+/// ticket whose fate is undecided is not retained for it. (A caller looks the key up
+/// before its request reaches the writer and waits there; only a change that begins
+/// in between reaches this case.)
 pub fn retained_with_key(
     rels: &Rels,
     snap: &Latest,
@@ -731,17 +816,10 @@ pub fn retained_with_key(
     now: pg_sys::TimestampTz,
     cutoff: pg_sys::TimestampTz,
 ) -> Option<[u8; 16]> {
-    let datum = text_datum(key);
-    // Sessions of one role may run with different retentions, so more than one ticket
-    // with the key may be retained here: the newest is the one a retry should get.
-    with_key(rels, snap, role, datum)
-        .into_iter()
-        .filter(|k| k.tenant.as_deref() == tenant)
-        .filter(|k| {
-            crate::core::lease::repeat_finds(k.ended_at, k.lease_until, k.changing, now, cutoff)
-        })
-        .max_by_key(|k| k.started_at)
-        .map(|k| k.id)
+    match lookup_key(rels, snap, role, tenant, key, now, cutoff) {
+        KeyLookup::Retained(id) => Some(id),
+        KeyLookup::Undecided(_) | KeyLookup::Missing => None,
+    }
 }
 
 /// A transaction still in progress, other than this one, that inserted a ticket of

@@ -153,7 +153,19 @@ RESET quota.retention;
 DELETE FROM quota.ledger WHERE started_at < now() - interval '8 days';
 \endif
 
--- After those starts, finishes, refusals and the superuser's writes on the old layout
+-- renew() (0.2.0 on): an update of an active ticket's row in place, as finish() is on
+-- the one-table layouts, through the same lazily opened table (0.6.x).
+SELECT to_regproc('quota.renew') IS NOT NULL AS has_renew \gset
+\if :has_renew
+SELECT quota.start('renewed', lease => '1 hour') AS r \gset
+SELECT expect('renew() of an active ticket on the old schema returns its new lease end',
+              quota.renew(:'r', '2 hours') > now() + interval '90 minutes');
+SELECT expect('... and the ledger row carries it',
+              (SELECT lease_until > now() + interval '90 minutes' FROM quota.ledger WHERE id = :'r'));
+SELECT expect('finish() after the renewal returns true', quota.finish(:'r'));
+\endif
+
+-- After those starts, finishes, renewals, refusals and the superuser's writes on the old layout
 -- (0.1.0 to 0.5.2: one table, a finish updates its row in place; 0.6.0: a finish moves
 -- it to quota.history), every btree index of pg_quota's tables holds exactly the
 -- entries of the rows it covers (amcheck's bt_index_check with heapallindexed).

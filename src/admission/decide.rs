@@ -11,7 +11,8 @@ use pgrx::pg_sys;
 use super::{Caller, Numbers, Refused};
 use crate::compat::{self, nap};
 use crate::core::{decide, refuse_on_active, Decision, RefusalKind, Usage};
-use crate::ledger::count::{db_active, key_in_progress, lookup_key, KeyLookup};
+use crate::ledger::count::db_active;
+use crate::ledger::keys::{key_in_progress, retained_with_key};
 use crate::ledger::rels::Reader;
 use crate::ledger::scan::Latest;
 use crate::queue::caller::{self as queue, Patience};
@@ -191,9 +192,8 @@ pub(crate) enum Repeat {
     Found(pgrx::Uuid),
     /// A start with the key, in the writer's hands: the writer must answer this one.
     InFlight,
-    /// A transactional start with the key whose transaction is still open, or another
-    /// transaction's change to the key's ticket that decides whether it is retained
-    /// (count::KeyLookup::Undecided): wait for it without the lock, then look again.
+    /// A transactional start with the key whose transaction is still open: wait for it
+    /// without the lock, then look again.
     InProgress,
     /// The database has no writer, to take the request or to answer the requests in
     /// flight it waited for; one is to be started without the scope lock.
@@ -265,7 +265,7 @@ pub(crate) fn under_lock<T>(
             if key_in_progress(&reader.rels, role, caller.args.tenant, key).is_some() {
                 return Err(Repeat::InProgress);
             }
-            match lookup_key(
+            if let Some(id) = retained_with_key(
                 &reader.rels,
                 &Latest::take(),
                 role,
@@ -274,9 +274,7 @@ pub(crate) fn under_lock<T>(
                 now,
                 cutoff(now, retention),
             ) {
-                KeyLookup::Retained(id) => return Err(Repeat::Found(pgrx::Uuid::from_bytes(id))),
-                KeyLookup::Undecided(_) => return Err(Repeat::InProgress),
-                KeyLookup::Missing => {}
+                return Err(Repeat::Found(pgrx::Uuid::from_bytes(id)));
             }
         }
         // The counts stay tickets; the starts waiting ahead are named apart (see
@@ -385,9 +383,8 @@ pub(crate) fn under_lock<T>(
         // transaction charged with our key is found by charges::own_with_key first.
         let snap = scopes::others_view();
         if let Some(key) = key {
-            // A start with our key committed while we waited for in-flight ones, or a
-            // change to its ticket began (a renew() that may keep it).
-            match lookup_key(
+            // A start with our key committed while we waited for in-flight ones.
+            if let Some(id) = retained_with_key(
                 &reader.rels,
                 &snap,
                 role,
@@ -396,9 +393,7 @@ pub(crate) fn under_lock<T>(
                 now,
                 cutoff,
             ) {
-                KeyLookup::Retained(id) => return Err(Repeat::Found(pgrx::Uuid::from_bytes(id))),
-                KeyLookup::Undecided(_) => return Err(Repeat::InProgress),
-                KeyLookup::Missing => {}
+                return Err(Repeat::Found(pgrx::Uuid::from_bytes(id)));
             }
         }
         if caller.exempt {

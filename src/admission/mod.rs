@@ -18,7 +18,8 @@ use crate::core::{
     check_key, check_label, check_tenant, Limits, QuotaError, Refusal, RefusalKind, Usage,
 };
 use crate::encoding::server_text;
-use crate::ledger::count::{key_in_progress, lookup_key, next_expiry, KeyLookup};
+use crate::ledger::count::next_expiry;
+use crate::ledger::keys::{key_in_progress, retained_with_key};
 use crate::ledger::rels::{rels, Reader};
 use crate::ledger::scan::{text_datum, Latest};
 use crate::policy::Policy;
@@ -426,33 +427,14 @@ fn count_refusal(caller: &Caller, r: &Refused, now: pg_sys::TimestampTz) {
 /// Waits, outside any lock of pg_quota's, for every transaction still in progress that
 /// started a ticket of the caller's scope with `key` (a transactional start, 0.5.0) to
 /// commit or roll back, as an insert into a unique index waits for a conflicting one:
-/// its ticket is then either there to be returned, or gone and admitted anew. The same
-/// for another transaction's change to the key's ticket that decides whether it is
-/// still retained (a renew() of a ticket whose committed lease ran out, see
-/// count::lookup_key). Returns the key's retained ticket as the last look found it,
-/// and the clock reading that look judged leases and ages by.
-fn wait_for_key(caller: &Caller, key: &[u8]) -> (Option<[u8; 16]>, pg_sys::TimestampTz) {
+/// its ticket is then either there to be returned, or gone and admitted anew.
+fn wait_for_key(caller: &Caller, key: &[u8]) {
     loop {
         let xid = {
             let reader = Reader::open();
-            match key_in_progress(&reader.rels, caller.role, caller.args.tenant, key) {
-                Some(xid) => xid,
-                None => {
-                    let snap = Latest::take();
-                    // Read after the Reader's locks and the snapshot: a cutoff only
-                    // moves later than the snapshot's moment, never earlier.
-                    // SAFETY: plain clock read.
-                    let now = unsafe { pg_sys::GetCurrentTimestamp() };
-                    let cutoff = cutoff(now, caller.policy.retention_secs);
-                    let (role, tenant) = (caller.role, caller.args.tenant);
-                    match lookup_key(&reader.rels, &snap, role, tenant, key, now, cutoff) {
-                        KeyLookup::Undecided(xid) => xid,
-                        KeyLookup::Retained(id) => return (Some(id), now),
-                        KeyLookup::Missing => return (None, now),
-                    }
-                }
-            }
+            key_in_progress(&reader.rels, caller.role, caller.args.tenant, key)
         };
+        let Some(xid) = xid else { return };
         // SAFETY: an ordinary lock wait on the transaction's id; lock_timeout,
         // statement_timeout, cancel and the deadlock detector all apply.
         unsafe {
@@ -493,12 +475,25 @@ fn attempt(
             }
             return Ok(Ok((pgrx::Uuid::from_bytes(id), true)));
         }
+        wait_for_key(caller, key);
+        let reader = Reader::open();
+        let snap = Latest::take();
         // The wait for the key, and the Reader's for its locks, may have been long:
         // what follows (the lookup of the key's ticket, the writer's try) judges ages
-        // and leases by the clock after them, the reading the last look took.
-        let (found, after) = wait_for_key(caller, key);
-        now = after;
-        if let Some(id) = found {
+        // and leases by the clock after them. Read after the snapshot, a cutoff only
+        // moves later than the snapshot's moment, never earlier.
+        // SAFETY: plain clock read.
+        now = unsafe { pg_sys::GetCurrentTimestamp() };
+        let cutoff = cutoff(now, caller.policy.retention_secs);
+        if let Some(id) = retained_with_key(
+            &reader.rels,
+            &snap,
+            caller.role,
+            caller.args.tenant,
+            key,
+            now,
+            cutoff,
+        ) {
             if caller.args.transactional || !crate::syncrep::standbys_defined() {
                 return Ok(Ok((pgrx::Uuid::from_bytes(id), true)));
             }

@@ -23,25 +23,6 @@ pub fn is_retained(ended_at: Option<i64>, lease_until: Option<i64>, now: i64, cu
     effective_end(ended_at, lease_until, now).is_none_or(|end| end >= cutoff)
 }
 
-/// Whether a repeat of a ticket's idempotency key must wait for a change to the
-/// ticket's row that is still open (a renew(), a finish() or the expiry sweep of
-/// another transaction) before it can answer: where the row has not ended and its
-/// lease ran out before `cutoff`, the committed row alone says the ticket is no longer
-/// retained, yet a renew() that began before the lease ran out and commits keeps it
-/// (counting keeps such a ticket active meanwhile, see ledger::count::being_changed).
-/// Whether the repeat gets the ticket or a new one then depends on that change, as an
-/// insert into a unique index depends on a conflicting insert still in progress. Where
-/// the committed row is retained anyway, every outcome of the change keeps it
-/// retained, and the repeat answers at once.
-pub fn repeat_waits_for_change(
-    ended_at: Option<i64>,
-    lease_until: Option<i64>,
-    now: i64,
-    cutoff: i64,
-) -> bool {
-    ended_at.is_none() && !is_retained(ended_at, lease_until, now, cutoff)
-}
-
 /// What a ticket looks like to a reader at `now`: the outcome `expired` for a lease
 /// that ran out before anyone finished the ticket.
 pub fn shown_outcome<'a>(
@@ -159,21 +140,6 @@ pub fn wait_micros(months: i32, days: i32, micros: i64) -> Option<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A repeat of a key waits for an open change to its ticket's row only where the
-    /// committed row is unended and no longer retained: then the change decides.
-    #[test]
-    fn a_repeat_waits_for_a_change_only_where_it_decides() {
-        // Lease ran out at 100; now 200; retention cutoff 150: a renew would keep it.
-        assert!(repeat_waits_for_change(None, Some(100), 200, 150));
-        // Lease ran out at 160, after the cutoff: retained whatever the change does.
-        assert!(!repeat_waits_for_change(None, Some(160), 200, 150));
-        // Active: retained either way.
-        assert!(!repeat_waits_for_change(None, None, 200, 150));
-        assert!(!repeat_waits_for_change(None, Some(300), 200, 150));
-        // Ended rows are not changed by renew() or finish().
-        assert!(!repeat_waits_for_change(Some(100), Some(300), 200, 150));
-    }
 
     /// 0.4.1 (F1): the lease is a length from the ticket's start; an infinite one stays
     /// infinite, and none ends past the last valid timestamp.

@@ -6,12 +6,10 @@ use pgrx::pg_sys;
 use crate::core::lease::Lapsed;
 use crate::ledger::rels::Rels;
 use crate::ledger::scan::{
-    attr, count, distinct_oids, rescans, scan, scan_any, scan_index, text_attr, text_datum,
-    ts_attr, Key, Latest,
+    attr, count, distinct_oids, rescans, scan, scan_index, ts_attr, Key, Latest,
 };
 use crate::ledger::{
-    COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_ROLE, COL_STARTED_AT, COL_TENANT, COL_TXID,
-    SUMMARY_COL_FOLDED, SUMMARY_COL_TICKETS,
+    COL_ENDED_AT, COL_LEASE_UNTIL, COL_ROLE, SUMMARY_COL_FOLDED, SUMMARY_COL_TICKETS,
 };
 
 /// How many unfinished tickets `role` holds, counting at most `stop_at` of them.
@@ -394,18 +392,6 @@ pub fn oldest_ended(
 /// commits later keeps it active (see finish::renew), so counting it as expired now
 /// could admit past the limit. Over-counting for that moment is allowed (I2).
 pub fn being_changed(slot: *mut pg_sys::TupleTableSlot) -> bool {
-    // SAFETY: transaction status lookups of a normal id.
-    updater(slot).is_some_and(|xid| unsafe {
-        pg_sys::TransactionIdIsCurrentTransactionId(xid)
-            || pg_sys::TransactionIdIsInProgress(xid)
-            || pg_sys::TransactionIdDidCommit(xid)
-    })
-}
-
-/// The transaction that replaced or deleted the version of a row in `slot` (visible to
-/// the scan's snapshot), if any: its xmax where that is not a lock only. It may have
-/// aborted.
-fn updater(slot: *mut pg_sys::TupleTableSlot) -> Option<pg_sys::TransactionId> {
     // SAFETY: the slot holds a heap tuple in a buffer it pins (a heap index scan's
     // BufferHeapTupleTableSlot); its header is read under a share lock on the buffer,
     // as heap visibility checks read it.
@@ -426,20 +412,11 @@ fn updater(slot: *mut pg_sys::TupleTableSlot) -> Option<pg_sys::TransactionId> {
             (*hdr).t_choice.t_heap.t_xmax
         };
         pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_UNLOCK as i32);
-        (xid != pg_sys::InvalidTransactionId).then_some(xid)
+        xid != pg_sys::InvalidTransactionId
+            && (pg_sys::TransactionIdIsCurrentTransactionId(xid)
+                || pg_sys::TransactionIdIsInProgress(xid)
+                || pg_sys::TransactionIdDidCommit(xid))
     }
-}
-
-/// Another transaction that is replacing or deleting the version of a row in `slot`
-/// (see `updater`), still in progress or committed since the scan's snapshot was
-/// taken: a lookup that depends on its outcome waits for it (at once, if committed)
-/// and looks again under a new snapshot. Never this transaction.
-fn changer(slot: *mut pg_sys::TupleTableSlot) -> Option<pg_sys::TransactionId> {
-    // SAFETY: transaction status lookups of a normal id.
-    updater(slot).filter(|&xid| unsafe {
-        !pg_sys::TransactionIdIsCurrentTransactionId(xid)
-            && (pg_sys::TransactionIdIsInProgress(xid) || pg_sys::TransactionIdDidCommit(xid))
-    })
 }
 
 /// `role`'s unfinished tickets whose lease ran out by `now` (0.2.0's schema only):
@@ -612,72 +589,6 @@ pub fn next_expiry(
     first
 }
 
-/// A ticket found by its idempotency key.
-pub struct Keyed {
-    pub id: [u8; 16],
-    pub started_at: pg_sys::TimestampTz,
-    pub ended_at: Option<pg_sys::TimestampTz>,
-    pub lease_until: Option<pg_sys::TimestampTz>,
-    /// Its tenant's text (0.5.0), None for the role itself.
-    pub tenant: Option<Vec<u8>>,
-    /// Unended, and its row being replaced or deleted by another transaction (a
-    /// renew(), a finish(), the expiry sweep; see `changer`): that transaction.
-    pub changer: Option<pg_sys::TransactionId>,
-}
-
-/// The tickets of `role` with idempotency key `key` (a text datum) (0.2.0's schema
-/// only).
-pub fn with_key(r: &Rels, snap: &Latest, role: pg_sys::Oid, key: pg_sys::Datum) -> Vec<Keyed> {
-    let mut out = Vec::new();
-    in_both(r, |heap, idx| {
-        keyed(r, heap, idx.key, snap, role, key, &mut out);
-        0
-    });
-    out
-}
-
-fn keyed(
-    r: &Rels,
-    heap: pg_sys::Oid,
-    index: pg_sys::Oid,
-    snap: &Latest,
-    role: pg_sys::Oid,
-    key: pg_sys::Datum,
-    out: &mut Vec<Keyed>,
-) {
-    scan_index(
-        heap,
-        index,
-        snap,
-        &[Key::OidEq(role), Key::TextEq(key)],
-        |slot| {
-            if let (Some(d), Some(started_at)) =
-                (attr(slot, COL_ID as i32), ts_attr(slot, COL_STARTED_AT))
-            {
-                let ended_at = ts_attr(slot, COL_ENDED_AT);
-                out.push(Keyed {
-                    // SAFETY: a uuid datum points at its 16 bytes.
-                    id: unsafe { *(d.cast_mut_ptr::<[u8; 16]>()) },
-                    started_at,
-                    ended_at,
-                    lease_until: ts_attr(slot, COL_LEASE_UNTIL),
-                    changer: if ended_at.is_none() {
-                        changer(slot)
-                    } else {
-                        None
-                    },
-                    tenant: if r.v5() {
-                        text_attr(slot, COL_TENANT)
-                    } else {
-                        None
-                    },
-                });
-            }
-            true
-        },
-    );
-}
-
 /// The smallest role above `after` that has a transactional ticket (0.5.0) visible to
 /// `snap`: one probe of ledger_txid_idx.
 pub fn next_txn_role(r: &Rels, snap: &Latest, after: pg_sys::Oid) -> Option<pg_sys::Oid> {
@@ -741,124 +652,6 @@ pub fn roles_where(
         .map(pg_sys::Oid::from)
         .filter(|&role| keep(role))
         .collect()
-}
-
-/// What a repeat of an idempotency key finds in the ledger (see `lookup_key`).
-pub enum KeyLookup {
-    /// The key's ticket, retained: the repeat's answer.
-    Retained([u8; 16]),
-    /// A ticket with the key whose fate another transaction's change decides (see
-    /// core::lease::repeat_waits_for_change), still in progress or committed after the
-    /// snapshot: wait for it, then look again under a new snapshot.
-    Undecided(pg_sys::TransactionId),
-    /// No ticket with the key is retained.
-    Missing,
-}
-
-/// The ticket of `role` (of its tenant `tenant`, 0.5.0) with idempotency key `key`
-/// (bytes in the server encoding) that is still retained for a caller whose retention
-/// starts at `cutoff`, if any; or the transaction to wait for first, where the newest
-/// ticket with the key is one whose committed row is no longer retained but which
-/// another transaction is changing (a renew() that commits keeps it). A key is a
-/// scope's: the same key under another tenant (or under the role itself) is another
-/// ticket's.
-pub fn lookup_key(
-    rels: &Rels,
-    snap: &Latest,
-    role: pg_sys::Oid,
-    tenant: Option<&[u8]>,
-    key: &[u8],
-    now: pg_sys::TimestampTz,
-    cutoff: pg_sys::TimestampTz,
-) -> KeyLookup {
-    let datum = text_datum(key);
-    let found: Vec<Keyed> = with_key(rels, snap, role, datum)
-        .into_iter()
-        .filter(|k| k.tenant.as_deref() == tenant)
-        .collect();
-    // Sessions of one role may run with different retentions, so more than one ticket
-    // with the key may be retained here: the newest is the one a retry should get.
-    let retained = found
-        .iter()
-        .filter(|k| crate::core::lease::is_retained(k.ended_at, k.lease_until, now, cutoff))
-        .max_by_key(|k| k.started_at);
-    let undecided = found
-        .iter()
-        .filter(|k| {
-            k.changer.is_some()
-                && crate::core::lease::repeat_waits_for_change(
-                    k.ended_at,
-                    k.lease_until,
-                    now,
-                    cutoff,
-                )
-        })
-        .max_by_key(|k| k.started_at);
-    match (retained, undecided) {
-        (r, Some(u)) if r.is_none_or(|r| u.started_at > r.started_at) => {
-            KeyLookup::Undecided(u.changer.expect("filtered on a changer"))
-        }
-        (Some(r), _) => KeyLookup::Retained(r.id),
-        _ => KeyLookup::Missing,
-    }
-}
-
-/// `lookup_key` for the ledger writer, which answers a batch and waits for nobody: a
-/// ticket whose fate is undecided is not retained for it. (A caller looks the key up
-/// before its request reaches the writer and waits there; only a change that begins
-/// in between reaches this case.)
-pub fn retained_with_key(
-    rels: &Rels,
-    snap: &Latest,
-    role: pg_sys::Oid,
-    tenant: Option<&[u8]>,
-    key: &[u8],
-    now: pg_sys::TimestampTz,
-    cutoff: pg_sys::TimestampTz,
-) -> Option<[u8; 16]> {
-    match lookup_key(rels, snap, role, tenant, key, now, cutoff) {
-        KeyLookup::Retained(id) => Some(id),
-        KeyLookup::Undecided(_) | KeyLookup::Missing => None,
-    }
-}
-
-/// A transaction still in progress, other than this one, that inserted a ticket of
-/// `role` (of its tenant `tenant`) with idempotency key `key`: a transactional start
-/// (0.5.0) that has not committed or rolled back yet. A repeat of its key waits for it,
-/// as an insert into a unique index would.
-pub fn key_in_progress(
-    rels: &Rels,
-    role: pg_sys::Oid,
-    tenant: Option<&[u8]>,
-    key: &[u8],
-) -> Option<pg_sys::TransactionId> {
-    if !rels.v5() {
-        return None;
-    }
-    let datum = text_datum(key);
-    let mut found = None;
-    scan_any(
-        rels.ledger,
-        rels.ledger_key_idx,
-        &[Key::OidEq(role), Key::TextEq(datum)],
-        |slot, xmin| {
-            // SAFETY: transaction status lookups; xmin is a normal id or invalid.
-            let running = xmin != pg_sys::InvalidTransactionId
-                && unsafe {
-                    !pg_sys::TransactionIdIsCurrentTransactionId(xmin)
-                        && pg_sys::TransactionIdIsInProgress(xmin)
-                };
-            // Only a transactional start's row (the writer's have no txid; the writer
-            // answers repeats of its own requests, see queue::in_flight_with_key).
-            let transactional = attr(slot, COL_TXID as i32).is_some();
-            if running && transactional && text_attr(slot, COL_TENANT).as_deref() == tenant {
-                found = Some(xmin);
-                return false;
-            }
-            true
-        },
-    );
-    found
 }
 
 /// How many ledger rows each role holds (0.5.1, for quota.usage_totals; only roles with

@@ -1,11 +1,13 @@
 //! Layer 3, the ledger: pg_quota's tables below SQL. Finding and checking the relations
 //! and their locks (rels.rs), reading them with index scans under the latest snapshot
-//! (scan.rs), counting a scope (count.rs), and writing heap and index tuples (heap.rs,
+//! (scan.rs), counting a scope (count.rs), finding a ticket by its idempotency key
+//! (keys.rs), and writing heap and index tuples (heap.rs,
 //! write.rs). It knows nothing of shared memory or of who calls it: a caller that wants
 //! something done in response (a summary rebuilt) is told, and acts itself.
 
 pub mod count;
 pub mod heap;
+pub mod keys;
 pub mod rels;
 pub mod scan;
 pub mod write;

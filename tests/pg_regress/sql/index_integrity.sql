@@ -61,10 +61,16 @@ RESET ROLE;
 DROP INDEX quota.history_lower_label;
 SET ROLE quota_alice;
 SELECT quota.finish(:'t2') AS finished_once_the_index_is_gone;
+-- A renewal that succeeds: the ticket's new version, still active, is checked below.
+SELECT quota.start('renewed', lease => '1 hour') AS t3 \gset
+SELECT quota.renew(:'t3', '2 hours') > now() + interval '90 minutes' AS renewed;
 RESET ROLE;
 
--- After those finishes, every index still has every row's entries.
+-- After those finishes and that renewal, every index still has every row's entries.
 SELECT c.relname, bt_index_check(c.oid, true) IS NOT NULL AS checked
   FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
  WHERE i.indrelid IN ('quota.active'::regclass, 'quota.history'::regclass, 'quota.summary'::regclass)
  ORDER BY 1;
+SET ROLE quota_alice;
+SELECT quota.finish(:'t3') AS finished_after_the_check;
+RESET ROLE;

@@ -78,9 +78,9 @@ pub struct Tables {
     /// quota.history's OID as the `Rels` the tables were opened with say, if the schema
     /// has it.
     history_oid: Option<pg_sys::Oid>,
-    /// quota.history opens its indexes only where a write needs them (see
-    /// OpenRel::open_lazy), as quota.active does: Tables opened to end or renew a
-    /// ticket, which only look tickets up there, or insert the one they end.
+    /// Both tables open their indexes only where a write needs them (see
+    /// OpenRel::open_lazy): Tables opened to end or renew one ticket, which look it up,
+    /// then write at most its own row (`open_current_for_one`).
     lazy: bool,
 }
 
@@ -96,11 +96,7 @@ impl Tables {
     fn open_as(rels: &Rels, lazy: bool) -> Tables {
         let (relid, name) = (rels.ledger, rels.ledger_name());
         Tables {
-            ledger: if lazy {
-                OpenRel::open_lazy(relid, name, COL_ID)
-            } else {
-                OpenRel::open(relid, name, COL_ID)
-            },
+            ledger: Tables::open_table(relid, name, lazy),
             history: std::cell::OnceCell::new(),
             history_oid: rels.split().then_some(rels.history),
             lazy,
@@ -142,13 +138,18 @@ impl Tables {
         let Some(oid) = self.history_oid else {
             return &self.ledger;
         };
-        self.history.get_or_init(|| {
-            if self.lazy {
-                OpenRel::open_lazy(oid, "history", COL_ID)
-            } else {
-                OpenRel::open(oid, "history", COL_ID)
-            }
-        })
+        self.history
+            .get_or_init(|| Tables::open_table(oid, "history", self.lazy))
+    }
+
+    /// One of the tables, keyed by its id, its indexes opened now or (`lazy`) at its
+    /// first write.
+    fn open_table(relid: pg_sys::Oid, name: &str, lazy: bool) -> OpenRel {
+        if lazy {
+            OpenRel::open_lazy(relid, name, COL_ID)
+        } else {
+            OpenRel::open(relid, name, COL_ID)
+        }
     }
 
     /// The open table whose OID is `relid` (one of the two).

@@ -98,18 +98,17 @@ CREATE TABLE quota.active (
     txid            xid8,
     CONSTRAINT active_unended_check CHECK (ended_at IS NULL AND outcome IS NULL)
 );
--- A role's active tickets by when their leases run out (ended_at is NULL in every
--- row; it is in the key so that one scan serves both tables): its active count, its
--- earliest lease, its lapsed leases.
-CREATE INDEX active_role_idx ON quota.active (role, ended_at, lease_until);
--- The database's active tickets (quota.max_active_per_database) and its leases that
--- ran out (the writer's expiry sweep), without walking every role.
-CREATE INDEX active_open_idx ON quota.active (ended_at, lease_until);
+-- A role's active tickets (ended_at is NULL in every row; it is in the key so that one
+-- scan serves both tables). 0.6.1: lease_until is in none of quota.active's indexes,
+-- so that a renewal (which changes only lease_until) is a heap-only update; a scope's
+-- lapsed leases, its earliest lease, the database's active tickets and the expiry
+-- sweep read the rows themselves (quota.active holds only unended tickets).
+CREATE INDEX active_role_idx ON quota.active (role, ended_at);
 -- Idempotent starts: a role's active tickets by key; only keyed tickets have entries.
 CREATE INDEX active_role_key_idx ON quota.active (role, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
 -- What admission counts for one tenant of a role.
-CREATE INDEX active_tenant_idx ON quota.active (role, tenant, ended_at, lease_until)
+CREATE INDEX active_tenant_idx ON quota.active (role, tenant, ended_at)
     WHERE tenant IS NOT NULL;
 -- A role's transactional tickets by the transaction that charged them.
 CREATE INDEX active_txid_idx ON quota.active (role, txid) WHERE txid IS NOT NULL;

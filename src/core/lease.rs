@@ -117,6 +117,24 @@ pub fn wait_ms(now: i64, deadline: i64, next_expiry: Option<i64>, poll_ms: i64) 
     ms.clamp(0, poll_ms)
 }
 
+/// How long the writer waits between the starts of two expiry sweeps, given that the
+/// last one took `took`: `every`, or `share` times as long as the last sweep if that
+/// is longer, so that sweeping takes at most 1/`share` of the writer's time however
+/// many unended tickets each sweep reads; never more than a minute, so that leases are
+/// still written down (each sweep ends at most sweep.rs's MAX_DUE of them).
+pub fn sweep_pause(
+    took: std::time::Duration,
+    every: std::time::Duration,
+    share: u32,
+) -> std::time::Duration {
+    every
+        .max(took.saturating_mul(share))
+        .min(SWEEP_PAUSE_MAX.max(every))
+}
+
+/// The longest pause between two expiry sweeps (`sweep_pause`).
+pub const SWEEP_PAUSE_MAX: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// When a start() with a wait of `wait_us` stops waiting for capacity, counted from
 /// `now()`, the clock when it was called (read only for a start that waits): None
 /// where it does not wait (a wait of zero, start()'s default), and then it gives up at
@@ -197,6 +215,23 @@ mod tests {
         // Expired at 100; retention 50: retained while the cutoff (now - 50) <= 100.
         assert!(is_retained(None, Some(100), 150, 100));
         assert!(!is_retained(None, Some(100), 151, 101));
+    }
+
+    #[test]
+    fn a_long_sweep_spaces_out_the_next_ones() {
+        use std::time::Duration;
+        let every = Duration::from_millis(250);
+        assert_eq!(sweep_pause(Duration::from_millis(1), every, 20), every);
+        assert_eq!(sweep_pause(Duration::ZERO, every, 20), every);
+        assert_eq!(
+            sweep_pause(Duration::from_millis(100), every, 20),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            sweep_pause(Duration::MAX, every, 20),
+            SWEEP_PAUSE_MAX,
+            "no overflow, and at most a minute"
+        );
     }
 
     #[test]

@@ -419,9 +419,11 @@ pub fn being_changed(slot: *mut pg_sys::TupleTableSlot) -> bool {
     }
 }
 
-/// `role`'s unfinished tickets whose lease ran out by `now` (0.2.0's schema only):
-/// one probe of (role, ended_at IS NULL, lease_until <= now), which the sweep keeps
-/// short. Their counter and their unfinished rows still include them until the sweep
+/// `role`'s unfinished tickets whose lease ran out by `now` (0.2.0's schema only): a
+/// walk of the role's unfinished tickets, in (role, ended_at IS NULL) of its index
+/// (0.6.1: no index of quota.active has lease_until, so that a renewal is a heap-only
+/// update). Only a start that its counters would refuse looks (see scopes::counts),
+/// and only while its counter does not know that no lease has run out. Their counter and their unfinished rows still include them until the sweep
 /// ends them. Take `snap` after reading the role's counter, so that it sees every sweep
 /// the counter reflects and nothing is subtracted twice. The result serves every
 /// retention cutoff (see core::lease::Lapsed).
@@ -432,8 +434,8 @@ pub fn lapsed(r: &Rels, snap: &Latest, role: pg_sys::Oid, now: pg_sys::Timestamp
     lapsed_on(r.ledger_idx, r, snap, &[Key::OidEq(role)], now)
 }
 
-/// The unfinished tickets that the `scope` keys select on `index` (whose next columns
-/// are ended_at, then lease_until) and whose lease ran out by `now`.
+/// The unfinished tickets that the `scope` keys select on `index` (whose next column
+/// is ended_at) and whose lease ran out by `now`.
 fn lapsed_on(
     index: pg_sys::Oid,
     r: &Rels,
@@ -443,14 +445,47 @@ fn lapsed_on(
 ) -> Lapsed {
     let mut expiries = Vec::new();
     let mut keys = scope.to_vec();
-    keys.extend([Key::IsNull, Key::TsLess(now.saturating_add(1))]);
+    keys.push(Key::IsNull);
     scan(r.ledger, index, snap, &keys, |slot| {
-        if !being_changed(slot) {
-            expiries.extend(ts_attr(slot, COL_LEASE_UNTIL));
+        let lease = ts_attr(slot, COL_LEASE_UNTIL).filter(|&l| l <= now);
+        if lease.is_some() && !being_changed(slot) {
+            expiries.extend(lease);
         }
         true
     });
     Lapsed::new(expiries)
+}
+
+/// Hands the database's unfinished tickets visible to `snap` to `visit` until it
+/// returns false (0.2.0's schema on); with `lapsed_by`, only those whose lease ran out
+/// by then. quota.active (0.6.0) holds nothing else, and is read whole through its
+/// role index; the one table of older schemas through its index on (ended_at,
+/// lease_until), which skips its history (and, with `lapsed_by`, the active tickets
+/// whose lease runs on).
+pub fn each_unended(
+    r: &Rels,
+    snap: &Latest,
+    lapsed_by: Option<pg_sys::TimestampTz>,
+    mut visit: impl FnMut(*mut pg_sys::TupleTableSlot) -> bool,
+) {
+    if !r.v2() {
+        return;
+    }
+    let lapsed =
+        |slot| lapsed_by.is_none_or(|by| ts_attr(slot, COL_LEASE_UNTIL).is_some_and(|l| l <= by));
+    if r.ledger_open_idx != pg_sys::InvalidOid {
+        let mut keys = vec![Key::IsNull];
+        keys.extend(lapsed_by.map(|by| Key::TsLess(by.saturating_add(1))));
+        scan_index(r.ledger, r.ledger_open_idx, snap, &keys, |slot| {
+            !lapsed(slot) || visit(slot)
+        });
+    } else {
+        // Every row is unfinished (active_unended_check); a row a DBA wrote past a
+        // dropped check is not one of them.
+        scan_index(r.ledger, r.ledger_idx, snap, &[], |slot| {
+            ts_attr(slot, COL_ENDED_AT).is_some() || !lapsed(slot) || visit(slot)
+        });
+    }
 }
 
 /// How many unfinished tickets tenant `tenant` (a text datum) of `role` holds (0.5.0),
@@ -552,10 +587,7 @@ pub fn tenant_lapsed(
 /// (0.2.0's schema only): the unfinished rows whose lease has not run out.
 pub fn db_active(r: &Rels, snap: &Latest, now: pg_sys::TimestampTz, stop_at: i64) -> i64 {
     let mut n = 0;
-    if !r.v2() {
-        return n;
-    }
-    scan_index(r.ledger, r.ledger_open_idx, snap, &[Key::IsNull], |slot| {
+    each_unended(r, snap, None, |slot| {
         let active = ts_attr(slot, COL_LEASE_UNTIL).is_none_or(|l| l > now) || being_changed(slot);
         if active {
             n += 1;
@@ -576,16 +608,23 @@ pub fn next_expiry(
     if !r.v2() {
         return None;
     }
-    let after = Key::TsAtLeast(now.saturating_add(1));
-    let (index, keys) = match role {
-        Some(role) => (r.ledger_idx, vec![Key::OidEq(role), Key::IsNull, after]),
-        None => (r.ledger_open_idx, vec![Key::IsNull, after]),
+    let mut first: Option<pg_sys::TimestampTz> = None;
+    let earliest = |slot| {
+        if let Some(l) = ts_attr(slot, COL_LEASE_UNTIL).filter(|&l| l > now) {
+            first = Some(first.map_or(l, |f| f.min(l)));
+        }
+        true
     };
-    let mut first = None;
-    scan_index(r.ledger, index, snap, &keys, |slot| {
-        first = ts_attr(slot, COL_LEASE_UNTIL);
-        first.is_none()
-    });
+    match role {
+        Some(role) => scan_index(
+            r.ledger,
+            r.ledger_idx,
+            snap,
+            &[Key::OidEq(role), Key::IsNull],
+            earliest,
+        ),
+        None => each_unended(r, snap, None, earliest),
+    }
     first
 }
 
@@ -739,8 +778,8 @@ pub struct Open {
     pub by_role: std::collections::HashMap<u32, i64>,
 }
 
-/// One walk of the database's unfinished tickets in ledger_open_idx (0.2.0's schema
-/// only): the active ones, and those whose lease the writer's sweep has not ended yet.
+/// One walk of the database's unfinished tickets (0.2.0's schema only, see
+/// `each_unended`): the active ones, and those whose lease the writer's sweep has not ended yet.
 pub fn db_open(
     r: &Rels,
     snap: &Latest,
@@ -753,10 +792,7 @@ pub fn db_open(
         gone: 0,
         by_role: std::collections::HashMap::new(),
     };
-    if !r.v2() {
-        return open;
-    }
-    scan_index(r.ledger, r.ledger_open_idx, snap, &[Key::IsNull], |slot| {
+    each_unended(r, snap, None, |slot| {
         let lease_until = ts_attr(slot, COL_LEASE_UNTIL);
         if let Some(role) = attr(slot, COL_ROLE as i32) {
             *open.by_role.entry(role.value() as u32).or_insert(0) += 1;

@@ -34,19 +34,22 @@ pub struct Rels {
     pub ledger: pg_sys::Oid,
     /// A valid btree index whose first column is the ledger's id.
     pub ledger_pkey: pg_sys::Oid,
-    /// A valid btree index on (role, ended_at, …); from 0.2.0 on (role, ended_at,
-    /// lease_until, …), so that a role's active tickets whose lease ran out are one
-    /// probe away.
+    /// A valid btree index on (role, ended_at, …): a role's unended tickets (0.2.0 to
+    /// 0.6.0 created it on (role, ended_at, lease_until); nothing reads it in lease
+    /// order, see count.rs).
     pub ledger_idx: pg_sys::Oid,
-    /// 0.2.0: a valid btree index on (ended_at, lease_until, …): the database's active
-    /// tickets (the database cap) and its leases that ran out (the expiry sweep).
-    /// InvalidOid with an older schema.
+    /// 0.2.0 to 0.5.2, the one table: a valid btree index on (ended_at, lease_until,
+    /// …), for the database's unended tickets (the database cap, the expiry sweep)
+    /// without walking its history. InvalidOid with an older schema, and on quota.active
+    /// (0.6.0 on), whose rows are all unended: they are read through `ledger_idx`
+    /// (0.6.1 drops active_open_idx; see count::each_unended).
     pub ledger_open_idx: pg_sys::Oid,
     /// 0.2.0: a valid btree index on (role, idempotency_key, …) (0.6.0: WHERE
     /// idempotency_key IS NOT NULL). InvalidOid with an older schema.
     pub ledger_key_idx: pg_sys::Oid,
-    /// 0.5.0: a valid btree index on (role, tenant, ended_at, lease_until, …) WHERE
-    /// tenant IS NOT NULL. InvalidOid with an older schema.
+    /// 0.5.0: a valid btree index on (role, tenant, ended_at, …) WHERE tenant IS NOT
+    /// NULL (0.5.0 to 0.6.0 created it with lease_until next). InvalidOid with an older
+    /// schema.
     pub ledger_tenant_idx: pg_sys::Oid,
     /// 0.5.0: a valid btree index on (role, txid, …) WHERE txid IS NOT NULL: a role's
     /// transactional tickets by the transaction that charged them. InvalidOid with an
@@ -496,10 +499,12 @@ fn find_index(
 
 /// The indexes of a ledger table (quota.ledger before 0.6.0, quota.active or
 /// quota.history from 0.6.0), as `Rels` names them; a missing one is an error naming
-/// `name`. `key_partial`: its key index is on keyed tickets only (quota.active's).
-/// `starts`: the table tickets start in, which needs an index on (ended_at,
-/// lease_until) for its unended tickets; quota.history (0.6.0) has none (`open` is
-/// InvalidOid there).
+/// `name`. `key_partial`: its key index is on keyed tickets only (quota.active's, so
+/// the schema is 0.6.0's or later). `starts`: the table tickets start in; before 0.6.0
+/// it holds the history too, and needs an index on (ended_at, lease_until) for its
+/// unended tickets (`open`; InvalidOid on quota.active and quota.history). Every index
+/// is found by the prefix pg_quota reads (see `Rels::ledger_idx`), so that this library
+/// serves 0.6.0's quota.active, whose indexes have lease_until after it, and 0.6.1's.
 #[derive(Clone, Copy)]
 struct TableIndexes {
     pkey: pg_sys::Oid,
@@ -538,18 +543,11 @@ unsafe fn table_indexes(
     };
     TableIndexes {
         pkey: need(find_index(l, &[COL_ID], &[]), "id"),
-        idx: if v2 {
-            need(
-                find_index(l, &[COL_ROLE, COL_ENDED_AT, COL_LEASE_UNTIL], &[]),
-                "role, ended_at, lease_until",
-            )
-        } else {
-            need(
-                find_index(l, &[COL_ROLE, COL_ENDED_AT], &[]),
-                "role, ended_at",
-            )
-        },
-        open: if v2 && starts {
+        idx: need(
+            find_index(l, &[COL_ROLE, COL_ENDED_AT], &[]),
+            "role, ended_at",
+        ),
+        open: if v2 && starts && !key_partial {
             need(
                 find_index(l, &[COL_ENDED_AT, COL_LEASE_UNTIL], &[]),
                 "ended_at, lease_until",
@@ -573,10 +571,10 @@ unsafe fn table_indexes(
             need(
                 find_index(
                     l,
-                    &[COL_ROLE, COL_TENANT, COL_ENDED_AT, COL_LEASE_UNTIL],
+                    &[COL_ROLE, COL_TENANT, COL_ENDED_AT],
                     &[(COL_TENANT, false)],
                 ),
-                "role, tenant, ended_at, lease_until) WHERE (tenant IS NOT NULL",
+                "role, tenant, ended_at) WHERE (tenant IS NOT NULL",
             )
         } else {
             pg_sys::InvalidOid

@@ -40,8 +40,13 @@ use txn::try_in_transaction;
 
 /// The most requests one writer transaction commits together.
 const MAX_BATCH: usize = 256;
-/// How often the writer writes down the leases that ran out (see sweep.rs).
+/// How often the writer writes down the leases that ran out (see sweep.rs), at most.
 const SWEEP_EVERY: Duration = Duration::from_millis(250);
+/// And at most once in this many times as long as the last sweep took: a sweep reads
+/// all of quota.active (0.6.1: no index of it has lease_until), so a queue with a
+/// backlog of millions of unended tickets spends at most a twentieth of its writer's
+/// time sweeping, not four walks of its backlog a second (see core::lease::next_sweep).
+const SWEEP_SHARE: u32 = 20;
 /// How often the writer folds transactional tickets into their roles' summary rows
 /// and purges those roles (see fold.rs).
 const FOLD_EVERY: Duration = Duration::from_secs(1);
@@ -218,7 +223,7 @@ fn configure_session() {
 fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64, mut purge_due: Option<Instant>) {
     let started = Instant::now();
     let mut last_work = Instant::now();
-    let mut last_sweep = Instant::now() - SWEEP_EVERY;
+    let mut next_sweep = Instant::now();
     let mut last_fold = Instant::now();
     // The last fold left restored tickets to adopt (see fold.rs): fold again at once.
     let mut fold_again = false;
@@ -264,9 +269,11 @@ fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64, mut purge_due:
         if w.rebuild_summary.swap(false, Ordering::AcqRel) {
             try_in_transaction("rebuild the summary", summary::rebuild_summary);
         }
-        if last_sweep.elapsed() >= SWEEP_EVERY {
-            last_sweep = Instant::now();
+        if Instant::now() >= next_sweep {
+            let began = Instant::now();
             sweep::sweep_expired_and_wake();
+            next_sweep =
+                began + crate::core::lease::sweep_pause(began.elapsed(), SWEEP_EVERY, SWEEP_SHARE);
         }
         if fold_again || last_fold.elapsed() >= FOLD_EVERY {
             last_fold = Instant::now();

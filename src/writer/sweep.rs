@@ -4,8 +4,9 @@
 
 use pgrx::pg_sys;
 
+use crate::ledger::count::each_unended;
 use crate::ledger::rels::{self, Reader};
-use crate::ledger::scan::{attr, scan_index, text_attr, Key, Latest};
+use crate::ledger::scan::{attr, text_attr, Latest};
 use crate::ledger::write::expired_version;
 use crate::ledger::write::Tables;
 use crate::ledger::{COL_ENDED_AT, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE, COL_TENANT};
@@ -54,9 +55,11 @@ pub fn sweep_expired_and_wake() {
 /// Writes down the leases that ran out: each unfinished ticket whose lease_until has
 /// passed ends at its lease_until with outcome `expired`. Counting does not wait for
 /// this (admission subtracts such tickets as soon as their lease runs out, see
-/// counts::lapsed); the sweep keeps that set short, so that admission stays one
-/// probe, gives the scope counters their true active count, and lets the retention
-/// purge find the tickets. A ticket that a finish() or renew() is changing right now
+/// counts::lapsed); the sweep keeps that set empty, so that a refusal need not look for
+/// lapsed leases (a walk of the scope's unended tickets), gives the scope counters
+/// their true active count, and lets the retention purge find the tickets. It reads
+/// all of quota.active, the database's unended tickets (0.6.1: no index has
+/// lease_until), and the writer spaces sweeps out as they grow long (writer::SWEEP_SHARE). A ticket that a finish() or renew() is changing right now
 /// is left for a later sweep: the writer never waits for a caller's transaction.
 fn sweep_expired() {
     if !rels::rels().v2() {
@@ -69,26 +72,20 @@ fn sweep_expired() {
     let snap = Latest::take();
     let mut due: Vec<(pg_sys::ItemPointerData, ScopeKey, pg_sys::TimestampTz)> = Vec::new();
     let v5 = rels.v5();
-    scan_index(
-        rels.ledger,
-        rels.ledger_open_idx,
-        &snap,
-        &[Key::IsNull, Key::TsLess(now.saturating_add(1))],
-        |slot| {
-            let role = attr(slot, COL_ROLE as i32).map(|d| pg_sys::Oid::from(d.value() as u32));
-            let until = attr(slot, COL_LEASE_UNTIL as i32).map(|d| d.value() as i64);
-            if let (Some(role), Some(until)) = (role, until) {
-                let tenant = if v5 {
-                    text_attr(slot, COL_TENANT).map_or(0, |t| tenant_key(&t))
-                } else {
-                    0
-                };
-                // SAFETY: the slot holds a visible ledger tuple.
-                due.push((unsafe { (*slot).tts_tid }, ScopeKey { role, tenant }, until));
-            }
-            due.len() < MAX_DUE
-        },
-    );
+    each_unended(&rels, &snap, Some(now), |slot| {
+        let role = attr(slot, COL_ROLE as i32).map(|d| pg_sys::Oid::from(d.value() as u32));
+        let until = attr(slot, COL_LEASE_UNTIL as i32).map(|d| d.value() as i64);
+        if let (Some(role), Some(until)) = (role, until) {
+            let tenant = if v5 {
+                text_attr(slot, COL_TENANT).map_or(0, |t| tenant_key(&t))
+            } else {
+                0
+            };
+            // SAFETY: the slot holds a visible ledger tuple.
+            due.push((unsafe { (*slot).tts_tid }, ScopeKey { role, tenant }, until));
+        }
+        due.len() < MAX_DUE
+    });
     drop(snap);
     if due.is_empty() {
         return;

@@ -134,3 +134,20 @@ SELECT pg_temp.err(format('SELECT quota.renew(%L, %L)', :'t4', '-5 min')) AS neg
 SELECT lease_until = :'t4_until'::timestamptz AS unchanged, ended_at IS NULL AS open
   FROM quota.tickets WHERE id = :'t4';
 RESET ROLE;
+
+-- renew_is_heap_only (0.6.1): a renewal changes only lease_until, which no index of
+-- quota.active has, so it is a heap-only (HOT) update: its new version enters no
+-- index (0.6.0 had lease_until in three of them, and every renewal entered all five).
+SET ROLE renew_a;
+SELECT quota.start('hot', lease => '1 hour') AS t5 \gset
+RESET ROLE;
+BEGIN;
+SELECT quota.renew(:'t5', '2 hours') IS NOT NULL AS renewed_once,
+       quota.renew(:'t5', '3 hours') IS NOT NULL AS renewed_twice;
+-- (A renewal may write its row twice: see finish::renew_ticket.)
+SELECT n_tup_upd >= 2 AS updated, n_tup_hot_upd = n_tup_upd AS all_heap_only
+  FROM pg_stat_xact_all_tables WHERE relid = 'quota.active'::regclass;
+COMMIT;
+SELECT lease_until - started_at BETWEEN interval '2 h 59 min' AND interval '3 h 1 min' AS three_hours
+  FROM quota.tickets WHERE id = :'t5';
+SELECT quota.finish(:'t5') AS finished_hot;

@@ -24,6 +24,15 @@ static MAX_ACTIVE_PER_DATABASE: GucSetting<i32> = GucSetting::<i32>::new(0);
 static DEFAULT_LEASE: GucSetting<i32> = GucSetting::<i32>::new(24 * 3600);
 static STATS_MAX: GucSetting<i32> = GucSetting::<i32>::new(5000);
 static LOG_REFUSALS: GucSetting<bool> = GucSetting::<bool>::new(false);
+/// This library's version, as `quota.library_version` shows it.
+const LIBRARY_VERSION: &std::ffi::CStr = match std::ffi::CStr::from_bytes_with_nul(
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes(),
+) {
+    Ok(v) => v,
+    Err(_) => panic!("the crate version has no NUL"),
+};
+static LIBRARY_VERSION_SETTING: GucSetting<Option<std::ffi::CString>> =
+    GucSetting::<Option<std::ffi::CString>>::new(Some(LIBRARY_VERSION));
 static WRITER_START_WAIT: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 static SCOPE_COUNTERS: GucSetting<i32> = GucSetting::<i32>::new(65_536);
 static MAX_ACTIVE_PER_TENANT: GucSetting<i32> = GucSetting::<i32>::new(0);
@@ -282,6 +291,18 @@ fn record(s: Setting) -> *mut pg_sys::config_generic {
 }
 
 pub fn init() {
+    // 0.6.1. Read-only: the version of the library this server process runs, which a
+    // preloaded library keeps until the server restarts, whatever is installed since;
+    // ALTER EXTENSION pg_quota UPDATE to 0.6.1 checks for it (an older library does not
+    // know 0.6.1's indexes).
+    GucRegistry::define_string_guc(
+        c"quota.library_version",
+        c"The version of the pg_quota library this server runs.",
+        c"A new build takes effect at the next server restart: run ALTER EXTENSION pg_quota UPDATE after it.",
+        &LIBRARY_VERSION_SETTING,
+        GucContext::Internal,
+        GucFlags::default(),
+    );
     note_load();
     // 0 turns the limit off; a million concurrent tickets for one role is far beyond
     // what one PostgreSQL server can run, so larger values are typos.

@@ -7,7 +7,7 @@
 //! guards it (`TableLock`). Lock order: never take the scope counters' lock while
 //! holding it (see scopes.rs).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use pgrx::pg_sys;
@@ -52,6 +52,26 @@ pub struct WriterEntry {
     /// it is over. InvalidOid once it is known to be gone.
     pub left_db: pg_sys::Oid,
     pub left_handle: WorkerHandle,
+    /// 0.6.1: no unended ticket of the database has a lease that ends before this
+    /// (TimestampTz), as far as the changes applied since the writer's last expiry sweep
+    /// tell (`lower_lease_floor`): the sweep, which reads all of quota.active, walks it
+    /// only once this has passed (see writer/sweep.rs). i64::MIN where something it
+    /// cannot follow happened; a new entry starts there.
+    pub lease_floor: AtomicI64,
+}
+
+/// Lowers the lease floor of database `db`'s writer, if it has one, to `floor` (see
+/// WriterEntry::lease_floor): after a commit whose changes start or renew tickets with
+/// leases. A database without a writer needs nothing: a new writer sweeps at once.
+/// Takes the table lock shared; never raises an error (it runs inside commit).
+pub fn lower_lease_floor(db: pg_sys::Oid, floor: i64) {
+    if db == pg_sys::InvalidOid {
+        return;
+    }
+    let _l = TableLock::acquire_shared();
+    if let Some(i) = writer_of(db) {
+        writer(i).lease_floor.fetch_min(floor, Ordering::AcqRel);
+    }
 }
 
 #[repr(C)]
@@ -330,6 +350,7 @@ fn take_entry(i: usize, db: pg_sys::Oid, handle: WorkerHandle) {
     w.exit_requested.store(false, Ordering::Relaxed);
     w.leave_when_idle.store(false, Ordering::Relaxed);
     w.rebuild_summary.store(false, Ordering::Relaxed);
+    w.lease_floor.store(i64::MIN, Ordering::Relaxed);
 }
 
 /// Starts a writer for this database if none runs and one can start at once, without

@@ -419,11 +419,12 @@ pub fn being_changed(slot: *mut pg_sys::TupleTableSlot) -> bool {
     }
 }
 
-/// `role`'s unfinished tickets whose lease ran out by `now` (0.2.0's schema only): a
-/// walk of the role's unfinished tickets, in (role, ended_at IS NULL) of its index
+/// `role`'s unfinished tickets whose lease ran out by `now` (0.2.0's schema only):
+/// one probe of (role, ended_at IS NULL, lease_until <= now) where the index has
+/// lease_until next (0.2.0 to 0.6.0), else a walk of the role's unfinished tickets
 /// (0.6.1: no index of quota.active has lease_until, so that a renewal is a heap-only
-/// update). Only a start that its counters would refuse looks (see scopes::counts),
-/// and only while its counter does not know that no lease has run out. Their counter and their unfinished rows still include them until the sweep
+/// update; callers look only where the role's counter cannot tell that none lapsed,
+/// see scopes::counts). Their counter and their unfinished rows still include them until the sweep
 /// ends them. Take `snap` after reading the role's counter, so that it sees every sweep
 /// the counter reflects and nothing is subtracted twice. The result serves every
 /// retention cutoff (see core::lease::Lapsed).
@@ -431,13 +432,21 @@ pub fn lapsed(r: &Rels, snap: &Latest, role: pg_sys::Oid, now: pg_sys::Timestamp
     if !r.v2() {
         return Lapsed::new(Vec::new());
     }
-    lapsed_on(r.ledger_idx, r, snap, &[Key::OidEq(role)], now)
+    lapsed_on(
+        r.ledger_idx,
+        r.ledger_idx_leased,
+        r,
+        snap,
+        &[Key::OidEq(role)],
+        now,
+    )
 }
 
 /// The unfinished tickets that the `scope` keys select on `index` (whose next column
-/// is ended_at) and whose lease ran out by `now`.
+/// is ended_at, then lease_until if `leased`) and whose lease ran out by `now`.
 fn lapsed_on(
     index: pg_sys::Oid,
+    leased: bool,
     r: &Rels,
     snap: &Latest,
     scope: &[Key],
@@ -446,6 +455,9 @@ fn lapsed_on(
     let mut expiries = Vec::new();
     let mut keys = scope.to_vec();
     keys.push(Key::IsNull);
+    if leased {
+        keys.push(Key::TsLess(now.saturating_add(1)));
+    }
     scan(r.ledger, index, snap, &keys, |slot| {
         let lease = ts_attr(slot, COL_LEASE_UNTIL).filter(|&l| l <= now);
         if lease.is_some() && !being_changed(slot) {
@@ -576,6 +588,7 @@ pub fn tenant_lapsed(
     // The index is locked by the Reader (see rels.rs).
     lapsed_on(
         r.ledger_tenant_idx,
+        r.ledger_tenant_idx_leased,
         r,
         snap,
         &[Key::OidEq(role), Key::TextEq(tenant)],
@@ -616,6 +629,18 @@ pub fn next_expiry(
         true
     };
     match role {
+        // In lease order: the first one after `now` is the one.
+        Some(role) if r.ledger_idx_leased => {
+            let keys = [
+                Key::OidEq(role),
+                Key::IsNull,
+                Key::TsAtLeast(now.saturating_add(1)),
+            ];
+            scan_index(r.ledger, r.ledger_idx, snap, &keys, |slot| {
+                first = ts_attr(slot, COL_LEASE_UNTIL);
+                first.is_none()
+            });
+        }
         Some(role) => scan_index(
             r.ledger,
             r.ledger_idx,
@@ -623,6 +648,13 @@ pub fn next_expiry(
             &[Key::OidEq(role), Key::IsNull],
             earliest,
         ),
+        None if r.ledger_open_idx != pg_sys::InvalidOid => {
+            let keys = [Key::IsNull, Key::TsAtLeast(now.saturating_add(1))];
+            scan_index(r.ledger, r.ledger_open_idx, snap, &keys, |slot| {
+                first = ts_attr(slot, COL_LEASE_UNTIL);
+                first.is_none()
+            });
+        }
         None => each_unended(r, snap, None, earliest),
     }
     first

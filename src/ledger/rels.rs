@@ -34,23 +34,28 @@ pub struct Rels {
     pub ledger: pg_sys::Oid,
     /// A valid btree index whose first column is the ledger's id.
     pub ledger_pkey: pg_sys::Oid,
-    /// A valid btree index on (role, ended_at, …): a role's unended tickets (0.2.0 to
-    /// 0.6.0 created it on (role, ended_at, lease_until); nothing reads it in lease
-    /// order, see count.rs).
+    /// A valid btree index on (role, ended_at, …): a role's unended tickets.
     pub ledger_idx: pg_sys::Oid,
-    /// 0.2.0 to 0.5.2, the one table: a valid btree index on (ended_at, lease_until,
-    /// …), for the database's unended tickets (the database cap, the expiry sweep)
-    /// without walking its history. InvalidOid with an older schema, and on quota.active
-    /// (0.6.0 on), whose rows are all unended: they are read through `ledger_idx`
-    /// (0.6.1 drops active_open_idx; see count::each_unended).
+    /// Whether `ledger_idx` has lease_until next, as 0.2.0 to 0.6.0 created it: then a
+    /// role's lapsed leases, and its next one, are one probe away. 0.6.1 takes
+    /// lease_until out of quota.active's indexes (a renewal is then a heap-only
+    /// update), and they are found by walking the role's unended tickets.
+    pub ledger_idx_leased: bool,
+    /// 0.2.0 to 0.6.0: a valid btree index on (ended_at, lease_until, …), for the
+    /// database's unended tickets (the database cap, the expiry sweep) in lease order,
+    /// without walking the one table's history before 0.6.0. InvalidOid with an older
+    /// schema, and on 0.6.1's quota.active, whose rows are all unended: they are read
+    /// through `ledger_idx` (see count::each_unended).
     pub ledger_open_idx: pg_sys::Oid,
     /// 0.2.0: a valid btree index on (role, idempotency_key, …) (0.6.0: WHERE
     /// idempotency_key IS NOT NULL). InvalidOid with an older schema.
     pub ledger_key_idx: pg_sys::Oid,
     /// 0.5.0: a valid btree index on (role, tenant, ended_at, …) WHERE tenant IS NOT
-    /// NULL (0.5.0 to 0.6.0 created it with lease_until next). InvalidOid with an older
-    /// schema.
+    /// NULL. InvalidOid with an older schema.
     pub ledger_tenant_idx: pg_sys::Oid,
+    /// Whether `ledger_tenant_idx` has lease_until next (0.5.0 to 0.6.0), as
+    /// `ledger_idx_leased`.
+    pub ledger_tenant_idx_leased: bool,
     /// 0.5.0: a valid btree index on (role, txid, …) WHERE txid IS NOT NULL: a role's
     /// transactional tickets by the transaction that charged them. InvalidOid with an
     /// older schema.
@@ -469,12 +474,16 @@ fn find_index(
             // The scans assume ascending order with the type's default operators: a
             // DBA's index on (role DESC, …) or with another operator class would
             // return rows in another order, or compare them differently.
+            // And with the column's own collation: a tenant's text compared under a
+            // DBA's case-insensitive collation would match other tenants' tickets.
             let plain_order = |k: usize| {
                 let typ = (*compat::tuple_desc_attr((*idx).rd_att, k)).atttypid;
                 let default = pg_sys::GetDefaultOpClass(typ, pg_sys::BTREE_AM_OID);
+                let column = (*compat::tuple_desc_attr((*heap).rd_att, keys[k] - 1)).attcollation;
                 *(*idx).rd_indoption.add(k) == 0
                     && default != pg_sys::InvalidOid
                     && *(*idx).rd_opfamily.add(k) == pg_sys::get_opclass_family(default)
+                    && *(*idx).rd_indcollation.add(k) == column
             };
             let usable = (*(*idx).rd_rel).relam == pg_sys::BTREE_AM_OID
                 && ix.indisvalid
@@ -502,16 +511,19 @@ fn find_index(
 /// `name`. `key_partial`: its key index is on keyed tickets only (quota.active's, so
 /// the schema is 0.6.0's or later). `starts`: the table tickets start in; before 0.6.0
 /// it holds the history too, and needs an index on (ended_at, lease_until) for its
-/// unended tickets (`open`; InvalidOid on quota.active and quota.history). Every index
-/// is found by the prefix pg_quota reads (see `Rels::ledger_idx`), so that this library
-/// serves 0.6.0's quota.active, whose indexes have lease_until after it, and 0.6.1's.
+/// unended tickets (`open`); quota.active has one in 0.6.0 only, quota.history none.
+/// Every index is found by the prefix pg_quota needs, and with lease_until next where
+/// it has it (`Rels::ledger_idx_leased`), so that this library serves 0.6.0's
+/// quota.active as 0.6.0's did, and 0.6.1's, without lease_until.
 #[derive(Clone, Copy)]
 struct TableIndexes {
     pkey: pg_sys::Oid,
     idx: pg_sys::Oid,
+    idx_leased: bool,
     open: pg_sys::Oid,
     key: pg_sys::Oid,
     tenant: pg_sys::Oid,
+    tenant_leased: bool,
     txid: pg_sys::Oid,
 }
 
@@ -541,17 +553,33 @@ unsafe fn table_indexes(
     } else {
         &[]
     };
+    // The index on `cols` with lease_until next, if there is one and `v2`; else one on
+    // `cols`.
+    let leased = |cols: &[usize], predicate: &[(usize, bool)]| {
+        let with: Vec<usize> = cols.iter().copied().chain([COL_LEASE_UNTIL]).collect();
+        match find_index(l, &with, predicate).filter(|_| v2) {
+            Some(oid) => (Some(oid), true),
+            None => (find_index(l, cols, predicate), false),
+        }
+    };
+    let (idx, idx_leased) = leased(&[COL_ROLE, COL_ENDED_AT], &[]);
+    let (tenant, tenant_leased) = if v5 {
+        leased(
+            &[COL_ROLE, COL_TENANT, COL_ENDED_AT],
+            &[(COL_TENANT, false)],
+        )
+    } else {
+        (None, false)
+    };
+    let open_cols = [COL_ENDED_AT, COL_LEASE_UNTIL];
     TableIndexes {
         pkey: need(find_index(l, &[COL_ID], &[]), "id"),
-        idx: need(
-            find_index(l, &[COL_ROLE, COL_ENDED_AT], &[]),
-            "role, ended_at",
-        ),
+        idx: need(idx, "role, ended_at"),
+        idx_leased,
         open: if v2 && starts && !key_partial {
-            need(
-                find_index(l, &[COL_ENDED_AT, COL_LEASE_UNTIL], &[]),
-                "ended_at, lease_until",
-            )
+            need(find_index(l, &open_cols, &[]), "ended_at, lease_until")
+        } else if v2 && starts {
+            find_index(l, &open_cols, &[]).unwrap_or(pg_sys::InvalidOid)
         } else {
             pg_sys::InvalidOid
         },
@@ -568,17 +596,11 @@ unsafe fn table_indexes(
             pg_sys::InvalidOid
         },
         tenant: if v5 {
-            need(
-                find_index(
-                    l,
-                    &[COL_ROLE, COL_TENANT, COL_ENDED_AT],
-                    &[(COL_TENANT, false)],
-                ),
-                "role, tenant, ended_at) WHERE (tenant IS NOT NULL",
-            )
+            need(tenant, "role, tenant, ended_at) WHERE (tenant IS NOT NULL")
         } else {
             pg_sys::InvalidOid
         },
+        tenant_leased,
         txid: if v5 {
             need(
                 find_index(l, &[COL_ROLE, COL_TXID], &[(COL_TXID, false)]),
@@ -725,9 +747,11 @@ fn discover_once() -> (Rels, Locks) {
             ledger,
             ledger_pkey: own.pkey,
             ledger_idx: own.idx,
+            ledger_idx_leased: own.idx_leased,
             ledger_open_idx: own.open,
             ledger_key_idx: own.key,
             ledger_tenant_idx: own.tenant,
+            ledger_tenant_idx_leased: own.tenant_leased,
             ledger_txid_idx: own.txid,
             history,
             history_pkey: hist.pkey,

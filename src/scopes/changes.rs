@@ -140,7 +140,10 @@ pub fn apply_mine() {
     {
         return;
     }
-    let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
+    let held = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
+    // The earliest lease the committed changes add or renew, for the writer's sweep
+    // (whether or not the scope has a counter).
+    let mut floor = LEASE_NONE;
     for p in mine {
         let set = p
             .state
@@ -159,6 +162,7 @@ pub fn apply_mine() {
                 ))
             };
         if committed {
+            floor = floor.min(p.lease_floor.load(Ordering::Relaxed));
             if let Some(e) = find(pending_key(p)) {
                 // The version first (a refresh of `earliest` that read it before this
                 // change then leaves the value alone), then the lease floor before the
@@ -173,6 +177,10 @@ pub fn apply_mine() {
             }
         }
         p.state.store(PENDING_FREE, Ordering::Release);
+    }
+    drop(held);
+    if floor != LEASE_NONE {
+        crate::workers::lower_lease_floor(shmem::my_db(), floor);
     }
 }
 

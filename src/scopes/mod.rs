@@ -565,11 +565,14 @@ fn claim(e: &Counter, key: (u32, u32, u128)) {
     e.state.store(ENTRY_TAKEN, Ordering::Release);
 }
 
-/// Marks the counters of `keys` in this database as stale.
+/// Marks the counters of `keys` in this database as stale: changes that did not fit
+/// among the published ones (see `publish`), whose lease floors the writer's sweep
+/// then cannot know either (see workers::WriterEntry::lease_floor).
 pub fn invalidate(keys: &[ScopeKey]) {
     if keys.is_empty() || !shmem::available() {
         return;
     }
+    crate::workers::lower_lease_floor(shmem::my_db(), i64::MIN);
     let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
     for key in keys {
         if let Some(e) = find(key.shared()) {

@@ -42,10 +42,11 @@ use txn::try_in_transaction;
 const MAX_BATCH: usize = 256;
 /// How often the writer writes down the leases that ran out (see sweep.rs), at most.
 const SWEEP_EVERY: Duration = Duration::from_millis(250);
-/// And at most once in this many times as long as the last sweep took: a sweep reads
-/// all of quota.active (0.6.1: no index of it has lease_until), so a queue with a
-/// backlog of millions of unended tickets spends at most a twentieth of its writer's
-/// time sweeping, not four walks of its backlog a second (see core::lease::next_sweep).
+/// And, after a sweep that walked all of quota.active (0.6.1: no index of it has
+/// lease_until; see sweep.rs for when it does), at most once in this many times as
+/// long as that walk took: a queue with a backlog of millions of unended tickets whose
+/// leases keep running out spends at most about a twentieth of its writer's time on
+/// those walks (see core::lease::sweep_pause).
 const SWEEP_SHARE: u32 = 20;
 /// How often the writer folds transactional tickets into their roles' summary rows
 /// and purges those roles (see fold.rs).
@@ -271,9 +272,11 @@ fn main_loop(idx: usize, db: pg_sys::Oid, mut roles_dropped: u64, mut purge_due:
         }
         if Instant::now() >= next_sweep {
             let began = Instant::now();
-            sweep::sweep_expired_and_wake();
-            next_sweep =
-                began + crate::core::lease::sweep_pause(began.elapsed(), SWEEP_EVERY, SWEEP_SHARE);
+            let walk = sweep::sweep_expired_and_wake(&w.lease_floor);
+            next_sweep = began
+                + walk.map_or(SWEEP_EVERY, |took| {
+                    crate::core::lease::sweep_pause(took, SWEEP_EVERY, SWEEP_SHARE)
+                });
         }
         if fold_again || last_fold.elapsed() >= FOLD_EVERY {
             last_fold = Instant::now();

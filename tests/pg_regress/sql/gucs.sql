@@ -9,6 +9,14 @@ SET quota.retention = '90min';
 SHOW quota.retention;
 RESET quota.retention;
 
+-- 0.6.1: the library's version, which nobody can set (55P02).
+SELECT current_setting('quota.library_version') = extversion AS library_is_the_extension
+  FROM pg_extension WHERE extname = 'pg_quota';
+\set VERBOSITY sqlstate
+SET quota.library_version = '0.6.0';
+\set VERBOSITY default
+\echo :LAST_ERROR_SQLSTATE
+
 -- Out of range.
 SET quota.max_active_per_role = -1;
 \echo :LAST_ERROR_SQLSTATE

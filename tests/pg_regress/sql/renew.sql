@@ -137,7 +137,7 @@ RESET ROLE;
 
 -- renew_is_heap_only (0.6.1): a renewal changes only lease_until, which no index of
 -- quota.active has, so it is a heap-only (HOT) update: its new version enters no
--- index (0.6.0 had lease_until in three of them, and every renewal entered all five).
+-- index (0.6.0 had lease_until in three of them: every renewal entered three to six).
 SET ROLE renew_a;
 SELECT quota.start('hot', lease => '1 hour') AS t5 \gset
 RESET ROLE;

@@ -306,8 +306,8 @@ pub fn start(
     })?;
 
     let mut place: Option<(crate::waiters::Place, WaitTimer)> = None;
-    // The database's next lease end, once looked up (see `next_lease_end`).
-    let mut db_next_lease: Option<Option<pg_sys::TimestampTz>> = None;
+    // The next lease end in the start's way, once looked up (see `next_lease_end`).
+    let mut next_lease: Option<Option<pg_sys::TimestampTz>> = None;
     // The clock as the next try reads it: the first try's is the one read above.
     let mut now = now;
     loop {
@@ -362,7 +362,7 @@ pub fn start(
         // way running out, or, at the retained limit, the oldest ticket ageing out.
         let scope = (r.kind != RefusalKind::Database).then_some(role);
         let next = earliest(
-            next_lease_end(scope, now, &mut db_next_lease),
+            next_lease_end(scope, now, &mut next_lease),
             r.next_ageout(&caller),
         );
         nap(
@@ -373,16 +373,18 @@ pub fn start(
 }
 
 /// When a lease in a waiting start's way runs out next, for its wake-up (waking early
-/// only looks again; every wait is bounded by waiters::POLL_MS anyway). For a role's
-/// or a tenant's limit: the role's counter's `earliest` where the counter is live and
-/// knows one still to come (a lower bound: it counts the tenant's tickets too), else a
-/// look at the role's unended tickets. For the database cap: a look at all of the
-/// database's once (`db_next`), and again only once that lease has passed: 0.6.1's
-/// quota.active has no index in lease order, and a poll must not walk it every time.
+/// only looks again; every wait is bounded by waiters::POLL_MS anyway, and a finish()
+/// wakes it at once). For a role's or a tenant's limit: the role's counter's
+/// `earliest` where the counter is live and knows one still to come (a lower bound: it
+/// counts the tenant's tickets too). Else, and for the database cap, a look at the
+/// role's (or the database's) unended tickets, once per wait (`looked`), and again only
+/// once the lease it found has passed: 0.6.1's quota.active has no index in lease
+/// order, and a poll must not walk a backlog every time. A lease that a start or a
+/// renewal brings meanwhile, and that runs out sooner, is then seen at the next poll.
 fn next_lease_end(
     scope: Option<pg_sys::Oid>,
     now: pg_sys::TimestampTz,
-    db_next: &mut Option<Option<pg_sys::TimestampTz>>,
+    looked: &mut Option<Option<pg_sys::TimestampTz>>,
 ) -> Option<pg_sys::TimestampTz> {
     if let Some(role) = scope {
         let known = crate::ledger::rels::current_tags()
@@ -391,17 +393,16 @@ fn next_lease_end(
         if let Some(p) = known {
             return (p.earliest != crate::scopes::LEASE_NONE).then_some(p.earliest);
         }
-    } else if let Some(cached) = *db_next {
-        if cached.is_none_or(|t| t > now) {
-            return cached;
+    }
+    if let Some(found) = *looked {
+        if found.is_none_or(|t| t > now) {
+            return found;
         }
     }
     let reader = Reader::open();
     let snap = Latest::take();
     let found = next_expiry(&reader.rels, &snap, scope, now);
-    if scope.is_none() {
-        *db_next = Some(found);
-    }
+    *looked = Some(found);
     found
 }
 

@@ -424,13 +424,20 @@ pub fn being_changed(slot: *mut pg_sys::TupleTableSlot) -> bool {
 /// lease_until next (0.2.0 to 0.6.0), else a walk of the role's unfinished tickets
 /// (0.6.1: no index of quota.active has lease_until, so that a renewal is a heap-only
 /// update; callers look only where the role's counter cannot tell that none lapsed,
-/// see scopes::counts). Their counter and their unfinished rows still include them until the sweep
+/// see scopes::counts). Also, where it walked them all, the earliest lease end among
+/// them (LEASE_NONE as i64::MAX where none ends; None after a probe), for the role's
+/// counter (scopes::counts). Their counter and their unfinished rows still include them until the sweep
 /// ends them. Take `snap` after reading the role's counter, so that it sees every sweep
 /// the counter reflects and nothing is subtracted twice. The result serves every
 /// retention cutoff (see core::lease::Lapsed).
-pub fn lapsed(r: &Rels, snap: &Latest, role: pg_sys::Oid, now: pg_sys::TimestampTz) -> Lapsed {
+pub fn lapsed(
+    r: &Rels,
+    snap: &Latest,
+    role: pg_sys::Oid,
+    now: pg_sys::TimestampTz,
+) -> (Lapsed, Option<i64>) {
     if !r.v2() {
-        return Lapsed::new(Vec::new());
+        return (Lapsed::new(Vec::new()), None);
     }
     lapsed_on(
         r.ledger_idx,
@@ -443,7 +450,10 @@ pub fn lapsed(r: &Rels, snap: &Latest, role: pg_sys::Oid, now: pg_sys::Timestamp
 }
 
 /// The unfinished tickets that the `scope` keys select on `index` (whose next column
-/// is ended_at, then lease_until if `leased`) and whose lease ran out by `now`.
+/// is ended_at, then lease_until if `leased`) and whose lease ran out by `now`; and,
+/// where the scan read every unfinished ticket of the scope (not `leased`), the
+/// earliest lease end among them all, lapsed or being changed or not (i64::MAX where
+/// none ends).
 fn lapsed_on(
     index: pg_sys::Oid,
     leased: bool,
@@ -451,21 +461,24 @@ fn lapsed_on(
     snap: &Latest,
     scope: &[Key],
     now: pg_sys::TimestampTz,
-) -> Lapsed {
+) -> (Lapsed, Option<i64>) {
     let mut expiries = Vec::new();
+    let mut earliest = i64::MAX;
     let mut keys = scope.to_vec();
     keys.push(Key::IsNull);
     if leased {
         keys.push(Key::TsLess(now.saturating_add(1)));
     }
     scan(r.ledger, index, snap, &keys, |slot| {
-        let lease = ts_attr(slot, COL_LEASE_UNTIL).filter(|&l| l <= now);
+        let lease = ts_attr(slot, COL_LEASE_UNTIL);
+        earliest = earliest.min(lease.unwrap_or(i64::MAX));
+        let lease = lease.filter(|&l| l <= now);
         if lease.is_some() && !being_changed(slot) {
             expiries.extend(lease);
         }
         true
     });
-    Lapsed::new(expiries)
+    (Lapsed::new(expiries), (!leased).then_some(earliest))
 }
 
 /// Hands the database's unfinished tickets visible to `snap` to `visit` until it
@@ -581,9 +594,9 @@ pub fn tenant_lapsed(
     role: pg_sys::Oid,
     tenant: pg_sys::Datum,
     now: pg_sys::TimestampTz,
-) -> Lapsed {
+) -> (Lapsed, Option<i64>) {
     if !r.v5() {
-        return Lapsed::new(Vec::new());
+        return (Lapsed::new(Vec::new()), None);
     }
     // The index is locked by the Reader (see rels.rs).
     lapsed_on(

@@ -474,8 +474,9 @@ fn find_index(
             // The scans assume ascending order with the type's default operators: a
             // DBA's index on (role DESC, …) or with another operator class would
             // return rows in another order, or compare them differently.
-            // And with the column's own collation: a tenant's text compared under a
-            // DBA's case-insensitive collation would match other tenants' tickets.
+            // And with the column's own collation, or a deterministic one (equality is
+            // all the scans ask of text): a tenant's text compared under a DBA's
+            // case-insensitive collation would match other tenants' tickets.
             let plain_order = |k: usize| {
                 let typ = (*compat::tuple_desc_attr((*idx).rd_att, k)).atttypid;
                 let default = pg_sys::GetDefaultOpClass(typ, pg_sys::BTREE_AM_OID);
@@ -483,7 +484,12 @@ fn find_index(
                 *(*idx).rd_indoption.add(k) == 0
                     && default != pg_sys::InvalidOid
                     && *(*idx).rd_opfamily.add(k) == pg_sys::get_opclass_family(default)
-                    && *(*idx).rd_indcollation.add(k) == column
+                    && {
+                        let coll = *(*idx).rd_indcollation.add(k);
+                        coll == column
+                            || (coll != pg_sys::InvalidOid
+                                && pg_sys::get_collation_isdeterministic(coll))
+                    }
             };
             let usable = (*(*idx).rd_rel).relam == pg_sys::BTREE_AM_OID
                 && ix.indisvalid

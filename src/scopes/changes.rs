@@ -145,6 +145,9 @@ pub fn apply_mine() {
     // (whether or not the scope has a counter).
     let mut floor = LEASE_NONE;
     for p in mine {
+        // A change a rebuild absorbed is in the counter already, but its lease is news
+        // to the writer's sweep all the same.
+        let absorbed = p.state.load(Ordering::Acquire) == PENDING_ABSORBED;
         let set = p
             .state
             .compare_exchange(
@@ -161,8 +164,17 @@ pub fn apply_mine() {
                     p.xid.load(Ordering::Relaxed),
                 ))
             };
-        if committed {
+        // SAFETY: as above.
+        let absorbed_committed = absorbed
+            && unsafe {
+                pg_sys::TransactionIdDidCommit(pg_sys::TransactionId::from_inner(
+                    p.xid.load(Ordering::Relaxed),
+                ))
+            };
+        if committed || absorbed_committed {
             floor = floor.min(p.lease_floor.load(Ordering::Relaxed));
+        }
+        if committed {
             if let Some(e) = find(pending_key(p)) {
                 // The version first (a refresh of `earliest` that read it before this
                 // change then leaves the value alone), then the lease floor before the

@@ -151,11 +151,20 @@ pub fn usage(
     if fits(u) {
         return u;
     }
+    // The counters' versions before the snapshot the walks take, if they take it.
+    let role_key = ScopeKey::role(role);
+    let fresh = after.is_none();
+    let role_seen = of_role.then(|| Seen::peek(reader, role_key, now, fresh));
+    let tenant_seen = of_tenant.map(|t| {
+        let key = ScopeKey {
+            role,
+            tenant: t.key,
+        };
+        (key, Seen::peek(reader, key, now, fresh))
+    });
     let after = after.get_or_insert_with(others_view);
-    if of_role {
-        let lapsed = lapsed_unless_known(reader, ScopeKey::role(role), now, || {
-            lapsed(r, after, role, now)
-        });
+    if let Some(seen) = role_seen {
+        let lapsed = seen.lapsed(role_key, now, || lapsed(r, after, role, now));
         if limits.max_active > 0 {
             u.active -= lapsed.expired();
         }
@@ -163,14 +172,8 @@ pub fn usage(
             u.retained -= expired(r, after, role, cutoff) + lapsed.aged_out(cutoff);
         }
     }
-    if let Some(t) = of_tenant {
-        let key = ScopeKey {
-            role,
-            tenant: t.key,
-        };
-        let lapsed = lapsed_unless_known(reader, key, now, || {
-            tenant_lapsed(r, after, role, t.text, now)
-        });
+    if let (Some(t), Some((key, seen))) = (of_tenant, tenant_seen) {
+        let lapsed = seen.lapsed(key, now, || tenant_lapsed(r, after, role, t.text, now));
         u.tenant_active -= lapsed.expired();
         if limits.tenant_retained > 0 {
             u.tenant_retained -= lapsed.aged_out(cutoff);
@@ -179,30 +182,61 @@ pub fn usage(
     u
 }
 
-/// The scope's tickets whose lease ran out by `now`, from `walk`, unless its counter is
-/// live and knows that none did (its `earliest` lease end is still to come): then none,
-/// without reading the ledger. Read after the counts they are subtracted from: a ticket
-/// those counts include whose lease ran out keeps `earliest` at or below its lease
-/// until it is gone from the counter (only `refresh_earliest` raises it, from the
-/// ledger, and only above `now`), so what the counter knows holds for those counts, or
-/// over-counts (a ticket ended since), which is allowed. 0.6.1: where quota.active's
-/// indexes have no lease_until, the walk reads all of the scope's unended tickets, so
-/// this spares the writer's batches, and the numbers of refusals, a walk of a queue's
-/// backlog.
-fn lapsed_unless_known(
-    reader: &Reader,
-    key: ScopeKey,
-    now: pg_sys::TimestampTz,
-    walk: impl FnOnce() -> Lapsed,
-) -> Lapsed {
-    let known = reader
-        .tags
-        .and_then(|tags| super::peek(key, tags, now))
-        .is_some_and(|p| p.earliest > now);
-    if known {
-        Lapsed::new(Vec::new())
-    } else {
-        walk()
+/// A scope's counter as read before its lapsed leases are looked for (`Seen::lapsed`):
+/// None where it is not live; and whether it was read before the snapshot the look
+/// takes.
+#[derive(Clone, Copy)]
+struct Seen {
+    peeked: Option<super::Peeked>,
+    before_snapshot: bool,
+}
+
+impl Seen {
+    /// Reads scope `key`'s counter, after the counts it qualifies; `before_snapshot`:
+    /// the snapshot of the look is taken after this.
+    fn peek(
+        reader: &Reader,
+        key: ScopeKey,
+        now: pg_sys::TimestampTz,
+        before_snapshot: bool,
+    ) -> Seen {
+        Seen {
+            peeked: reader.tags.and_then(|tags| super::peek(key, tags, now)),
+            before_snapshot,
+        }
+    }
+
+    /// The scope's tickets whose lease ran out by `now`: none, without reading the
+    /// ledger, where its counter knows that none did (its `earliest` lease end is still
+    /// to come); else `walk`'s. Read after the counts they are subtracted from: a
+    /// ticket those counts include whose lease ran out keeps `earliest` at or below its
+    /// lease until it is gone from the counter (only `refresh_earliest` raises it, from
+    /// the ledger, and only above `now`), so what the counter knows holds for those
+    /// counts, or over-counts (a ticket ended since), which is allowed.
+    ///
+    /// 0.6.1: where quota.active's indexes have no lease_until, the walk reads all of
+    /// the scope's unended tickets, and returns the earliest lease end among them; if
+    /// that is still to come, the counter learns it (refresh_earliest, unless a change
+    /// was applied since it was read here, before the walk's snapshot). A counter's
+    /// `earliest` only goes down as tickets come and are renewed, so without this the
+    /// first lease to pass would send every later look for this scope (the writer's
+    /// batches, the numbers of refusals) on a walk of its backlog.
+    fn lapsed(
+        self,
+        key: ScopeKey,
+        now: pg_sys::TimestampTz,
+        walk: impl FnOnce() -> (Lapsed, Option<i64>),
+    ) -> Lapsed {
+        if self.peeked.is_some_and(|p| p.earliest > now) {
+            return Lapsed::new(Vec::new());
+        }
+        let (lapsed, earliest) = walk();
+        if let (Some(p), Some(e), true) = (self.peeked, earliest, self.before_snapshot) {
+            if e > now {
+                super::refresh_earliest(key, p.version, e);
+            }
+        }
+        lapsed
     }
 }
 
@@ -227,10 +261,10 @@ pub fn role_exact(
 ) -> Exact {
     let r = &reader.rels;
     let (active, rows, open) = role_counts(reader, role);
+    let key = ScopeKey::role(role);
+    let seen = Seen::peek(reader, key, now, true);
     let after = others_view();
-    let lapsed = lapsed_unless_known(reader, ScopeKey::role(role), now, || {
-        lapsed(r, &after, role, now)
-    });
+    let lapsed = seen.lapsed(key, now, || lapsed(r, &after, role, now));
     let retained = cutoffs
         .iter()
         .map(|&c| rows + open - expired(r, &after, role, c) - lapsed.aged_out(c))
@@ -255,14 +289,13 @@ pub fn tenant_exact(
 ) -> Exact {
     let r = &reader.rels;
     let (active, open) = tenant_counts(reader, role, t);
-    let after = others_view();
     let key = ScopeKey {
         role,
         tenant: t.key,
     };
-    let lapsed = lapsed_unless_known(reader, key, now, || {
-        tenant_lapsed(r, &after, role, t.text, now)
-    });
+    let seen = Seen::peek(reader, key, now, true);
+    let after = others_view();
+    let lapsed = seen.lapsed(key, now, || tenant_lapsed(r, &after, role, t.text, now));
     let unfinished = if cutoffs.is_empty() {
         0
     } else {

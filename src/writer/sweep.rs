@@ -33,7 +33,7 @@ const MAX_DUE: usize = 1024;
 /// The same for a sweep that walks all of quota.active (0.6.1), which the writer does
 /// at a pace set by the walk's length: a burst of leases that ran out (a pool of
 /// workers gone) is written down in fewer, larger steps.
-const MAX_DUE_WALKING: usize = 16 * MAX_DUE;
+const MAX_DUE_WALKING: usize = 4 * MAX_DUE;
 
 thread_local! {
     /// Scopes whose tickets the last expiry sweep ended, and how many each.

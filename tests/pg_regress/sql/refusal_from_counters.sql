@@ -60,6 +60,38 @@ RESET quota.max_active_per_role;
 RESET quota.max_retained_per_role;
 RESET quota.max_active_per_tenant;
 
+-- 0.6.1: a counter's earliest lease end only goes down as tickets come and are
+-- renewed, so once a lease it knew of has passed it knows nothing more, whether that
+-- ticket is still there or not. The first walk of the scope's tickets that finds no
+-- lease run out tells it the earliest still to come, and the looks after it need no
+-- walk. Here the lease it knew of was renewed to 100 ms and then finished; at the
+-- retained limit, two start()s refused: the first walks quota.active's two tickets
+-- (for the refusal, and not again for its numbers), the second none.
+CREATE ROLE quota_kept;
+SET quota.max_active_per_role = 10;
+SET quota.max_retained_per_role = 3;
+SET ROLE quota_kept;
+SELECT count(quota.start('kept')) AS admitted FROM generate_series(1, 2);
+SELECT quota.start('brief') AS brief \gset
+SELECT quota.renew(:'brief', '100 ms') IS NOT NULL AS renewed_to_100_ms;
+SELECT quota.finish(:'brief') AS finished;
+SELECT pg_sleep(0.2);
+SELECT pg_stat_force_next_flush();
+BEGIN;
+DO $$ BEGIN PERFORM quota.start('over'); EXCEPTION WHEN sqlstate '53400' THEN NULL; END $$;
+SELECT coalesce(sum(idx_tup_fetch), 0) AS fetched_by_the_first
+  FROM pg_stat_xact_all_tables WHERE relid = 'quota.active'::regclass;
+DO $$ BEGIN PERFORM quota.start('over'); EXCEPTION WHEN sqlstate '53400' THEN NULL; END $$;
+SELECT coalesce(sum(idx_tup_fetch), 0) AS fetched_by_both
+  FROM pg_stat_xact_all_tables WHERE relid = 'quota.active'::regclass;
+COMMIT;
+RESET ROLE;
+SELECT count(*) FILTER (WHERE quota.finish(id)) AS finished FROM quota.ledger
+ WHERE role = 'quota_kept'::regrole AND ended_at IS NULL;
+RESET quota.max_active_per_role;
+RESET quota.max_retained_per_role;
+DROP ROLE quota_kept;
+
 -- PREPARE TRANSACTION after a renew() is refused (0A000), as after a finish(): COMMIT
 -- PREPARED would shorten a lease where nothing tells the scope counters.
 SET ROLE quota_busy;

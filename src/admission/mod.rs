@@ -18,8 +18,8 @@ use crate::core::{
     check_key, check_label, check_tenant, Limits, QuotaError, Refusal, RefusalKind, Usage,
 };
 use crate::encoding::server_text;
-use crate::ledger::count::next_expiry;
 use crate::ledger::keys::{key_in_progress, retained_with_key};
+use crate::ledger::leases::next_expiry;
 use crate::ledger::rels::{rels, Reader};
 use crate::ledger::scan::{text_datum, Latest};
 use crate::policy::Policy;
@@ -307,7 +307,7 @@ pub fn start(
 
     let mut place: Option<(crate::waiters::Place, WaitTimer)> = None;
     // The next lease end in the start's way, once looked up (see `next_lease_end`).
-    let mut next_lease: Option<Option<pg_sys::TimestampTz>> = None;
+    let mut next_lease: Option<(Option<pg_sys::Oid>, Option<pg_sys::TimestampTz>)> = None;
     // The clock as the next try reads it: the first try's is the one read above.
     let mut now = now;
     loop {
@@ -381,10 +381,11 @@ pub fn start(
 /// once the lease it found has passed: 0.6.1's quota.active has no index in lease
 /// order, and a poll must not walk a backlog every time. A lease that a start or a
 /// renewal brings meanwhile, and that runs out sooner, is then seen at the next poll.
+/// What was found is for that scope only: a refusal at another limit looks anew.
 fn next_lease_end(
     scope: Option<pg_sys::Oid>,
     now: pg_sys::TimestampTz,
-    looked: &mut Option<Option<pg_sys::TimestampTz>>,
+    looked: &mut Option<(Option<pg_sys::Oid>, Option<pg_sys::TimestampTz>)>,
 ) -> Option<pg_sys::TimestampTz> {
     if let Some(role) = scope {
         let known = crate::ledger::rels::current_tags()
@@ -394,15 +395,15 @@ fn next_lease_end(
             return (p.earliest != crate::scopes::LEASE_NONE).then_some(p.earliest);
         }
     }
-    if let Some(found) = *looked {
-        if found.is_none_or(|t| t > now) {
+    if let Some((of, found)) = *looked {
+        if of == scope && found.is_none_or(|t| t > now) {
             return found;
         }
     }
     let reader = Reader::open();
     let snap = Latest::take();
     let found = next_expiry(&reader.rels, &snap, scope, now);
-    *looked = Some(found);
+    *looked = Some((scope, found));
     found
 }
 

@@ -284,7 +284,7 @@ pub enum QuotaError {
     #[error("could not obtain lock on relation \"{relation}\"")]
     LockTimeout { relation: String, seconds: i64 },
     /// The ledger writer waited for extension pg_quota's own lock, which a command
-    /// dropping the extension holds or awaits (0.6.0, ledger::rels::lock_extension).
+    /// dropping the extension holds or awaits (0.6.0, ledger::locks::lock_extension).
     #[error("could not obtain lock on extension \"pg_quota\"")]
     ExtensionLockTimeout { seconds: i64 },
     /// A relation pg_quota opens is not the one its extension created (I5: lookups

@@ -12,7 +12,7 @@ use pgrx::pg_sys;
 use crate::compat::{self, IndexUpdate};
 
 /// Each index of a table that takes inserts, its IndexInfo, and its predicate as
-/// rels::null_tests gives it (empty for a full index).
+/// indexes::null_tests gives it (empty for a full index).
 pub type Indexes = Vec<(pg_sys::Relation, *mut pg_sys::IndexInfo, Vec<(usize, bool)>)>;
 
 /// A table opened for writing, and its indexes once a write needs them; closed on
@@ -37,7 +37,7 @@ pub struct OpenRel {
 
 impl OpenRel {
     /// Opens `relid` and its indexes with RowExclusiveLock, what INSERT, UPDATE and
-    /// DELETE take, each lock with a bounded wait (see rels::lock_bounded) and every
+    /// DELETE take, each lock with a bounded wait (see locks::lock_bounded) and every
     /// one taken here, before any row is written. `key_col` is the table's identity
     /// column (the ledger's id, the summary's role), the only column a unique index
     /// may cover.
@@ -51,7 +51,7 @@ impl OpenRel {
     /// table that only sees deletes never does (0.6.x: quota.active when a ticket
     /// ends). A write that needs them opens them before it writes its row.
     pub fn open_lazy(relid: pg_sys::Oid, name: &str, key_col: usize) -> OpenRel {
-        crate::ledger::rels::lock_bounded(relid, pg_sys::RowExclusiveLock);
+        crate::ledger::locks::lock_bounded(relid, pg_sys::RowExclusiveLock);
         // The lock processed invalidations: make sure the table still has the shape
         // and membership pg_quota checked.
         crate::ledger::rels::rels();
@@ -108,7 +108,7 @@ impl OpenRel {
             let mut indexes = Vec::with_capacity(n);
             for i in 0..n {
                 let oid = (*(*list).elements.add(i)).oid_value;
-                crate::ledger::rels::lock_bounded(oid, pg_sys::RowExclusiveLock);
+                crate::ledger::locks::lock_bounded(oid, pg_sys::RowExclusiveLock);
                 let idx = pg_sys::index_open(oid, pg_sys::NoLock as i32);
                 let info = pg_sys::BuildIndexInfo(idx);
                 let predicate = check_index(idx, info, key_col);
@@ -148,7 +148,7 @@ impl OpenRel {
         if let Some(&idx) = looked_up.iter().find(|&&idx| is(idx)) {
             return idx;
         }
-        crate::ledger::rels::lock_bounded(oid, pg_sys::RowExclusiveLock);
+        crate::ledger::locks::lock_bounded(oid, pg_sys::RowExclusiveLock);
         // SAFETY: locked above; closed (the lock kept) when the table is. rd_index is
         // set for an index relation.
         let idx = unsafe { pg_sys::index_open(oid, pg_sys::NoLock as i32) };
@@ -373,7 +373,7 @@ impl OpenRel {
 }
 
 /// Why pg_quota cannot keep index `idx` up to date, if it cannot; else the index's
-/// predicate (rels::null_tests). We form index entries from plain columns only, and
+/// predicate (indexes::null_tests). We form index entries from plain columns only, and
 /// evaluate only predicates of IS NULL and IS NOT NULL tests on columns (0.5.0's own
 /// partial indexes); a unique index on anything but the table's key would let one
 /// tenant's row fail another tenant's charge (or, deferred, not be checked at all);
@@ -392,7 +392,7 @@ unsafe fn check_index(
         if !pg_sys::RelationGetIndexExpressions(idx).is_null() {
             return Err("the expression index");
         }
-        let Some(predicate) = crate::ledger::rels::null_tests(idx) else {
+        let Some(predicate) = crate::ledger::indexes::null_tests(idx) else {
             return Err("the partial index");
         };
         if ix.indisexclusion || !(*info).ii_ExclusionOps.is_null() {

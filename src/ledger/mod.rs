@@ -7,7 +7,10 @@
 
 pub mod count;
 pub mod heap;
+pub mod indexes;
 pub mod keys;
+pub mod leases;
+pub mod locks;
 pub mod rels;
 pub mod scan;
 pub mod write;

@@ -14,7 +14,7 @@
 use pgrx::pg_sys;
 
 use crate::compat;
-use crate::ledger::rels::Locks;
+use crate::ledger::locks::Locks;
 
 /// A registered snapshot of the latest committed state, unregistered on drop.
 pub struct Latest(pub pg_sys::Snapshot);

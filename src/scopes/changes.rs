@@ -176,12 +176,13 @@ pub fn apply_mine() {
         }
         if committed {
             if let Some(e) = find(pending_key(p)) {
-                // The version first (a refresh of `earliest` that read it before this
-                // change then leaves the value alone), then the lease floor before the
-                // count: a reader that sees the new count sees the floor with it.
-                e.version.fetch_add(1, Ordering::AcqRel);
-                e.earliest
-                    .fetch_min(p.lease_floor.load(Ordering::Relaxed), Ordering::AcqRel);
+                // The lease floor first, for a look at the scope's tickets under way
+                // (its snapshot may not see this change; see refresh_earliest), then
+                // before the count: a reader that sees the new count sees the floor
+                // with it.
+                let lease = p.lease_floor.load(Ordering::Relaxed);
+                e.floor_since.fetch_min(lease, Ordering::AcqRel);
+                e.earliest.fetch_min(lease, Ordering::AcqRel);
                 e.active
                     .fetch_add(p.d_active.load(Ordering::Relaxed), Ordering::AcqRel);
                 e.rows

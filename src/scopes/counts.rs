@@ -12,9 +12,10 @@ use super::{get, others_view, Counted, ScopeKey};
 use crate::core::lease::{earliest, Lapsed};
 use crate::core::{Limits, RefusalKind, Usage};
 use crate::ledger::count::{
-    active, active_and_earliest, expired, lapsed, oldest_ended, rows, summary_rows, tenant_active,
-    tenant_active_and_earliest, tenant_ended_since, tenant_lapsed, tenant_oldest_ended,
+    active, active_and_earliest, expired, oldest_ended, rows, summary_rows, tenant_active,
+    tenant_active_and_earliest, tenant_ended_since, tenant_oldest_ended,
 };
+use crate::ledger::leases::{lapsed, tenant_lapsed};
 use crate::ledger::rels::Reader;
 use crate::ledger::scan::Latest;
 use crate::workers;
@@ -188,7 +189,9 @@ pub fn usage(
 #[derive(Clone, Copy)]
 struct Seen {
     peeked: Option<super::Peeked>,
-    before_snapshot: bool,
+    /// A look at the scope's tickets begun, where it will look and can tell the
+    /// counter what it finds (see scopes::begin_refresh).
+    look: Option<super::Refresh>,
 }
 
 impl Seen {
@@ -200,10 +203,11 @@ impl Seen {
         now: pg_sys::TimestampTz,
         before_snapshot: bool,
     ) -> Seen {
-        Seen {
-            peeked: reader.tags.and_then(|tags| super::peek(key, tags, now)),
-            before_snapshot,
-        }
+        let peeked = reader.tags.and_then(|tags| super::peek(key, tags, now));
+        let look = peeked
+            .filter(|p| before_snapshot && p.earliest <= now)
+            .and_then(|_| super::begin_refresh(key));
+        Seen { peeked, look }
     }
 
     /// The scope's tickets whose lease ran out by `now`: none, without reading the
@@ -216,8 +220,8 @@ impl Seen {
     ///
     /// 0.6.1: where quota.active's indexes have no lease_until, the walk reads all of
     /// the scope's unended tickets, and returns the earliest lease end among them; if
-    /// that is still to come, the counter learns it (refresh_earliest, unless a change
-    /// was applied since it was read here, before the walk's snapshot). A counter's
+    /// that is still to come, the counter learns it, or the earliest lease applied to
+    /// it since the look began here, before the walk's snapshot (refresh_earliest). A counter's
     /// `earliest` only goes down as tickets come and are renewed, so without this the
     /// first lease to pass would send every later look for this scope (the writer's
     /// batches, the numbers of refusals) on a walk of its backlog.
@@ -231,9 +235,9 @@ impl Seen {
             return Lapsed::new(Vec::new());
         }
         let (lapsed, earliest) = walk();
-        if let (Some(p), Some(e), true) = (self.peeked, earliest, self.before_snapshot) {
+        if let (Some(look), Some(e)) = (self.look, earliest) {
             if e > now {
-                super::refresh_earliest(key, p.version, e);
+                super::refresh_earliest(key, look, e);
             }
         }
         lapsed
@@ -381,19 +385,31 @@ pub fn refresh_earliest(
         (RefusalKind::Active, _) => (ScopeKey::role(role), None),
         _ => return,
     };
+    // 0.6.1: the refusal's own look for lapsed leases walked the scope's tickets
+    // already, and told the counter what it found (`Seen::lapsed`).
+    let walked = match text {
+        Some(_) => !r.ledger_tenant_idx_leased,
+        None => !r.ledger_idx_leased,
+    };
+    if walked {
+        return;
+    }
     let Some(p) = super::peek(key, tags, now) else {
         return;
     };
     if p.earliest > now {
         return;
     }
-    // Under a snapshot taken after the version was read (see scopes::refresh_earliest).
+    let Some(look) = super::begin_refresh(key) else {
+        return;
+    };
+    // Under a snapshot taken after the look began (see scopes::refresh_earliest).
     let snap = others_view();
     let (_, earliest) = match text {
         Some(text) => tenant_active_and_earliest(r, &snap, role, text),
         None => active_and_earliest(r, &snap, role),
     };
     if earliest > now {
-        super::refresh_earliest(key, p.version, earliest);
+        super::refresh_earliest(key, look, earliest);
     }
 }

@@ -127,18 +127,24 @@ pub struct Counter {
     /// TimestampTz; LEASE_UNKNOWN when nothing is known, LEASE_NONE when none ends): a
     /// refusal at the active limit needs no probe for lapsed leases while it is in the
     /// future. A lower bound, so it may only go down, but where it is found anew: a
-    /// rebuild, or a probe that nothing changed meanwhile (`version`). What moves a
-    /// counted ticket's lease end earlier goes through the changes applied after
-    /// commit: an admission's lease, and a renew() that shortens one (finish.rs; a
-    /// renew in a prepared transaction is refused, since nothing applies it).
+    /// rebuild, or a look at the scope's tickets (`begin_refresh`, `refresh_earliest`).
+    /// What moves a counted ticket's lease end earlier goes through the changes applied
+    /// after commit: an admission's lease, and a renew() that shortens one (finish.rs;
+    /// a renew in a prepared transaction is refused, since nothing applies it).
     earliest: AtomicI64,
-    /// Moves on with every change applied to the counter (see `refresh_earliest`).
+    /// Moves on whenever the entry is claimed (a rebuild, or another scope taking it):
+    /// a look begun before cannot store what it found (see `refresh_earliest`).
     version: AtomicU64,
+    /// 0.6.1: the earliest lease among the changes applied since the last look at the
+    /// scope's tickets began (`begin_refresh`), and that look's number: what the look's
+    /// snapshot may have missed, which its store takes into account.
+    floor_since: AtomicI64,
+    floor_epoch: AtomicU64,
 }
 
 const _: () = assert!(
-    std::mem::size_of::<Counter>() == 88,
-    "USER_GUIDE.md gives 88 bytes"
+    std::mem::size_of::<Counter>() == 104,
+    "USER_GUIDE.md gives 104 bytes"
 );
 
 /// `Counter::earliest` when nothing is known: every refusal probes.
@@ -378,8 +384,18 @@ pub struct Peeked {
     pub open: i64,
     /// No ticket of `active` has a lease that ends before this (see Counter::earliest).
     pub earliest: i64,
-    /// The counter's version, for `refresh_earliest`.
+    /// The counter's version (see Counter::version).
     pub version: u64,
+}
+
+/// A look at a scope's tickets for its counter's `earliest`, begun before the look's
+/// snapshot (`begin_refresh`), for `refresh_earliest`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Refresh {
+    /// The entry, and its version and look number when the look began.
+    entry: usize,
+    version: u64,
+    epoch: u64,
 }
 
 /// Scope `key`'s counter if it is current for `tags`, read without building it: None
@@ -401,17 +417,41 @@ pub fn peek(key: ScopeKey, tags: Tags, now: pg_sys::TimestampTz) -> Option<Peeke
     })
 }
 
-/// Sets scope `key`'s `earliest` to `earliest`, what a probe found among its active
-/// tickets under a snapshot taken after reading its version (`peek`) as `seen`, unless
-/// a change was applied since (it may add a ticket that snapshot missed). Under the
-/// lock held exclusively, so that no change is applied between the look at the version
-/// and the store (changes are applied under it shared). Rare: a refusal that had to
-/// probe.
-pub fn refresh_earliest(key: ScopeKey, seen: u64, earliest: i64) {
+/// Begins a look at scope `key`'s unended tickets for its counter's `earliest`: call it
+/// before taking the look's snapshot, then `refresh_earliest` with what the look found.
+/// None where the scope has no counter. From here on `floor_since` collects the lease
+/// of every change applied to the counter; a change applied before this committed
+/// before it (changes are applied after their commit), so the snapshot sees its ticket.
+pub fn begin_refresh(key: ScopeKey) -> Option<Refresh> {
+    let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
+    let e = find(key.shared())?;
+    let version = e.version.load(Ordering::Acquire);
+    let epoch = e.floor_epoch.fetch_add(1, Ordering::AcqRel) + 1;
+    e.floor_since.store(LEASE_NONE, Ordering::Release);
+    Some(Refresh {
+        entry: e as *const Counter as usize,
+        version,
+        epoch,
+    })
+}
+
+/// Sets scope `key`'s `earliest` to `earliest`, the earliest lease end a look begun at
+/// `look` found among its unended tickets, or lower to the earliest lease applied since
+/// (`floor_since`), which the look's snapshot may have missed. Nothing where the entry
+/// is no longer the one the look began with, or was claimed since (`version`), or
+/// another look began since (it reset `floor_since`). Under the lock held exclusively,
+/// so that no change is applied meanwhile (changes are applied under it shared). A
+/// counter's `earliest` only goes down otherwise: without this, the first lease it
+/// knew of to pass would leave it knowing nothing.
+pub fn refresh_earliest(key: ScopeKey, look: Refresh, earliest: i64) {
     let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
     if let Some(e) = find(key.shared()) {
-        if e.version.load(Ordering::Acquire) == seen {
-            e.earliest.store(earliest, Ordering::Release);
+        if e as *const Counter as usize == look.entry
+            && e.version.load(Ordering::Acquire) == look.version
+            && e.floor_epoch.load(Ordering::Acquire) == look.epoch
+        {
+            let since = e.floor_since.load(Ordering::Acquire);
+            e.earliest.store(earliest.min(since), Ordering::Release);
         }
     }
 }

@@ -3,13 +3,14 @@
 //! which with millions of them is a scan of millions of rows on every scrape; this
 //! reads the summary (one row per role), one index probe per role, the unfinished
 //! tickets, and of each role's finished ones only the smaller side of the caller's
-//! retention cutoff (see ledger::count::db_rows, db_open and db_ended_before). It reads the
+//! retention cutoff (see ledger::count::db_rows and db_ended_before, and ledger::leases::db_open). It reads the
 //! latest committed state, as admission does.
 
 use pgrx::pg_sys;
 
 use crate::core::stats::UsageTotals;
-use crate::ledger::count::{db_ended_before, db_open, db_rows};
+use crate::ledger::count::{db_ended_before, db_rows};
+use crate::ledger::leases::db_open;
 use crate::ledger::rels::Reader;
 use crate::ledger::scan::Latest;
 use crate::timestamps::cutoff;

@@ -10,9 +10,9 @@ use pgrx::prelude::*;
 
 use crate::core::batch::{self, BatchRequest, Counted};
 use crate::core::{Decision, Limits, RefusalKind};
-use crate::ledger::count::db_active;
 use crate::ledger::heap::OpenRel;
 use crate::ledger::keys::retained_with_key;
+use crate::ledger::leases::db_active;
 use crate::ledger::rels::Reader;
 use crate::ledger::scan::{text_datum, Latest};
 use crate::ledger::write::{add_to_summary, new_ticket_id, purge_before, record, Admitted, Tables};

@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use pgrx::pg_sys;
 
-use crate::ledger::count::each_unended;
+use crate::ledger::leases::each_unended;
 use crate::ledger::rels::{self, Reader, Tags};
 use crate::ledger::scan::{attr, text_attr, Latest};
 use crate::ledger::write::expired_version;

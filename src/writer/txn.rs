@@ -34,7 +34,7 @@ pub fn in_transaction<R>(f: impl FnOnce() -> R) -> R {
     }
     // Before any of pg_quota's relations (see there), and before the snapshot, which
     // must not predate a wait for a DROP EXTENSION.
-    crate::ledger::rels::lock_extension();
+    crate::ledger::locks::lock_extension();
     // SAFETY: the transaction is open.
     unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot()) };
     let r = f();

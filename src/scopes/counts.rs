@@ -135,6 +135,21 @@ pub fn usage(
         }
     }
     let of_tenant = tenant.filter(|_| limits.tenant_active > 0 || limits.tenant_retained > 0);
+    let role_key = ScopeKey::role(role);
+    // The counters as read after the counts, and before the snapshot that the looks for
+    // lapsed leases take (see Seen), if they look.
+    let seen = || {
+        let role_seen = of_role.then(|| Seen::peek(reader, role_key, now));
+        let tenant_seen = of_tenant.map(|t| {
+            let key = ScopeKey {
+                role,
+                tenant: t.key,
+            };
+            (key, Seen::peek(reader, key, now))
+        });
+        (role_seen, tenant_seen)
+    };
+    let mut seen_before = None;
     // A snapshot taken after the counters were read: it sees every purge and every
     // expiry sweep they already reflect, so nothing is subtracted twice.
     let mut after = None;
@@ -142,6 +157,7 @@ pub fn usage(
         let (active, open) = tenant_counts(reader, role, t);
         u.tenant_active = active + open;
         if limits.tenant_retained > 0 {
+            seen_before = Some(seen());
             // A tenant's history is counted from the ledger (see `tenant_exact`).
             let snap = after.insert(others_view());
             u.tenant_retained = tenant_active(r, snap, role, t.text, None)
@@ -152,17 +168,7 @@ pub fn usage(
     if fits(u) {
         return u;
     }
-    // The counters' versions before the snapshot the walks take, if they take it.
-    let role_key = ScopeKey::role(role);
-    let fresh = after.is_none();
-    let role_seen = of_role.then(|| Seen::peek(reader, role_key, now, fresh));
-    let tenant_seen = of_tenant.map(|t| {
-        let key = ScopeKey {
-            role,
-            tenant: t.key,
-        };
-        (key, Seen::peek(reader, key, now, fresh))
-    });
+    let (role_seen, tenant_seen) = seen_before.unwrap_or_else(seen);
     let after = after.get_or_insert_with(others_view);
     if let Some(seen) = role_seen {
         let lapsed = seen.lapsed(role_key, now, || lapsed(r, after, role, now));
@@ -195,17 +201,12 @@ struct Seen {
 }
 
 impl Seen {
-    /// Reads scope `key`'s counter, after the counts it qualifies; `before_snapshot`:
-    /// the snapshot of the look is taken after this.
-    fn peek(
-        reader: &Reader,
-        key: ScopeKey,
-        now: pg_sys::TimestampTz,
-        before_snapshot: bool,
-    ) -> Seen {
+    /// Reads scope `key`'s counter, after the counts it qualifies and before the
+    /// snapshot of the look, if it looks.
+    fn peek(reader: &Reader, key: ScopeKey, now: pg_sys::TimestampTz) -> Seen {
         let peeked = reader.tags.and_then(|tags| super::peek(key, tags, now));
         let look = peeked
-            .filter(|p| before_snapshot && p.earliest <= now)
+            .filter(|p| p.earliest <= now)
             .and_then(|_| super::begin_refresh(key));
         Seen { peeked, look }
     }
@@ -266,7 +267,7 @@ pub fn role_exact(
     let r = &reader.rels;
     let (active, rows, open) = role_counts(reader, role);
     let key = ScopeKey::role(role);
-    let seen = Seen::peek(reader, key, now, true);
+    let seen = Seen::peek(reader, key, now);
     let after = others_view();
     let lapsed = seen.lapsed(key, now, || lapsed(r, &after, role, now));
     let retained = cutoffs
@@ -297,7 +298,7 @@ pub fn tenant_exact(
         role,
         tenant: t.key,
     };
-    let seen = Seen::peek(reader, key, now, true);
+    let seen = Seen::peek(reader, key, now);
     let after = others_view();
     let lapsed = seen.lapsed(key, now, || tenant_lapsed(r, &after, role, t.text, now));
     let unfinished = if cutoffs.is_empty() {

@@ -135,9 +135,10 @@ pub struct Counter {
     /// Moves on whenever the entry is claimed (a rebuild, or another scope taking it):
     /// a look begun before cannot store what it found (see `refresh_earliest`).
     version: AtomicU64,
-    /// 0.6.1: the earliest lease among the changes applied since the last look at the
-    /// scope's tickets began (`begin_refresh`), and that look's number: what the look's
-    /// snapshot may have missed, which its store takes into account.
+    /// 0.6.1: the earliest lease among the changes applied since the last store of
+    /// `earliest` from a look at the scope's tickets (or the last claim), and the
+    /// number of that stretch: what a look's snapshot may have missed, which its store
+    /// takes into account (see `refresh_earliest`).
     floor_since: AtomicI64,
     floor_epoch: AtomicU64,
 }
@@ -384,8 +385,6 @@ pub struct Peeked {
     pub open: i64,
     /// No ticket of `active` has a lease that ends before this (see Counter::earliest).
     pub earliest: i64,
-    /// The counter's version (see Counter::version).
-    pub version: u64,
 }
 
 /// A look at a scope's tickets for its counter's `earliest`, begun before the look's
@@ -405,7 +404,6 @@ pub struct Refresh {
 pub fn peek(key: ScopeKey, tags: Tags, now: pg_sys::TimestampTz) -> Option<Peeked> {
     let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
     let e = find(key.shared())?;
-    let version = e.version.load(Ordering::Acquire);
     let open = e.open.load(Ordering::Acquire);
     let (active, _) = current(e, tags)?;
     touch(e, secs(now));
@@ -413,36 +411,36 @@ pub fn peek(key: ScopeKey, tags: Tags, now: pg_sys::TimestampTz) -> Option<Peeke
         active,
         open,
         earliest: e.earliest.load(Ordering::Acquire),
-        version,
     })
 }
 
 /// Begins a look at scope `key`'s unended tickets for its counter's `earliest`: call it
 /// before taking the look's snapshot, then `refresh_earliest` with what the look found.
-/// None where the scope has no counter. From here on `floor_since` collects the lease
-/// of every change applied to the counter; a change applied before this committed
-/// before it (changes are applied after their commit), so the snapshot sees its ticket.
+/// None where the scope has no counter. It only reads (the entry, its version and its
+/// look number), so that looks do not cancel each other: `floor_since` holds the lease
+/// of every change applied to the counter since the last store (or claim), before this
+/// look began and after; a change applied before this committed before it (changes are
+/// applied after their commit), so the look's snapshot sees its ticket.
 pub fn begin_refresh(key: ScopeKey) -> Option<Refresh> {
     let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
     let e = find(key.shared())?;
-    let version = e.version.load(Ordering::Acquire);
-    let epoch = e.floor_epoch.fetch_add(1, Ordering::AcqRel) + 1;
-    e.floor_since.store(LEASE_NONE, Ordering::Release);
     Some(Refresh {
         entry: e as *const Counter as usize,
-        version,
-        epoch,
+        version: e.version.load(Ordering::Acquire),
+        epoch: e.floor_epoch.load(Ordering::Acquire),
     })
 }
 
 /// Sets scope `key`'s `earliest` to `earliest`, the earliest lease end a look begun at
 /// `look` found among its unended tickets, or lower to the earliest lease applied since
-/// (`floor_since`), which the look's snapshot may have missed. Nothing where the entry
-/// is no longer the one the look began with, or was claimed since (`version`), or
-/// another look began since (it reset `floor_since`). Under the lock held exclusively,
-/// so that no change is applied meanwhile (changes are applied under it shared). A
-/// counter's `earliest` only goes down otherwise: without this, the first lease it
-/// knew of to pass would leave it knowing nothing.
+/// the look's number began (`floor_since`), which its snapshot may have missed; then
+/// starts the next number, so that a look begun before this one stored (whose snapshot
+/// may miss what was applied before this store) stores nothing, and the first look to
+/// end wins. Nothing either where the entry is no longer the one the look began with,
+/// or was claimed since (`version`). Under the lock held exclusively, so that no change
+/// is applied meanwhile (changes are applied under it shared). A counter's `earliest`
+/// only goes down otherwise: without this, the first lease it knew of to pass would
+/// leave it knowing nothing.
 pub fn refresh_earliest(key: ScopeKey, look: Refresh, earliest: i64) {
     let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
     if let Some(e) = find(key.shared()) {
@@ -452,6 +450,8 @@ pub fn refresh_earliest(key: ScopeKey, look: Refresh, earliest: i64) {
         {
             let since = e.floor_since.load(Ordering::Acquire);
             e.earliest.store(earliest.min(since), Ordering::Release);
+            e.floor_since.store(LEASE_NONE, Ordering::Release);
+            e.floor_epoch.fetch_add(1, Ordering::AcqRel);
         }
     }
 }
@@ -593,6 +593,7 @@ fn claim(e: &Counter, key: (u32, u32, u128)) {
     e.active.store(0, Ordering::Relaxed);
     e.rows.store(0, Ordering::Relaxed);
     e.earliest.store(LEASE_UNKNOWN, Ordering::Relaxed);
+    e.floor_since.store(LEASE_NONE, Ordering::Relaxed);
     e.version.fetch_add(1, Ordering::AcqRel);
     if !ours {
         e.open.store(0, Ordering::Relaxed);

@@ -167,8 +167,9 @@ for gv in "${GUCS[@]}"; do
   g="${gv%%|*}"; rest="${gv#*|}"; v="'${rest%%|*}'"; context="${rest#*|}"
   # A superuser-only setting refuses tenants with 42501; a server-wide (sighup, or
   # postmaster: set at server start) one cannot be set in a session at all, which
-  # PostgreSQL reports as 55P02.
-  session=42501; [[ "$context" =~ ^(sighup|postmaster)$ ]] && session=55P02
+  # PostgreSQL reports as 55P02, nor can a read-only one (internal: 0.6.1's
+  # quota.library_version) by anyone.
+  session=42501; [[ "$context" =~ ^(sighup|postmaster|internal)$ ]] && session=55P02
   refused "SET $g is refused, and start() is still refused after it" 53400 $T "SET $g = $v" "SELECT quota.start('after SET')"
   refused "SET $g is refused with $session" $session $T "SET $g = $v"
   refused "SET SESSION $g is refused" $session $T "SET SESSION $g = $v"

@@ -189,9 +189,9 @@ pub fn usage(
     u
 }
 
-/// A scope's counter as read before its lapsed leases are looked for (`Seen::lapsed`):
-/// None where it is not live; and whether it was read before the snapshot the look
-/// takes.
+/// A scope's counter as read before its lapsed leases are looked for (`Seen::lapsed`),
+/// after the counts it qualifies and before the look's snapshot: None where it is not
+/// live.
 #[derive(Clone, Copy)]
 struct Seen {
     peeked: Option<super::Peeked>,
@@ -222,7 +222,9 @@ impl Seen {
     /// 0.6.1: where quota.active's indexes have no lease_until, the walk reads all of
     /// the scope's unended tickets, and returns the earliest lease end among them; if
     /// that is still to come, the counter learns it, or the earliest lease applied to
-    /// it since the look began here, before the walk's snapshot (refresh_earliest). A counter's
+    /// it since it last learnt one, which the walk's snapshot may have missed
+    /// (scopes::refresh_earliest; a lease applied before the look began that has
+    /// passed since costs one more walk, whose store then holds). A counter's
     /// `earliest` only goes down as tickets come and are renewed, so without this the
     /// first lease to pass would send every later look for this scope (the writer's
     /// batches, the numbers of refusals) on a walk of its backlog.

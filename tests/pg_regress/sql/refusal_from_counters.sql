@@ -66,7 +66,9 @@ RESET quota.max_active_per_tenant;
 -- lease run out tells it the earliest still to come, and the looks after it need no
 -- walk. Here the lease it knew of was renewed to 100 ms and then finished; at the
 -- retained limit, two start()s refused: the first walks quota.active's two tickets
--- (for the refusal, and not again for its numbers), the second none.
+-- twice (its refusal's walk tells the counter no more than that 100 ms lease, applied
+-- since the counter last learnt one and passed since; its numbers' walk then tells it
+-- the leases to come), the second none.
 CREATE ROLE quota_kept;
 SET quota.max_active_per_role = 10;
 SET quota.max_retained_per_role = 3;

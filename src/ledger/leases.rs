@@ -157,6 +157,24 @@ pub fn next_expiry(
         return None;
     }
     let mut first: Option<pg_sys::TimestampTz> = None;
+    let after = Key::TsAtLeast(now.saturating_add(1));
+    let in_lease_order = match role {
+        Some(role) if r.ledger_idx_leased => {
+            Some((r.ledger_idx, vec![Key::OidEq(role), Key::IsNull, after]))
+        }
+        None if r.ledger_open_idx != pg_sys::InvalidOid => {
+            Some((r.ledger_open_idx, vec![Key::IsNull, after]))
+        }
+        _ => None,
+    };
+    if let Some((index, keys)) = in_lease_order {
+        // The first one after `now` is the one.
+        scan_index(r.ledger, index, snap, &keys, |slot| {
+            first = ts_attr(slot, COL_LEASE_UNTIL);
+            first.is_none()
+        });
+        return first;
+    }
     let earliest = |slot| {
         if let Some(l) = ts_attr(slot, COL_LEASE_UNTIL).filter(|&l| l > now) {
             first = Some(first.map_or(l, |f| f.min(l)));
@@ -164,18 +182,6 @@ pub fn next_expiry(
         true
     };
     match role {
-        // In lease order: the first one after `now` is the one.
-        Some(role) if r.ledger_idx_leased => {
-            let keys = [
-                Key::OidEq(role),
-                Key::IsNull,
-                Key::TsAtLeast(now.saturating_add(1)),
-            ];
-            scan_index(r.ledger, r.ledger_idx, snap, &keys, |slot| {
-                first = ts_attr(slot, COL_LEASE_UNTIL);
-                first.is_none()
-            });
-        }
         Some(role) => scan_index(
             r.ledger,
             r.ledger_idx,
@@ -183,13 +189,6 @@ pub fn next_expiry(
             &[Key::OidEq(role), Key::IsNull],
             earliest,
         ),
-        None if r.ledger_open_idx != pg_sys::InvalidOid => {
-            let keys = [Key::IsNull, Key::TsAtLeast(now.saturating_add(1))];
-            scan_index(r.ledger, r.ledger_open_idx, snap, &keys, |slot| {
-                first = ts_attr(slot, COL_LEASE_UNTIL);
-                first.is_none()
-            });
-        }
         None => each_unended(r, snap, None, earliest),
     }
     first

@@ -158,23 +158,16 @@ pub fn apply_mine() {
             )
             .is_ok();
         // SAFETY: a commit log lookup of a transaction that has ended or is ours.
-        let committed = set
+        let committed = (set || absorbed)
             && unsafe {
                 pg_sys::TransactionIdDidCommit(pg_sys::TransactionId::from_inner(
                     p.xid.load(Ordering::Relaxed),
                 ))
             };
-        // SAFETY: as above.
-        let absorbed_committed = absorbed
-            && unsafe {
-                pg_sys::TransactionIdDidCommit(pg_sys::TransactionId::from_inner(
-                    p.xid.load(Ordering::Relaxed),
-                ))
-            };
-        if committed || absorbed_committed {
+        if committed {
             floor = floor.min(p.lease_floor.load(Ordering::Relaxed));
         }
-        if committed {
+        if set && committed {
             if let Some(e) = find(pending_key(p)) {
                 // The lease floor first, for a look at the scope's tickets under way
                 // (its snapshot may not see this change; see refresh_earliest), then

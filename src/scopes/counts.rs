@@ -195,20 +195,15 @@ pub fn usage(
 #[derive(Clone, Copy)]
 struct Seen {
     peeked: Option<super::Peeked>,
-    /// A look at the scope's tickets begun, where it will look and can tell the
-    /// counter what it finds (see scopes::begin_refresh).
-    look: Option<super::Refresh>,
 }
 
 impl Seen {
     /// Reads scope `key`'s counter, after the counts it qualifies and before the
     /// snapshot of the look, if it looks.
     fn peek(reader: &Reader, key: ScopeKey, now: pg_sys::TimestampTz) -> Seen {
-        let peeked = reader.tags.and_then(|tags| super::peek(key, tags, now));
-        let look = peeked
-            .filter(|p| p.earliest <= now)
-            .and_then(|_| super::begin_refresh(key));
-        Seen { peeked, look }
+        Seen {
+            peeked: reader.tags.and_then(|tags| super::peek(key, tags, now)),
+        }
     }
 
     /// The scope's tickets whose lease ran out by `now`: none, without reading the
@@ -238,9 +233,9 @@ impl Seen {
             return Lapsed::new(Vec::new());
         }
         let (lapsed, earliest) = walk();
-        if let (Some(look), Some(e)) = (self.look, earliest) {
+        if let (Some(p), Some(e)) = (self.peeked, earliest) {
             if e > now {
-                super::refresh_earliest(key, look, e);
+                super::refresh_earliest(key, p.look, e);
             }
         }
         lapsed
@@ -403,16 +398,13 @@ pub fn refresh_earliest(
     if p.earliest > now {
         return;
     }
-    let Some(look) = super::begin_refresh(key) else {
-        return;
-    };
-    // Under a snapshot taken after the look began (see scopes::refresh_earliest).
+    // Under a snapshot taken after the look began (see scopes::Peeked::look).
     let snap = others_view();
     let (_, earliest) = match text {
         Some(text) => tenant_active_and_earliest(r, &snap, role, text),
         None => active_and_earliest(r, &snap, role),
     };
     if earliest > now {
-        super::refresh_earliest(key, look, earliest);
+        super::refresh_earliest(key, p.look, earliest);
     }
 }

@@ -127,7 +127,7 @@ pub struct Counter {
     /// TimestampTz; LEASE_UNKNOWN when nothing is known, LEASE_NONE when none ends): a
     /// refusal at the active limit needs no probe for lapsed leases while it is in the
     /// future. A lower bound, so it may only go down, but where it is found anew: a
-    /// rebuild, or a look at the scope's tickets (`begin_refresh`, `refresh_earliest`).
+    /// rebuild, or a look at the scope's tickets (`Peeked::look`, `refresh_earliest`).
     /// What moves a counted ticket's lease end earlier goes through the changes applied
     /// after commit: an admission's lease, and a renew() that shortens one (finish.rs;
     /// a renew in a prepared transaction is refused, since nothing applies it).
@@ -385,10 +385,18 @@ pub struct Peeked {
     pub open: i64,
     /// No ticket of `active` has a lease that ends before this (see Counter::earliest).
     pub earliest: i64,
+    /// A look at the scope's unended tickets for its counter's `earliest`, begun here:
+    /// peek before taking the look's snapshot, then `refresh_earliest` with what the
+    /// look found. Beginning one only reads (the entry, its version and its look
+    /// number), so that looks do not cancel each other: `floor_since` holds the lease
+    /// of every change applied to the counter since the last store (or claim), before
+    /// this look began and after; a change applied before the peek committed before it
+    /// (changes are applied after their commit), so the look's snapshot sees its ticket.
+    pub look: Refresh,
 }
 
-/// A look at a scope's tickets for its counter's `earliest`, begun before the look's
-/// snapshot (`begin_refresh`), for `refresh_earliest`.
+/// A look at a scope's tickets for its counter's `earliest` (see `Peeked::look`), for
+/// `refresh_earliest`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Refresh {
     /// The entry, and its version and look number when the look began.
@@ -411,23 +419,11 @@ pub fn peek(key: ScopeKey, tags: Tags, now: pg_sys::TimestampTz) -> Option<Peeke
         active,
         open,
         earliest: e.earliest.load(Ordering::Acquire),
-    })
-}
-
-/// Begins a look at scope `key`'s unended tickets for its counter's `earliest`: call it
-/// before taking the look's snapshot, then `refresh_earliest` with what the look found.
-/// None where the scope has no counter. It only reads (the entry, its version and its
-/// look number), so that looks do not cancel each other: `floor_since` holds the lease
-/// of every change applied to the counter since the last store (or claim), before this
-/// look began and after; a change applied before this committed before it (changes are
-/// applied after their commit), so the look's snapshot sees its ticket.
-pub fn begin_refresh(key: ScopeKey) -> Option<Refresh> {
-    let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
-    let e = find(key.shared())?;
-    Some(Refresh {
-        entry: e as *const Counter as usize,
-        version: e.version.load(Ordering::Acquire),
-        epoch: e.floor_epoch.load(Ordering::Acquire),
+        look: Refresh {
+            entry: e as *const Counter as usize,
+            version: e.version.load(Ordering::Acquire),
+            epoch: e.floor_epoch.load(Ordering::Acquire),
+        },
     })
 }
 

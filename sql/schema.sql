@@ -358,3 +358,32 @@ SELECT t.role                                                        AS role,
  GROUP BY t.role, t.tenant, t.retention;
 
 GRANT SELECT ON quota.tenant_usage TO PUBLIC;
+
+-- 0.7.0: each tenant's own limits, in place of its role's quota.max_active_per_tenant
+-- and quota.max_retained_per_tenant: NULL where the role's setting applies, 0 for no
+-- limit. Written by quota.set_tenant_limits() in the caller's transaction, read by
+-- start() below SQL (src/ledger/overrides.rs), which caches them until its trigger
+-- (created with the function, src/api.rs) invalidates the cache when a change commits.
+-- tenant compares byte for byte, as a start's tenant does.
+CREATE TABLE quota.tenant_overrides (
+    role         regrole     NOT NULL,
+    tenant       text        COLLATE "C" NOT NULL,
+    max_active   integer     CHECK (max_active >= 0),
+    max_retained integer     CHECK (max_retained >= 0),
+    set_at       timestamptz NOT NULL,
+    set_by       name        NOT NULL,
+    CONSTRAINT tenant_overrides_pkey PRIMARY KEY (role, tenant),
+    CONSTRAINT tenant_overrides_some_limit
+        CHECK (max_active IS NOT NULL OR max_retained IS NOT NULL)
+);
+REVOKE ALL ON quota.tenant_overrides FROM PUBLIC;
+SELECT pg_catalog.pg_extension_config_dump('quota.tenant_overrides', '');
+
+-- 0.7.0: the tenants' own limits, visible as quota.tenant_usage is: a role's to its
+-- members, all of them to superusers and members of pg_read_all_stats.
+CREATE VIEW quota.tenant_limits WITH (security_barrier) AS
+SELECT o.role, o.tenant, o.max_active, o.max_retained, o.set_at, o.set_by
+  FROM quota.tenant_overrides o
+ WHERE pg_catalog.pg_has_role(CURRENT_USER, o.role::pg_catalog.oid, 'MEMBER')
+    OR (SELECT pg_catalog.pg_has_role(CURRENT_USER, 'pg_read_all_stats', 'USAGE'));
+GRANT SELECT ON quota.tenant_limits TO PUBLIC;

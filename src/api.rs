@@ -621,3 +621,88 @@ fn wait_histogram_rows() -> TableIterator<
             .collect::<Vec<_>>()
     }))
 }
+
+/// 0.7.0: a tenant's own limits, in place of its role's quota.max_active_per_tenant
+/// and quota.max_retained_per_tenant (NULL: the role's setting; 0: no limit; both NULL
+/// removes them), from the calling transaction's commit on (tenant_limits.rs).
+#[pg_extern(
+    volatile,
+    parallel_unsafe,
+    sql = r#"
+CREATE FUNCTION "set_tenant_limits"(
+	"tenant" TEXT,
+	"max_active" INT DEFAULT NULL,
+	"max_retained" INT DEFAULT NULL,
+	"role" regrole DEFAULT CURRENT_USER::pg_catalog.regrole
+) RETURNS void
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'set_tenant_limits_wrapper';
+"#
+)]
+fn set_tenant_limits(
+    tenant: Option<&[u8]>,
+    max_active: Option<i32>,
+    max_retained: Option<i32>,
+    role: Option<pg_sys::Oid>,
+) {
+    boundary(|| {
+        crate::tenant_limits::set(&crate::tenant_limits::Request {
+            tenant,
+            max_active,
+            max_retained,
+            role,
+        })
+    })
+}
+
+/// 0.7.0: the statement trigger of quota.tenant_overrides. Whoever wrote it (the
+/// function above, a superuser, a restore), every backend's cache of tenants' limits
+/// is invalidated when the write commits (ledger/overrides.rs).
+#[pg_guard]
+#[no_mangle]
+#[doc(hidden)]
+pub unsafe extern "C-unwind" fn tenant_overrides_written_wrapper(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    // SAFETY: PostgreSQL's fcinfo for this call; its context is a TriggerData exactly
+    // when the trigger manager calls, whose relation is open.
+    unsafe {
+        let context = (*fcinfo).context;
+        if context.is_null() || (*context).type_ != pg_sys::NodeTag::T_TriggerData {
+            // PostgreSQL refuses to call a trigger function otherwise.
+            pgrx::error!("quota.tenant_overrides_written() can only be called as a trigger");
+        }
+        let data = &*(context as *const pg_sys::TriggerData);
+        pg_sys::CacheInvalidateRelcacheByRelid((*data.tg_relation).rd_id);
+    }
+    crate::ledger::overrides::written();
+    pg_sys::Datum::from(0)
+}
+
+/// PG_FUNCTION_INFO_V1(tenant_overrides_written_wrapper).
+#[no_mangle]
+#[doc(hidden)]
+pub extern "C" fn pg_finfo_tenant_overrides_written_wrapper() -> &'static pg_sys::Pg_finfo_record {
+    const V1_API: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+    &V1_API
+}
+
+extension_sql!(
+    r#"
+CREATE FUNCTION quota.tenant_overrides_written() RETURNS trigger
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'tenant_overrides_written_wrapper';
+REVOKE ALL ON FUNCTION quota.tenant_overrides_written() FROM PUBLIC;
+CREATE TRIGGER tenant_overrides_written
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON quota.tenant_overrides
+    FOR EACH STATEMENT EXECUTE FUNCTION quota.tenant_overrides_written();
+-- Also under session_replication_role = replica (a restore with --disable-triggers
+-- aside, which a superuser chooses).
+ALTER TABLE quota.tenant_overrides ENABLE ALWAYS TRIGGER tenant_overrides_written;
+REVOKE ALL ON FUNCTION quota.set_tenant_limits(text, integer, integer, regrole) FROM PUBLIC;
+"#,
+    name = "tenant_overrides",
+    requires = ["schema", set_tenant_limits]
+);

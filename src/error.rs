@@ -48,6 +48,7 @@ fn errcode(s: Sqlstate) -> PgSqlErrorCode {
         Sqlstate::UndefinedColumn => PgSqlErrorCode::ERRCODE_UNDEFINED_COLUMN,
         Sqlstate::DatatypeMismatch => PgSqlErrorCode::ERRCODE_DATATYPE_MISMATCH,
         Sqlstate::InvalidTextRepresentation => PgSqlErrorCode::ERRCODE_INVALID_TEXT_REPRESENTATION,
+        Sqlstate::UndefinedObject => PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT,
         Sqlstate::Raised(code) => PgSqlErrorCode::from(code),
     }
 }

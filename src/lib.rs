@@ -35,6 +35,7 @@ mod charges;
 // Layer 5: the paths.
 mod admission;
 mod finish;
+mod tenant_limits;
 // Layer 5, after finish (whose body it calls): quota.finish_job().
 mod job_trigger;
 // Layer 5, after job_trigger (the DDL hooks check its triggers when created).

@@ -67,6 +67,9 @@ pub(crate) struct Caller<'a> {
     pub policy: Policy,
     /// The role's limits, with its tenant's if the start has one.
     pub limits: Limits,
+    /// The tenant's own limits (0.7.0), which `limits` has in place of the role's
+    /// settings where they are set.
+    pub own: crate::ledger::overrides::Override,
     pub tenant: Option<Tenant>,
 }
 
@@ -92,12 +95,17 @@ impl Caller<'_> {
             default_retained_for: (r.kind == RefusalKind::Retained
                 && self.policy.retained_is_default)
                 .then(|| role_ident(self.role)),
+            tenant_limit_set: match r.kind {
+                RefusalKind::TenantActive => self.own.max_active.is_some(),
+                RefusalKind::TenantRetained => self.own.max_retained.is_some(),
+                _ => false,
+            },
         }
     }
 }
 
 /// Counts the characters of `bytes` in the server encoding.
-fn chars(bytes: &[u8]) -> usize {
+pub(crate) fn chars(bytes: &[u8]) -> usize {
     // Every server encoding is a superset of ASCII, a byte a character there: the common
     // label, key or tenant is counted without a call into PostgreSQL.
     if bytes.is_ascii() {
@@ -279,17 +287,27 @@ pub fn start(
         key: scopes::tenant_key(t),
         text: text_datum(t),
     });
+    // 0.7.0: the tenant's own limits, where quota.set_tenant_limits() set them, beat
+    // every layer of the role's quota.max_*_per_tenant (a session's SET included).
+    // Superusers are never refused, so theirs are not looked up.
+    let own = match args.tenant {
+        Some(t) if !exempt => crate::ledger::overrides::of(role, t),
+        _ => Default::default(),
+    };
     let caller = Caller {
         args,
         role,
         exempt,
         policy,
         limits: Limits {
-            tenant_active: policy.tenant_max_active,
-            tenant_retained: policy.tenant_max_retained,
+            tenant_active: own.max_active.map_or(policy.tenant_max_active, i64::from),
+            tenant_retained: own
+                .max_retained
+                .map_or(policy.tenant_max_retained, i64::from),
             ..policy.limits
         }
         .for_tenant(tenant.is_some()),
+        own,
         tenant,
     };
     // The clock reading the first try decides on, taken after what may wait (the

@@ -43,6 +43,8 @@ pub enum Sqlstate {
     DatatypeMismatch,
     /// 22P02: a job's ticket that is not a uuid.
     InvalidTextRepresentation,
+    /// 42704: a role (given by OID) that does not exist (0.7.0).
+    UndefinedObject,
     /// The SQLSTATE of an error PostgreSQL raised in the ledger writer, relayed to the
     /// caller, as PostgreSQL packs it (MAKE_SQLSTATE: six bits a character).
     Raised(i32),
@@ -73,6 +75,7 @@ impl Sqlstate {
             Sqlstate::UndefinedColumn => "42703",
             Sqlstate::DatatypeMismatch => "42804",
             Sqlstate::InvalidTextRepresentation => "22P02",
+            Sqlstate::UndefinedObject => "42704",
         };
         code.to_string()
     }
@@ -126,7 +129,7 @@ impl std::fmt::Display for JobFn {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum QuotaError {
     /// I8: a start refused at a limit.
-    #[error("{}", refusal_message(.role, .tenant.as_deref(), .database, .refusal))]
+    #[error("{}", refusal_message(.role, .tenant.as_deref(), .database, .refusal, *.tenant_limit_set))]
     Refused {
         role: String,
         /// The start's tenant, named in refusals at a tenant's limits (0.5.0), as the
@@ -141,6 +144,9 @@ pub enum QuotaError {
         /// nothing sets it for the role: the role as an SQL identifier, for the hint
         /// (0.6.0: a queue's jobs stopped after a week's 10,000 with no word of why).
         default_retained_for: Option<String>,
+        /// At a tenant's limit, whether quota.set_tenant_limits() set it for the tenant
+        /// (0.7.0), in place of the role's quota.max_*_per_tenant.
+        tenant_limit_set: bool,
     },
     /// A label of `chars` characters, of at most `max` (core::ticket says how many).
     #[error("label is too long")]
@@ -176,6 +182,16 @@ pub enum QuotaError {
     },
     #[error("{0} must not be null")]
     NullArgument(&'static str),
+    /// quota.set_tenant_limits() with a negative limit (0.7.0).
+    #[error("invalid {what} {value}")]
+    InvalidLimit { what: &'static str, value: i64 },
+    /// quota.set_tenant_limits() for a role that does not exist (given by OID).
+    #[error("role with OID {0} does not exist")]
+    UnknownRole(u32),
+    /// quota.set_tenant_limits() for the tenants of a role the caller is not a member
+    /// of (0.7.0).
+    #[error("permission denied to set the limits of tenants of role \"{role}\"")]
+    ForeignTenantLimits { role: String },
     #[error("invalid outcome \"{0}\"")]
     InvalidOutcome(String),
     #[error("ticket {0} does not exist")]
@@ -338,7 +354,13 @@ fn tickets(n: i64) -> &'static str {
     }
 }
 
-fn refusal_message(role: &str, tenant: Option<&str>, database: &str, r: &Refusal) -> String {
+fn refusal_message(
+    role: &str,
+    tenant: Option<&str>,
+    database: &str,
+    r: &Refusal,
+    tenant_limit_set: bool,
+) -> String {
     let (n, what, limit, guc) = match r.kind {
         RefusalKind::Active => (
             r.usage.active,
@@ -371,6 +393,12 @@ fn refusal_message(role: &str, tenant: Option<&str>, database: &str, r: &Refusal
             "quota.max_retained_per_tenant",
         ),
     };
+    // 0.7.0: a tenant's own limit, set by quota.set_tenant_limits().
+    let set_by = if tenant_limit_set && r.kind.is_tenant() {
+        "set for the tenant by quota.set_tenant_limits".to_string()
+    } else {
+        format!("set by {guc}")
+    };
     let who = match r.kind {
         RefusalKind::Database => format!("database \"{database}\""),
         RefusalKind::TenantActive | RefusalKind::TenantRetained => format!(
@@ -384,13 +412,13 @@ fn refusal_message(role: &str, tenant: Option<&str>, database: &str, r: &Refusal
     // limit, the refusal is the doing of earlier starts still waiting in line, which
     // take the next free slots; they are not tickets, so they are named apart.
     let tail = if n > limit {
-        format!("more than the limit of {limit} set by {guc}")
+        format!("more than the limit of {limit} {set_by}")
     } else if n == limit || r.usage.ahead == 0 {
-        format!("the limit set by {guc}")
+        format!("the limit {set_by}")
     } else {
         let a = r.usage.ahead;
         format!(
-            "and {a} earlier {} waiting for capacity, which fill the limit of {limit} set by {guc}",
+            "and {a} earlier {} waiting for capacity, which fill the limit of {limit} {set_by}",
             if a == 1 { "start" } else { "starts" }
         )
     };
@@ -434,6 +462,9 @@ impl QuotaError {
                 Sqlstate::ObjectNotInPrerequisiteState
             }
             QuotaError::NullArgument(_) => Sqlstate::NullValueNotAllowed,
+            QuotaError::InvalidLimit { .. } => Sqlstate::InvalidParameterValue,
+            QuotaError::UnknownRole(_) => Sqlstate::UndefinedObject,
+            QuotaError::ForeignTenantLimits { .. } => Sqlstate::InsufficientPrivilege,
             QuotaError::InvalidOutcome(_) | QuotaError::UnknownTicket(_) => {
                 Sqlstate::InvalidParameterValue
             }
@@ -607,8 +638,14 @@ impl QuotaError {
                 refusal,
                 next_ageout,
                 default_retained_for,
+                tenant_limit_set,
                 ..
             } => Some(match (refusal.kind, next_ageout) {
+                (RefusalKind::TenantActive, _) if *tenant_limit_set => "Finish one of the tenant's tickets with quota.finish(), or raise the tenant's own limit with quota.set_tenant_limits().".to_string(),
+                (RefusalKind::TenantRetained, Some(at)) if *tenant_limit_set => format!(
+                    "Capacity returns at {at}, when the tenant's oldest retained ticket ages out; quota.set_tenant_limits() can raise the tenant's own limit."
+                ),
+                (RefusalKind::TenantRetained, None) if *tenant_limit_set => "Every retained ticket of the tenant is still active: tickets age out quota.retention after they finish. quota.set_tenant_limits() can raise the tenant's own limit.".to_string(),
                 (RefusalKind::Database, _) => "Capacity returns when any role of the database finishes a ticket or a lease expires; a superuser can raise quota.max_active_per_database.".to_string(),
                 (RefusalKind::Active, _) => "Finish a ticket with quota.finish(), or ask a superuser to raise quota.max_active_per_role.".to_string(),
                 (RefusalKind::Retained, _) if default_retained_for.is_some() => format!(
@@ -665,6 +702,14 @@ impl QuotaError {
             ),
             QuotaError::ForeignTicket { .. } => Some(
                 "Only the role that started a ticket, a member of that role, or a superuser can finish or renew it."
+                    .to_string(),
+            ),
+            QuotaError::InvalidLimit { .. } => Some(
+                "A limit is 0 (no limit) or more; NULL leaves the role's setting in force."
+                    .to_string(),
+            ),
+            QuotaError::ForeignTenantLimits { .. } => Some(
+                "A role granted EXECUTE on quota.set_tenant_limits() sets the limits of tenants of the roles it is a member of; a superuser sets any."
                     .to_string(),
             ),
             QuotaError::TicketEnded { .. } => {

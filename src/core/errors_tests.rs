@@ -31,6 +31,7 @@ fn refused(role: &str, refusal: Refusal) -> QuotaError {
         refusal,
         next_ageout: None,
         default_retained_for: None,
+        tenant_limit_set: false,
     }
 }
 
@@ -66,6 +67,7 @@ fn retained_refusal_hint_says_when_capacity_returns() {
         refusal: refusal(RefusalKind::Retained),
         next_ageout: Some("2026-12-01 10:00:00+00".into()),
         default_retained_for: None,
+        tenant_limit_set: false,
     };
     assert!(e.to_string().contains("quota.max_retained_per_role"));
     assert!(e.hint().unwrap().contains("2026-12-01 10:00:00+00"));
@@ -268,6 +270,7 @@ fn a_default_retained_limit_says_so_and_how_to_turn_it_off() {
             },
             next_ageout: next.map(str::to_string),
             default_retained_for,
+            tenant_limit_set: false,
         }
         .hint()
         .unwrap()
@@ -400,4 +403,98 @@ fn ledger_copy_under_replica_is_refused_with_a_way_out() {
         hint.contains("quota.active") && hint.contains("quota.history"),
         "{hint}"
     );
+}
+
+#[test]
+fn a_refusal_at_a_tenants_own_limit_names_set_tenant_limits() {
+    let at = |kind: RefusalKind, set: bool, next: Option<&str>| QuotaError::Refused {
+        role: "app".into(),
+        tenant: Some("acme".into()),
+        database: "app".into(),
+        refusal: Refusal {
+            kind,
+            usage: Usage {
+                active: 2,
+                tenant_active: 2,
+                tenant_retained: 5,
+                ..Usage::default()
+            },
+            limits: Limits {
+                tenant_active: 2,
+                tenant_retained: 5,
+                ..Limits::default()
+            },
+        },
+        next_ageout: next.map(str::to_string),
+        default_retained_for: None,
+        tenant_limit_set: set,
+    };
+    let e = at(RefusalKind::TenantActive, true, None);
+    assert_eq!(e.sqlstate().code(), "53400");
+    assert_eq!(
+        e.to_string(),
+        "tenant \"acme\" of role \"app\" has 2 active tickets, the limit set for the tenant by quota.set_tenant_limits"
+    );
+    assert!(
+        e.hint().unwrap().contains("quota.set_tenant_limits()"),
+        "{e:?}"
+    );
+    let e = at(
+        RefusalKind::TenantRetained,
+        true,
+        Some("2026-12-07 10:00:00+00"),
+    );
+    assert!(
+        e.to_string()
+            .ends_with("the limit set for the tenant by quota.set_tenant_limits"),
+        "{e}"
+    );
+    let h = e.hint().unwrap();
+    assert!(
+        h.contains("2026-12-07 10:00:00+00") && h.contains("quota.set_tenant_limits()"),
+        "{h}"
+    );
+    assert!(at(RefusalKind::TenantRetained, true, None)
+        .hint()
+        .unwrap()
+        .contains("quota.set_tenant_limits()"));
+    // The role's setting where nothing set the tenant's own.
+    let e = at(RefusalKind::TenantActive, false, None);
+    assert!(
+        e.to_string()
+            .ends_with("the limit set by quota.max_active_per_tenant"),
+        "{e}"
+    );
+    assert!(!e.hint().unwrap().contains("set_tenant_limits"));
+    // A tenant's own limit never renames the role's limits.
+    let mut r = at(RefusalKind::Active, true, None);
+    if let QuotaError::Refused { refusal, .. } = &mut r {
+        refusal.limits.max_active = 2;
+    }
+    assert!(r.to_string().contains("quota.max_active_per_role"), "{r}");
+}
+
+#[test]
+fn set_tenant_limits_errors_have_their_sqlstates() {
+    let e = QuotaError::InvalidLimit {
+        what: "max_active",
+        value: -1,
+    };
+    assert_eq!(e.sqlstate().code(), "22023");
+    assert_eq!(e.to_string(), "invalid max_active -1");
+    assert!(e.hint().is_some());
+    assert_eq!(QuotaError::UnknownRole(4242).sqlstate().code(), "42704");
+    assert_eq!(
+        QuotaError::UnknownRole(4242).to_string(),
+        "role with OID 4242 does not exist"
+    );
+    let e = QuotaError::ForeignTenantLimits {
+        role: "billing".into(),
+    };
+    assert_eq!(e.sqlstate().code(), "42501");
+    assert_eq!(
+        e.to_string(),
+        "permission denied to set the limits of tenants of role \"billing\""
+    );
+    assert!(e.hint().unwrap().contains("member"));
 }

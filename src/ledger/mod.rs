@@ -11,6 +11,7 @@ pub mod indexes;
 pub mod keys;
 pub mod leases;
 pub mod locks;
+pub mod overrides;
 pub mod rels;
 pub mod scan;
 pub mod write;

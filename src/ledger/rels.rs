@@ -204,7 +204,7 @@ fn relid(ns: pg_sys::Oid, name: &std::ffi::CStr, ext: pg_sys::Oid) -> pg_sys::Oi
 /// schema and `regrole` from 0.1.1 on; both are the same four bytes. `counts` are the
 /// column counts of the schemas this library runs on: the table must have one of them,
 /// and its columns must match the first that many of `want`.
-fn check_shape(
+pub(super) fn check_shape(
     rel: pg_sys::Relation,
     name: &str,
     want: &[(&str, &[pg_sys::Oid])],

@@ -53,6 +53,24 @@ fn purge_dropped_roles() {
     });
     drop(snap);
     drop(reader);
+    // 0.7.0: the tenants' own limits of dropped roles, which a future role with the
+    // same OID must not inherit.
+    let overrides = crate::ledger::overrides::find();
+    if let Some((heap, pkey)) = overrides {
+        let mut locks = crate::ledger::locks::Locks::new();
+        locks.take(heap, pg_sys::AccessShareLock);
+        locks.take(pkey, pg_sys::AccessShareLock);
+        let snap = Latest::take();
+        scan(heap, pkey, &snap, &[], |slot| {
+            if let Some(d) = attr(slot, crate::ledger::overrides::COL_ROLE as i32) {
+                let role = pg_sys::Oid::from(d.value() as u32);
+                if !role_exists(role) && !gone.contains(&role) {
+                    gone.push(role);
+                }
+            }
+            true
+        });
+    }
     if gone.is_empty() {
         return;
     }
@@ -77,6 +95,19 @@ fn purge_dropped_roles() {
     delete_where(&summary, rels.summary_idx, &[], |slot| {
         attr(slot, 1).is_some_and(|d| gone.contains(&pg_sys::Oid::from(d.value() as u32)))
     });
+    if let Some((heap, pkey)) = overrides {
+        let rel = OpenRel::open_lazy(heap, "tenant_overrides", 0);
+        let n = delete_where(&rel, pkey, &[], |slot| {
+            attr(slot, crate::ledger::overrides::COL_ROLE as i32)
+                .is_some_and(|d| gone.contains(&pg_sys::Oid::from(d.value() as u32)))
+        });
+        if n > 0 {
+            // Written below SQL, so the table's trigger does not fire: every backend's
+            // cache of these rows is invalidated when this purge commits.
+            // SAFETY: the table exists and is locked.
+            unsafe { pg_sys::CacheInvalidateRelcacheByRelid(heap) };
+        }
+    }
     DROPPED.with_borrow_mut(|d| d.clone_from(&gone));
     log!(
         "pg_quota ledger writer: removed the tickets of {} dropped role(s)",

@@ -5,7 +5,9 @@
 # finish its restored tickets as itself, and each role's limit still counts them. And a
 # dropped role leaves nothing behind: once start() has run in the database afterwards,
 # no ledger or summary row carries the dropped role's OID, where a role created later
-# with the same OID would inherit it.
+# with the same OID would inherit it. 0.7.0: the tenants' own limits
+# (quota.set_tenant_limits()) follow role names the same way, and are purged with a
+# dropped role, also one that has no tickets.
 source "$(dirname "$0")/../../scripts/lib.sh"
 PORT="${PORT:-$((5620 + PORT_OFFSET))}"
 PORT2="${PORT2:-$((5621 + PORT_OFFSET))}"
@@ -64,6 +66,14 @@ mapfile -t B_ACTIVE < "$CL1/b_active"
 SRC=$(by_name 1 qdb)
 expect_eq "cluster 1 holds each role's tickets" "r_a|3|4 r_b|1|3 r_c|0|3" "$SRC"
 expect_eq "r_a is at its active limit in cluster 1" 53400 "$(state 1 r_a qdb "SELECT quota.start('over')")"
+# 0.7.0: tenants' own limits, by role name.
+su1 qdb "SELECT quota.set_tenant_limits('gold', max_active => 1, role => 'r_c')" \
+        "SELECT quota.set_tenant_limits('free', max_active => 0, max_retained => 7, role => 'r_b')" >/dev/null
+limits_by_name() {  # limits_by_name 1|2 DB
+  on "$1" postgres "$2" "SELECT role::regrole::text || '|' || tenant || '|' || coalesce(max_active::text, '-') || '|' || coalesce(max_retained::text, '-')
+                           FROM quota.tenant_overrides ORDER BY 1" | paste -sd' '
+}
+expect_eq "cluster 1 holds the tenants' own limits" "r_b|free|0|7 r_c|gold|1|-" "$(limits_by_name 1 qdb)"
 OIDS1=$(su1 qdb "SELECT string_agg(rolname || '=' || oid, ' ' ORDER BY rolname) FROM pg_roles WHERE rolname IN ('r_a', 'r_b', 'r_c')")
 
 as_pg timeout 60 "$PG_BIN/pg_dump" -h "$CL1" -p "$PORT" -U postgres -Fc -d qdb -f "$CL1/qdb.dump"
@@ -89,6 +99,7 @@ expect_eq "no restored ledger row names a role that does not exist" 0 \
   "$(su2 qdb "SELECT count(*) FROM quota.ledger l WHERE NOT EXISTS (SELECT 1 FROM pg_roles r WHERE r.oid = l.role::oid)")"
 expect_eq "no restored summary row names a role that does not exist" 0 \
   "$(su2 qdb "SELECT count(*) FROM quota.summary s WHERE NOT EXISTS (SELECT 1 FROM pg_roles r WHERE r.oid = s.role::oid)")"
+expect_eq "the tenants' own limits follow the role names into cluster 2" "r_b|free|0|7 r_c|gold|1|-" "$(limits_by_name 2 qdb)"
 expect_eq "the unrelated roles got no tickets" 0 \
   "$(su2 qdb "SELECT count(*) FROM quota.ledger WHERE role::regrole::text LIKE 'unrelated%'")"
 
@@ -116,17 +127,21 @@ expect_eq "cluster 2's ledger after the new work" "r_a|3|5 r_b|2|5 r_c|0|4" "$(b
 # ------------------------------------------------------------------------------------
 # A dropped role's rows are purged (cluster 2).
 # ------------------------------------------------------------------------------------
-su2 qdb "CREATE ROLE r_x LOGIN" >/dev/null
+su2 qdb "CREATE ROLE r_x LOGIN" "CREATE ROLE r_y" >/dev/null
+su2 qdb "SELECT quota.set_tenant_limits('t', max_active => 3, role => 'r_x')" \
+        "SELECT quota.set_tenant_limits('t', max_active => 4, role => 'r_y')" >/dev/null
+YOID=$(su2 qdb "SELECT oid FROM pg_roles WHERE rolname = 'r_y'")
 on 2 r_x qdb "SELECT quota.finish(quota.start('x ended'))" "SELECT quota.start('x active ' || i) FROM generate_series(1, 2) i" >/dev/null
 XOID=$(su2 qdb "SELECT oid FROM pg_roles WHERE rolname = 'r_x'")
 expect_eq "r_x holds 2 active and 3 retained tickets" "r_x|2|3" \
   "$(su2 qdb "SELECT role::regrole::text || '|' || active || '|' || retained FROM quota.usage WHERE role::regrole::text = 'r_x'")"
-su2 qdb "DROP ROLE r_x" >/dev/null
+su2 qdb "DROP ROLE r_x" "DROP ROLE r_y" >/dev/null
 expect_eq "r_x is dropped" 0 "$(su2 qdb "SELECT count(*) FROM pg_roles WHERE rolname = 'r_x'")"
 # Any start() afterwards lets the writer purge; give it up to ~5 s.
 leftover() {
   su2 qdb "SELECT (SELECT count(*) FROM quota.ledger WHERE role::oid = $XOID)
-                  + (SELECT count(*) FROM quota.summary WHERE role::oid = $XOID)"
+                  + (SELECT count(*) FROM quota.summary WHERE role::oid = $XOID)
+                  + (SELECT count(*) FROM quota.tenant_overrides WHERE role::oid IN ($XOID, $YOID))"
 }
 su2 qdb "SELECT quota.start('after drop')" >/dev/null
 for i in $(seq 1 20); do
@@ -138,6 +153,9 @@ expect_eq "no ledger row carries the dropped role's OID $XOID" 0 \
   "$(su2 qdb "SELECT count(*) FROM quota.ledger WHERE role::oid = $XOID")"
 expect_eq "no summary row carries the dropped role's OID $XOID" 0 \
   "$(su2 qdb "SELECT count(*) FROM quota.summary WHERE role::oid = $XOID")"
+expect_eq "no tenant's own limits carry the dropped roles' OIDs $XOID and $YOID (r_y had no tickets)" 0 \
+  "$(su2 qdb "SELECT count(*) FROM quota.tenant_overrides WHERE role::oid IN ($XOID, $YOID)")"
+expect_eq "the other roles' tenants keep their own limits" "r_b|free|0|7 r_c|gold|1|-" "$(limits_by_name 2 qdb)"
 expect_eq "quota.usage shows no row for a role that no longer exists" "" \
   "$(su2 qdb "SELECT string_agg(role::regrole::text, ',') FROM quota.usage WHERE role::regrole::text ~ '^[0-9]+\$'")"
 expect_eq "the other roles' tickets are untouched by the purge" "r_a|3|5 r_b|2|5 r_c|0|4" \
@@ -145,4 +163,11 @@ expect_eq "the other roles' tickets are untouched by the purge" "r_a|3|5 r_b|2|5
                           FROM quota.ledger WHERE role::regrole::text LIKE 'r\\_%' GROUP BY role::regrole::text ORDER BY 1" | paste -sd' ')"
 expect_eq "the other roles are still at their limits" "53400 53400" \
   "$(state 2 r_a qdb "SELECT quota.start('a over')") $(state 2 r_b qdb "SELECT quota.start('b over')")"
+# The restored tenant's own limit is enforced for its role in cluster 2.
+su2 qdb "ALTER ROLE r_c SET quota.max_retained_per_role = 0" >/dev/null
+expect_eq "r_c's tenant gold is admitted once in cluster 2" t "$(on 2 r_c qdb "SELECT quota.start(tenant => 'gold') IS NOT NULL")"
+out=$(timeout 20 "$PG_BIN/psql" -X -q -At -h "$CL2" -p "$PORT2" -U r_c -d qdb \
+        -c "SELECT quota.start(tenant => 'gold')" 2>&1 || true)
+check "... and then refused at the restored limit of 1 set for it by quota.set_tenant_limits" \
+  grep -q 'tenant "gold" of role "r_c" has 1 active ticket, the limit set for the tenant by quota.set_tenant_limits' <<<"$out"
 finish_checks

@@ -9,6 +9,9 @@ SET quota.max_retained_per_role = 0;
 SET ROLE quota_busy;
 SELECT count(quota.start('busy')) AS admitted FROM generate_series(1, 2);
 SELECT quota.try_start('over') IS NULL AS refused;
+-- 0.7.0: a backend's first start of a tenant reads the tenant's own limits once
+-- (quota.tenant_overrides, tenant_limits); the ones after it read its cache.
+SELECT quota.try_start('over', tenant => 'acme') IS NULL AS refused_with_a_tenant;
 SELECT pg_stat_force_next_flush();
 BEGIN;
 SELECT quota.try_start('over') IS NULL AS refused;

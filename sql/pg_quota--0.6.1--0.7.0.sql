@@ -1,0 +1,80 @@
+-- pg_quota 0.6.1 -> 0.7.0
+--
+-- Why this script exists: 0.7.0 gives each tenant limits of its own, set at run time
+-- (a customer's plan), in place of its role's quota.max_active_per_tenant and
+-- quota.max_retained_per_tenant. They are rows of a new table, which needs:
+--
+-- - quota.tenant_overrides, one row per (role, tenant), written by the new function
+--   quota.set_tenant_limits() in the caller's transaction (EXECUTE revoked from
+--   PUBLIC: a superuser grants it), and carried by pg_dump (a config table, roles by
+--   name);
+-- - its statement trigger, which invalidates every backend's cache of these rows when
+--   a change to them commits;
+-- - the view quota.tenant_limits, which shows them as quota.tenant_usage shows usage.
+--
+-- Nothing existing changes: every ticket, table and index stays as it is.
+--
+-- The update refuses (55000) while the server still runs an older library (see the
+-- first statement): an older library would ignore the tenants' own limits, and lacks
+-- the functions this script declares. Restart the server with 0.7.0's first.
+--
+-- The result must equal a fresh 0.7.0 install (sql/schema.sql, sql/stats.sql and
+-- src/api.rs); scripts/test-upgrade compares the catalogs, pg_init_privs included.
+
+\echo Use "ALTER EXTENSION pg_quota UPDATE TO '0.7.0'" to load this file. \quit
+
+DO $$
+DECLARE
+    v pg_catalog.text := pg_catalog.current_setting('quota.library_version', true);
+BEGIN
+    IF v IS NULL OR pg_catalog.string_to_array(pg_catalog.split_part(v, '-', 1), '.')::pg_catalog.int4[]
+                    OPERATOR(pg_catalog.<) '{0,7,0}'::pg_catalog.int4[] THEN
+        RAISE EXCEPTION 'this server still runs a pg_quota library older than 0.7.0'
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  DETAIL = pg_catalog.format('The library loaded at server start is %s.', pg_catalog.coalesce(v, 'older than 0.6.1')),
+                  HINT = 'Restart the server after installing pg_quota 0.7.0, then run ALTER EXTENSION pg_quota UPDATE again.';
+    END IF;
+END
+$$;
+
+CREATE TABLE quota.tenant_overrides (
+    role         regrole     NOT NULL,
+    tenant       text        COLLATE "C" NOT NULL,
+    max_active   integer     CHECK (max_active >= 0),
+    max_retained integer     CHECK (max_retained >= 0),
+    set_at       timestamptz NOT NULL,
+    set_by       name        NOT NULL,
+    CONSTRAINT tenant_overrides_pkey PRIMARY KEY (role, tenant),
+    CONSTRAINT tenant_overrides_some_limit
+        CHECK (max_active IS NOT NULL OR max_retained IS NOT NULL)
+);
+REVOKE ALL ON quota.tenant_overrides FROM PUBLIC;
+SELECT pg_catalog.pg_extension_config_dump('quota.tenant_overrides', '');
+
+CREATE VIEW quota.tenant_limits WITH (security_barrier) AS
+SELECT o.role, o.tenant, o.max_active, o.max_retained, o.set_at, o.set_by
+  FROM quota.tenant_overrides o
+ WHERE pg_catalog.pg_has_role(CURRENT_USER, o.role::pg_catalog.oid, 'MEMBER')
+    OR (SELECT pg_catalog.pg_has_role(CURRENT_USER, 'pg_read_all_stats', 'USAGE'));
+GRANT SELECT ON quota.tenant_limits TO PUBLIC;
+
+CREATE FUNCTION quota."set_tenant_limits"(
+	"tenant" TEXT,
+	"max_active" INT DEFAULT NULL,
+	"max_retained" INT DEFAULT NULL,
+	"role" regrole DEFAULT CURRENT_USER::pg_catalog.regrole
+) RETURNS void
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'set_tenant_limits_wrapper';
+
+CREATE FUNCTION quota.tenant_overrides_written() RETURNS trigger
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'tenant_overrides_written_wrapper';
+REVOKE ALL ON FUNCTION quota.tenant_overrides_written() FROM PUBLIC;
+CREATE TRIGGER tenant_overrides_written
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON quota.tenant_overrides
+    FOR EACH STATEMENT EXECUTE FUNCTION quota.tenant_overrides_written();
+ALTER TABLE quota.tenant_overrides ENABLE ALWAYS TRIGGER tenant_overrides_written;
+REVOKE ALL ON FUNCTION quota.set_tenant_limits(text, integer, integer, regrole) FROM PUBLIC;

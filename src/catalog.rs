@@ -13,6 +13,20 @@ pub fn database_name(db: pg_sys::Oid) -> String {
     )
 }
 
+/// Whether role `role` exists.
+pub fn role_exists(role: pg_sys::Oid) -> bool {
+    // SAFETY: a syscache probe of pg_authid.
+    unsafe {
+        pg_sys::SearchSysCacheExists(
+            pg_sys::SysCacheIdentifier::AUTHOID as i32,
+            role.into(),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+        )
+    }
+}
+
 /// The name of role `role`, or its OID if it was dropped.
 pub fn role_name(role: pg_sys::Oid) -> String {
     // SAFETY: returns a palloc'd copy; noerr so a dropped role gives NULL.

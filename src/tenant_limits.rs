@@ -8,9 +8,7 @@
 //! who may set the limits of which role's tenants, and that the values make sense.
 //! Starts read the rows through ledger::overrides.
 
-use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys;
-use pgrx::spi::Spi;
 
 use crate::catalog::role_name;
 use crate::core::{check_tenant, QuotaError};
@@ -24,6 +22,10 @@ pub struct Request<'a> {
     pub role: Option<pg_sys::Oid>,
 }
 
+/// The largest limit a tenant may have, as the settings' (quota.max_active_per_tenant
+/// and quota.max_retained_per_tenant go up to 1,000,000).
+pub const MAX_LIMIT: i32 = 1_000_000;
+
 pub fn set(req: &Request) -> Result<(), QuotaError> {
     const NAME: &std::ffi::CStr = c"quota.set_tenant_limits()";
     crate::shmem::require_callable(NAME);
@@ -33,7 +35,7 @@ pub fn set(req: &Request) -> Result<(), QuotaError> {
         ("max_active", req.max_active),
         ("max_retained", req.max_retained),
     ] {
-        if let Some(v) = v.filter(|&v| v < 0) {
+        if let Some(v) = v.filter(|&v| !(0..=MAX_LIMIT).contains(&v)) {
             return Err(QuotaError::InvalidLimit {
                 what,
                 value: i64::from(v),
@@ -41,7 +43,19 @@ pub fn set(req: &Request) -> Result<(), QuotaError> {
         }
     }
     let role = req.role.ok_or(QuotaError::NullArgument("role"))?;
-    if !role_exists(role) {
+    // SAFETY: a lock on the role, as DROP ROLE takes one (AccessExclusiveLock) before
+    // it drops it: once granted, a role that exists stays until this transaction
+    // ends, so no row is written for a role whose drop (and the writer's purge of its
+    // rows) committed meanwhile.
+    unsafe {
+        pg_sys::LockSharedObject(
+            pg_sys::AuthIdRelationId,
+            role,
+            0,
+            pg_sys::AccessShareLock as i32,
+        )
+    };
+    if !crate::catalog::role_exists(role) {
         return Err(QuotaError::UnknownRole(u32::from(role)));
     }
     // SAFETY: plain reads of backend state and catalog lookups.
@@ -64,98 +78,163 @@ pub fn set(req: &Request) -> Result<(), QuotaError> {
             needs: "0.7.0",
         });
     };
-    let by = role_name(me);
-    // SAFETY: a syscache lookup of a table that exists (found above).
-    let owner = unsafe { table_owner(table) };
+    // One change of the table at a time, to the transaction's end (SHARE ROW
+    // EXCLUSIVE conflicts with itself and with every write, not with start()'s
+    // reads): the write below, under the latest snapshot, then sees every change that
+    // committed before it, and none can commit between its look and its write, so it
+    // neither misses a row nor raises 40001 under REPEATABLE READ or SERIALIZABLE (I3).
+    crate::ledger::locks::lock_bounded(table, pg_sys::ShareRowExclusiveLock);
+    // SAFETY: the table is locked; NULL if it was dropped before the lock was granted.
+    let owner = unsafe {
+        let rel = pg_sys::try_relation_open(table, pg_sys::NoLock as i32);
+        if rel.is_null() {
+            return Err(QuotaError::NotExtensionMember {
+                relation: "quota.tenant_overrides".into(),
+            });
+        }
+        let owner = (*(*rel).rd_rel).relowner;
+        pg_sys::relation_close(rel, pg_sys::NoLock as i32);
+        owner
+    };
+    // SAFETY: the caller's name in the server encoding, palloc'd, as the column holds it.
+    let by = unsafe { pg_sys::GetUserNameFromId(me, false) };
     let as_owner = AsRole::enter(owner);
-    let tenant_arg = || {
-        // SAFETY: a text datum in the server encoding, as the column holds.
-        unsafe { DatumWithOid::new(text_datum(tenant), pg_sys::TEXTOID) }
-    };
-    // SAFETY: an OID datum typed as regrole, which is an OID.
-    let role_arg = || unsafe { DatumWithOid::new(role, pg_sys::REGROLEOID) };
-    let written = if req.max_active.is_none() && req.max_retained.is_none() {
-        Spi::run_with_args(
-            "DELETE FROM quota.tenant_overrides \
-              WHERE role OPERATOR(pg_catalog.=) $1 AND tenant OPERATOR(pg_catalog.=) $2",
-            &[role_arg(), tenant_arg()],
+    let delete = req.max_active.is_none() && req.max_retained.is_none();
+    let int4 = |v: Option<i32>| {
+        (
+            v.map_or(pg_sys::Datum::from(0), pg_sys::Datum::from),
+            v.is_none(),
         )
+    };
+    let args: Vec<(pg_sys::Oid, pg_sys::Datum, bool)> = if delete {
+        vec![
+            (pg_sys::REGROLEOID, pg_sys::Datum::from(role), false),
+            (pg_sys::TEXTOID, text_datum(tenant), false),
+        ]
     } else {
-        Spi::run_with_args(
-            "INSERT INTO quota.tenant_overrides AS o \
-                    (role, tenant, max_active, max_retained, set_at, set_by) \
-             VALUES ($1, $2, $3, $4, pg_catalog.now(), $5) \
-             ON CONFLICT (role, tenant) DO UPDATE \
-                SET max_active = EXCLUDED.max_active, max_retained = EXCLUDED.max_retained, \
-                    set_at = EXCLUDED.set_at, set_by = EXCLUDED.set_by",
-            &[
-                role_arg(),
-                tenant_arg(),
-                req.max_active.into(),
-                req.max_retained.into(),
-                // SAFETY: a name datum (palloc'd, NAMEDATALEN bytes) of the caller's name.
-                unsafe { DatumWithOid::new(name_datum(&by), pg_sys::NAMEOID) },
-            ],
-        )
+        let (a, a_null) = int4(req.max_active);
+        let (r, r_null) = int4(req.max_retained);
+        vec![
+            (pg_sys::REGROLEOID, pg_sys::Datum::from(role), false),
+            (pg_sys::TEXTOID, text_datum(tenant), false),
+            (pg_sys::INT4OID, a, a_null),
+            (pg_sys::INT4OID, r, r_null),
+            // SAFETY: a NUL-terminated name from GetUserNameFromId.
+            (
+                pg_sys::NAMEOID,
+                name_datum(unsafe { std::ffi::CStr::from_ptr(by) }),
+                false,
+            ),
+        ]
     };
+    let query: &std::ffi::CStr = if delete {
+        c"DELETE FROM quota.tenant_overrides \
+           WHERE role OPERATOR(pg_catalog.=) $1 AND tenant OPERATOR(pg_catalog.=) $2"
+    } else {
+        c"INSERT INTO quota.tenant_overrides AS o \
+                 (role, tenant, max_active, max_retained, set_at, set_by) \
+          VALUES ($1, $2, $3, $4, pg_catalog.now(), $5) \
+          ON CONFLICT (role, tenant) DO UPDATE \
+             SET max_active = EXCLUDED.max_active, max_retained = EXCLUDED.max_retained, \
+                 set_at = EXCLUDED.set_at, set_by = EXCLUDED.set_by"
+    };
+    // SAFETY: SPI inside the caller's transaction; an ERROR unwinds through it and the
+    // transaction's abort cleans SPI up.
+    unsafe { execute_latest(query, &args) };
     drop(as_owner);
-    written.unwrap_or_else(|e| pgrx::error!("pg_quota: {e}"));
+    // The table's trigger did this too; without it (a DBA disabled it, which the guard
+    // warns of) the change must still reach this backend's cache and, at commit, every
+    // other backend's.
+    // SAFETY: the table exists and is locked.
+    unsafe { pg_sys::CacheInvalidateRelcacheByRelid(table) };
+    crate::ledger::overrides::written();
     Ok(())
 }
 
-fn role_exists(role: pg_sys::Oid) -> bool {
-    // SAFETY: a syscache probe of pg_authid.
-    unsafe {
-        pg_sys::SearchSysCacheExists(
-            pg_sys::SysCacheIdentifier::AUTHOID as i32,
-            role.into(),
-            pg_sys::Datum::from(0),
-            pg_sys::Datum::from(0),
-            pg_sys::Datum::from(0),
-        )
-    }
-}
-
+/// Runs `query` with `args` (type, value, is NULL) under the latest snapshot, not the
+/// transaction's (see `set`), firing the table's triggers.
+///
 /// # Safety
-/// `table` exists.
-unsafe fn table_owner(table: pg_sys::Oid) -> pg_sys::Oid {
-    // SAFETY: the caller's promise; the relation is opened without a lock only to read
-    // its owner, which ALTER TABLE OWNER would change under AccessExclusiveLock.
+/// Inside a transaction; the datums are valid for their types.
+unsafe fn execute_latest(query: &std::ffi::CStr, args: &[(pg_sys::Oid, pg_sys::Datum, bool)]) {
+    let mut types: Vec<pg_sys::Oid> = args.iter().map(|a| a.0).collect();
+    let mut values: Vec<pg_sys::Datum> = args.iter().map(|a| a.1).collect();
+    let nulls: Vec<std::ffi::c_char> = args
+        .iter()
+        .map(|a| if a.2 { b'n' } else { b' ' } as std::ffi::c_char)
+        .collect();
+    // SAFETY: the caller's promise; each call raises ERROR on failure, and the return
+    // codes are checked besides.
     unsafe {
-        let rel = pg_sys::RelationIdGetRelation(table);
-        let owner = (*(*rel).rd_rel).relowner;
-        pg_sys::RelationClose(rel);
-        owner
+        if pg_sys::SPI_connect() != pg_sys::SPI_OK_CONNECT as i32 {
+            pgrx::error!("pg_quota: SPI_connect failed");
+        }
+        let plan = pg_sys::SPI_prepare(query.as_ptr(), types.len() as i32, types.as_mut_ptr());
+        if plan.is_null() {
+            let code = std::ptr::addr_of!(pg_sys::SPI_result).read();
+            pgrx::error!("pg_quota: SPI_prepare failed: {code}");
+        }
+        let rc = pg_sys::SPI_execute_snapshot(
+            plan,
+            values.as_mut_ptr(),
+            nulls.as_ptr(),
+            pg_sys::GetLatestSnapshot(),
+            std::ptr::null_mut(),
+            false,
+            true,
+            0,
+        );
+        if rc < 0 {
+            pgrx::error!("pg_quota: SPI_execute_snapshot failed: {rc}");
+        }
+        pg_sys::SPI_finish();
     }
 }
 
-/// A name datum holding `s` (truncated to NAMEDATALEN - 1 bytes, as PostgreSQL does).
-fn name_datum(s: &str) -> pg_sys::Datum {
+/// A name datum holding `s` (at most NAMEDATALEN - 1 bytes, as PostgreSQL keeps them).
+fn name_datum(s: &std::ffi::CStr) -> pg_sys::Datum {
+    let bytes = s.to_bytes();
     // SAFETY: palloc0 of NAMEDATALEN bytes, into which at most NAMEDATALEN - 1 are
     // copied: the name stays NUL-terminated.
     unsafe {
         let p = pg_sys::palloc0(pg_sys::NAMEDATALEN as usize).cast::<u8>();
-        let n = s.len().min(pg_sys::NAMEDATALEN as usize - 1);
-        std::ptr::copy_nonoverlapping(s.as_ptr(), p, n);
+        let n = bytes.len().min(pg_sys::NAMEDATALEN as usize - 1);
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, n);
         pg_sys::Datum::from(p)
     }
 }
 
-/// Runs as `role` until dropped, as PostgreSQL's own code does to run a query with
-/// another role's privileges (SECURITY_LOCAL_USERID_CHANGE: SET ROLE and the like are
-/// refused meanwhile; SECURITY_RESTRICTED_OPERATION: nothing the query runs can leave
-/// state behind in the session). An ERROR's abort restores the role too.
+/// Runs as `role` until dropped, with search_path pinned to pg_catalog, pg_temp, as
+/// PostgreSQL's own code runs a query with another role's privileges (a security
+/// definer function, REFRESH MATERIALIZED VIEW): SECURITY_LOCAL_USERID_CHANGE refuses
+/// SET ROLE and the like meanwhile, SECURITY_RESTRICTED_OPERATION keeps what runs from
+/// leaving state behind in the session, and nothing the query runs (a check, a default)
+/// resolves a name through the caller's search_path. After an ERROR, the
+/// (sub)transaction's abort restores both, as for a security definer function.
 struct AsRole {
     user: pg_sys::Oid,
     context: i32,
+    nest: i32,
 }
 
 impl AsRole {
     fn enter(role: pg_sys::Oid) -> AsRole {
         let mut user = pg_sys::InvalidOid;
         let mut context = 0;
-        // SAFETY: reads and sets the backend's current user, restored in drop.
+        // SAFETY: reads and sets the backend's current user and a GUC at a nesting
+        // level of its own, both restored in drop (or by the abort).
         unsafe {
+            let nest = pg_sys::NewGUCNestLevel();
+            pg_sys::set_config_option(
+                c"search_path".as_ptr(),
+                c"pg_catalog, pg_temp".as_ptr(),
+                pg_sys::GucContext::PGC_USERSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+                pg_sys::GucAction::GUC_ACTION_SAVE,
+                true,
+                0,
+                false,
+            );
             pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
             pg_sys::SetUserIdAndSecContext(
                 role,
@@ -163,14 +242,24 @@ impl AsRole {
                     | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32
                     | pg_sys::SECURITY_RESTRICTED_OPERATION as i32,
             );
+            AsRole {
+                user,
+                context,
+                nest,
+            }
         }
-        AsRole { user, context }
     }
 }
 
 impl Drop for AsRole {
     fn drop(&mut self) {
-        // SAFETY: restores what `enter` read.
-        unsafe { pg_sys::SetUserIdAndSecContext(self.user, self.context) };
+        // SAFETY: restores what `enter` read and set. During an ERROR's unwind the
+        // GUC level is left to the abort, which pops it (AtEOXact_GUC there).
+        unsafe {
+            pg_sys::SetUserIdAndSecContext(self.user, self.context);
+            if !std::thread::panicking() {
+                pg_sys::AtEOXact_GUC(true, self.nest);
+            }
+        }
     }
 }

@@ -6,9 +6,18 @@
 //! limit that refused it. While it waits, every other start() of its scope (or, for
 //! the database cap, of its database) that arrives later counts it as if its ticket
 //! were already active: a stream of newcomers cannot take each freed slot before it, so
-//! it is not starved. Among themselves, waiters go in the order of their places. A
-//! start refused by its tenant's limit waits ahead of the later starts of that tenant
-//! only: the other tenants of its role are not held up by a limit that is not theirs.
+//! it is not starved. A start refused by its tenant's limit waits ahead of the later
+//! starts of that tenant only: the other tenants of its role are not held up by a limit
+//! that is not theirs.
+//!
+//! Among themselves, the waiters of a role go in turns across its tenants (0.7.0), not
+//! in arrival order: each waiter gets a turn when it takes its place, one past its
+//! tenant's last waiter's, and no earlier than the turn of the role's first waiter in
+//! line; the line is ordered by turn, then by place. So one tenant's 1,000 waiting
+//! starts do not go before another tenant's one: a tenant's first waiter is at most as
+//! many slots from the front as there are tenants waiting. Within a tenant, arrival
+//! order stays (its turns rise with its places). Starts without a tenant take turns as
+//! one more tenant. Waiters for the database cap go in the order of their places.
 //!
 //! A finish() that frees a slot wakes the waiters of its scope and database when its
 //! transaction commits, as does the writer's expiry sweep; a waiter also looks again
@@ -43,6 +52,8 @@ pub struct Waiter {
     /// KIND_ROLE (a role limit refused it), KIND_TENANT (its tenant's limit) or
     /// KIND_DATABASE (the database cap).
     kind: AtomicU32,
+    /// Its turn among the waiters of its role (0.7.0; see the module's comment).
+    turn: AtomicU64,
     /// Set by `wake`; the waiter looks again before it sleeps.
     woken: AtomicBool,
 }
@@ -139,6 +150,7 @@ impl Place {
         w.tenant[0].store(tenant as u64, Ordering::Relaxed);
         w.tenant[1].store((tenant >> 64) as u64, Ordering::Relaxed);
         w.kind.store(kind_of(kind), Ordering::Relaxed);
+        w.turn.store(next_turn(role, tenant), Ordering::Relaxed);
         let seq = header().wait_seq.fetch_add(1, Ordering::AcqRel) + 1;
         // Counted before the place is published (see `ahead`).
         if w.seq.load(Ordering::Acquire) == 0 {
@@ -171,6 +183,32 @@ fn kind_of(kind: RefusalKind) -> u32 {
         RefusalKind::TenantActive | RefusalKind::TenantRetained => KIND_TENANT,
         RefusalKind::Active | RefusalKind::Retained => KIND_ROLE,
     }
+}
+
+/// The turn of a new waiter of `role` and its tenant `tenant` in this database: one past
+/// its tenant's last waiter's, and no earlier than the role's first waiter's (0 where
+/// none waits). Two waiters that take their places at once may get the same turn; their
+/// places order them.
+fn next_turn(role: pg_sys::Oid, tenant: u128) -> u64 {
+    let (db, role) = (u32::from(shmem::my_db()), u32::from(role));
+    let me = shmem::my_procno();
+    let mut first: Option<u64> = None;
+    let mut tenant_last: Option<u64> = None;
+    for (i, w) in waiters().iter().enumerate() {
+        if i == me
+            || w.seq.load(Ordering::Acquire) == 0
+            || w.db.load(Ordering::Relaxed) != db
+            || w.role.load(Ordering::Relaxed) != role
+        {
+            continue;
+        }
+        let turn = w.turn.load(Ordering::Relaxed);
+        first = Some(first.map_or(turn, |f| f.min(turn)));
+        if tenant_of(w) == tenant {
+            tenant_last = Some(tenant_last.map_or(turn, |l| l.max(turn)));
+        }
+    }
+    crate::core::turns::next_turn(first, tenant_last)
 }
 
 fn tenant_of(w: &Waiter) -> u128 {
@@ -223,20 +261,30 @@ pub fn ahead(role: pg_sys::Oid, tenant: u128, seq: u64) -> Ahead {
     if header().waiting.load(Ordering::Acquire) == 0 {
         return a;
     }
+    // A waiter's own turn (a start that does not wait comes after every waiter).
+    let my_turn = (seq != u64::MAX).then(|| mine().turn.load(Ordering::Relaxed));
     for (w, slot) in waiters().iter().zip(queue::slots()) {
         let s = w.seq.load(Ordering::Acquire);
-        if s == 0 || s >= seq || w.db.load(Ordering::Relaxed) != db {
+        if s == 0 || s == seq || w.db.load(Ordering::Relaxed) != db {
             continue;
         }
+        // The database cap's line goes by places, a role's by turns, then places.
+        let before = |by_turn: bool| match my_turn {
+            None => true,
+            Some(t) if by_turn => {
+                crate::core::turns::goes_first((w.turn.load(Ordering::Relaxed), s), (t, seq))
+            }
+            Some(_) => s < seq,
+        };
         if queue::load_state(slot) != queue::SLOT_FREE {
             continue;
         }
         let kind = w.kind.load(Ordering::Relaxed);
         if kind == KIND_DATABASE {
-            a.of_db += 1;
+            a.of_db += i64::from(before(false));
             continue;
         }
-        if w.role.load(Ordering::Relaxed) != role {
+        if w.role.load(Ordering::Relaxed) != role || !before(true) {
             continue;
         }
         let same_tenant = tenant != 0 && tenant_of(w) == tenant;

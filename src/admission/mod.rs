@@ -79,6 +79,15 @@ impl Caller<'_> {
         self.tenant.map_or(0, |t| t.key)
     }
 
+    /// Whether the limit of a refusal of `kind` is the tenant's own (0.7.0).
+    fn tenant_limit_set(&self, kind: RefusalKind) -> bool {
+        match kind {
+            RefusalKind::TenantActive => self.own.max_active.is_some(),
+            RefusalKind::TenantRetained => self.own.max_retained.is_some(),
+            _ => false,
+        }
+    }
+
     /// The refusal error for the caller's role (and tenant), with the full numbers.
     fn refusal(&self, r: &Refused) -> QuotaError {
         let (usage, next) = r.numbers(self);
@@ -95,11 +104,7 @@ impl Caller<'_> {
             default_retained_for: (r.kind == RefusalKind::Retained
                 && self.policy.retained_is_default)
                 .then(|| role_ident(self.role)),
-            tenant_limit_set: match r.kind {
-                RefusalKind::TenantActive => self.own.max_active.is_some(),
-                RefusalKind::TenantRetained => self.own.max_retained.is_some(),
-                _ => false,
-            },
+            tenant_limit_set: self.tenant_limit_set(r.kind),
         }
     }
 }
@@ -468,6 +473,7 @@ fn count_refusal(caller: &Caller, r: &Refused, now: pg_sys::TimestampTz) {
             usage,
             caller.limits,
             suppressed,
+            caller.tenant_limit_set(r.kind),
         );
         // The server log only: the refused client gets its own error, and a tenant
         // with client_min_messages = log must not read other details from here.

@@ -346,6 +346,9 @@ pub enum QuotaError {
     },
 }
 
+/// The table of the tenants' own limits (0.7.0), as errors name it.
+const OVERRIDES_TABLE: &str = "quota.tenant_overrides";
+
 fn tickets(n: i64) -> &'static str {
     if n == 1 {
         "ticket"
@@ -617,6 +620,14 @@ impl QuotaError {
                 "pg_quota installs into a schema of its own, which only superusers may own or change."
                     .to_string(),
             ),
+            QuotaError::TriggerRefused { table, .. } if table == OVERRIDES_TABLE => Some(
+                "quota.set_tenant_limits() writes this table as its owner, so a trigger on it would run with the owner's privileges for whichever role calls the function."
+                    .to_string(),
+            ),
+            QuotaError::TriggerRequired { table, .. } if table == OVERRIDES_TABLE => Some(
+                "pg_quota tells every session of a change to the tenants' own limits with this trigger."
+                    .to_string(),
+            ),
             QuotaError::TriggerRefused { .. } => Some(
                 "pg_quota writes its tables below SQL, where no trigger fires: a tool that copies a table through a trigger (pg_repack, an audit or replication trigger) would lose tickets, and a foreign key to it would go unchecked."
                     .to_string(),
@@ -762,6 +773,14 @@ impl QuotaError {
             QuotaError::SchemaNotEmpty => Some(
                 "Move or drop the objects in schema \"quota\", then run CREATE EXTENSION pg_quota again.".to_string(),
             ),
+            QuotaError::TriggerRefused { table, .. } if table == OVERRIDES_TABLE => Some(
+                "Change the tenants' limits with quota.set_tenant_limits(), and read them in quota.tenant_limits.".to_string(),
+            ),
+            QuotaError::TriggerRequired { table, action, .. } if table == OVERRIDES_TABLE => Some(if *action == "drop" {
+                "To remove it, drop extension pg_quota.".to_string()
+            } else {
+                "Leave pg_quota's triggers their names.".to_string()
+            }),
             QuotaError::TriggerRefused { .. } => Some(
                 "To compact pg_quota's tables, see \"Reclaiming space\" in pg_quota's user guide; pg_repack skips them by itself, and --exclude-extension=pg_quota leaves them out.".to_string(),
             ),

@@ -498,3 +498,26 @@ fn set_tenant_limits_errors_have_their_sqlstates() {
     );
     assert!(e.hint().unwrap().contains("member"));
 }
+
+#[test]
+fn the_tenant_limits_table_has_its_own_trigger_texts() {
+    let refused = QuotaError::TriggerRefused {
+        table: "quota.tenant_overrides".into(),
+        trigger: "audit".into(),
+    };
+    assert!(refused.detail().unwrap().contains("set_tenant_limits()"));
+    assert!(!refused.detail().unwrap().contains("below SQL"));
+    assert!(refused.hint().unwrap().contains("quota.tenant_limits"));
+    let drop = QuotaError::TriggerRequired {
+        table: "quota.tenant_overrides".into(),
+        trigger: "tenant_overrides_written".into(),
+        action: "drop",
+    };
+    assert_eq!(drop.sqlstate().code(), "2BP01");
+    assert!(!drop.hint().unwrap().contains("counts from the ledger"));
+    let ledger = QuotaError::TriggerRefused {
+        table: "quota.active".into(),
+        trigger: "audit".into(),
+    };
+    assert!(ledger.detail().unwrap().contains("below SQL"));
+}

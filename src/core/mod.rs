@@ -12,6 +12,7 @@ pub mod policy;
 pub mod replication;
 pub mod stats;
 pub mod ticket;
+pub mod turns;
 
 pub use decision::{decide, refuse_on_active, Decision, Limits, Refusal, RefusalKind, Usage};
 pub use errors::{JobFn, QuotaError, Sqlstate};

@@ -83,7 +83,16 @@ pub fn refusal_log_line(
     usage: Usage,
     limits: Limits,
     suppressed: u64,
+    tenant_limit_set: bool,
 ) -> String {
+    // 0.7.0: a tenant's own limit, set by quota.set_tenant_limits().
+    let tenant_setting = |guc: &str, limit: i64| {
+        if tenant_limit_set {
+            format!("set for the tenant by quota.set_tenant_limits: {limit}")
+        } else {
+            format!("{guc} = {limit}")
+        }
+    };
     let what = match kind {
         RefusalKind::Active => format!(
             "{} of {} active tickets (quota.max_active_per_role = {})",
@@ -98,18 +107,18 @@ pub fn refusal_log_line(
             usage.db_active, limits.max_db, limits.max_db
         ),
         RefusalKind::TenantActive => format!(
-            "tenant \"{}\" holds {} of {} active tickets (quota.max_active_per_tenant = {})",
+            "tenant \"{}\" holds {} of {} active tickets ({})",
             tenant.unwrap_or_default(),
             usage.tenant_active,
             limits.tenant_active,
-            limits.tenant_active
+            tenant_setting("quota.max_active_per_tenant", limits.tenant_active)
         ),
         RefusalKind::TenantRetained => format!(
-            "tenant \"{}\" holds {} of {} retained tickets (quota.max_retained_per_tenant = {})",
+            "tenant \"{}\" holds {} of {} retained tickets ({})",
             tenant.unwrap_or_default(),
             usage.tenant_retained,
             limits.tenant_retained,
-            limits.tenant_retained
+            tenant_setting("quota.max_retained_per_tenant", limits.tenant_retained)
         ),
     };
     let mut line =
@@ -523,20 +532,35 @@ mod tests {
                 RefusalKind::TenantActive,
                 usage,
                 limits,
-                0
+                0,
+                false
             ),
             "pg_quota refused a start for role \"alice\" in database \"app\": tenant \"acme\" holds 2 of 2 active tickets (quota.max_active_per_tenant = 2)"
         );
+        // 0.7.0: at a tenant's own limit.
         assert_eq!(
-            refusal_log_line("alice", None, "app", RefusalKind::Active, usage, limits, 0),
+            refusal_log_line(
+                "alice",
+                Some("acme"),
+                "app",
+                RefusalKind::TenantActive,
+                usage,
+                limits,
+                0,
+                true
+            ),
+            "pg_quota refused a start for role \"alice\" in database \"app\": tenant \"acme\" holds 2 of 2 active tickets (set for the tenant by quota.set_tenant_limits: 2)"
+        );
+        assert_eq!(
+            refusal_log_line("alice", None, "app", RefusalKind::Active, usage, limits, 0, false),
             "pg_quota refused a start for role \"alice\" in database \"app\": 3 of 3 active tickets (quota.max_active_per_role = 3)"
         );
         assert_eq!(
-            refusal_log_line("alice", None, "app", RefusalKind::Retained, usage, limits, 1),
+            refusal_log_line("alice", None, "app", RefusalKind::Retained, usage, limits, 1, false),
             "pg_quota refused a start for role \"alice\" in database \"app\": 10 of 10 retained tickets (quota.max_retained_per_role = 10) (1 similar refusal was not logged)"
         );
         assert_eq!(
-            refusal_log_line("b", None, "d", RefusalKind::Database, usage, limits, 12),
+            refusal_log_line("b", None, "d", RefusalKind::Database, usage, limits, 12, false),
             "pg_quota refused a start for role \"b\" in database \"d\": 4 of 4 active tickets in the database (quota.max_active_per_database = 4) (12 similar refusals were not logged)"
         );
     }

@@ -39,8 +39,9 @@ use crate::error::raise;
 
 /// pg_quota's data triggers, by table: the counters and the summary rely on them.
 /// quota.ledger is a table before 0.6.0, quota.active and quota.history from 0.6.0;
-/// a schema has one or the other.
-const DATA_TRIGGERS: [(&str, &str); 7] = [
+/// a schema has one or the other. 0.7.0: quota.tenant_overrides' trigger, which tells
+/// every session's cache of the tenants' own limits of a change.
+const DATA_TRIGGERS: [(&str, &str); 8] = [
     ("ledger", "ledger_written"),
     ("ledger", "ledger_truncated"),
     ("active", "ledger_written"),
@@ -48,6 +49,7 @@ const DATA_TRIGGERS: [(&str, &str); 7] = [
     ("history", "ledger_written"),
     ("history", "ledger_truncated"),
     ("summary", "summary_written"),
+    ("tenant_overrides", "tenant_overrides_written"),
 ];
 
 /// 0.6.0: the trigger that sends a superuser's writes through the view quota.ledger to
@@ -78,7 +80,8 @@ fn setting_up() -> bool {
     }
 }
 
-/// Which of pg_quota's tables `relid` is ("ledger", "active", "history" or "summary"),
+/// Which of pg_quota's tables `relid` is ("ledger", "active", "history", "summary" or,
+/// from 0.7.0, "tenant_overrides"),
 /// if it is one: a relation of that name in schema `quota` that belongs to extension
 /// pg_quota (0.6.0: "ledger" is the view over the two others).
 pub fn our_table(relid: pg_sys::Oid) -> Option<&'static str> {
@@ -101,6 +104,7 @@ pub fn our_table(relid: pg_sys::Oid) -> Option<&'static str> {
             b"active" => "active",
             b"history" => "history",
             b"summary" => "summary",
+            b"tenant_overrides" => "tenant_overrides",
             _ => return None,
         };
         let ext = pg_sys::get_extension_oid(c"pg_quota".as_ptr(), true);

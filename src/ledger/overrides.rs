@@ -1,13 +1,15 @@
 //! Layer 3, the ledger: each tenant's own limits (0.7.0), which
 //! quota.set_tenant_limits() keeps in quota.tenant_overrides, one row per (role,
 //! tenant). Read below SQL with one probe of the table's primary key under the latest
-//! snapshot, and cached in the backend until it processes an invalidation: the
-//! table's statement trigger (`tenant_overrides_written`) sends one when a change to
-//! it commits, whoever made it (the function, a superuser's own write, a restore).
-//! Invalidations are processed before each look, so a change that committed before a
-//! start began applies to it, in a transaction already open too (I3). What this
-//! backend's own open transaction wrote is read afresh and never cached: it may yet
-//! roll back.
+//! snapshot, and cached in the backend until the table's relcache entry is
+//! invalidated: the table's statement trigger (`tenant_overrides_written`) and
+//! quota.set_tenant_limits() send that invalidation when a change to it commits,
+//! whoever made it (the function, a superuser's own write, a restore), and so does the
+//! writer's purge of dropped roles. Invalidations are processed before each look, so a
+//! change that committed before a start began applies to it, in a transaction already
+//! open too (I3). A change applies from its commit, to the transaction that made it
+//! too: the look does not see this transaction's own writes, and nothing is cached
+//! while it is open.
 //!
 //! A start of a tenant that is found in the cache reads no relation and takes no lock,
 //! as a refusal from the scope counters must not (BENCHMARKS, "refusals").
@@ -38,11 +40,14 @@ pub struct Override {
 
 /// How many tenants' limits a backend keeps, found or not (a pooled back end serves
 /// many tenants); past it the cache starts over.
-const CACHED_TENANTS: usize = 16_384;
+const CACHED_TENANTS: usize = 65_536;
 
 struct Cache {
-    /// SharedInvalidMessageCounter when what is cached was read (before the read).
+    /// SharedInvalidMessageCounter when the table was looked up: any invalidation
+    /// looks it up again (an ALTER EXTENSION UPDATE may have created it).
     invalidations: u64,
+    /// GENERATION when the entries were read (before the read).
+    generation: u64,
     /// The table and its primary key, once looked up since the last invalidation;
     /// Some(None): the database's schema is older than 0.7.0 and has no overrides.
     table: Option<Option<(pg_sys::Oid, pg_sys::Oid)>>,
@@ -52,6 +57,21 @@ struct Cache {
 
 // Single-threaded backend state.
 static mut CACHE: Option<Cache> = None;
+/// Bumped by every relcache invalidation of quota.tenant_overrides (TABLE_OID) or of
+/// every relation (a sinval queue overflow).
+static mut GENERATION: u64 = 0;
+static mut TABLE_OID: pg_sys::Oid = pg_sys::InvalidOid;
+static mut CALLBACK_REGISTERED: bool = false;
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn relcache_changed(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    // SAFETY: single-threaded backend state.
+    unsafe {
+        if relid == pg_sys::InvalidOid || relid == TABLE_OID {
+            GENERATION += 1;
+        }
+    }
+}
 /// The top-level transaction that last wrote quota.tenant_overrides in this backend
 /// (see `written`): while it is the current one, nothing read is cached.
 static mut WRITTEN_BY: pg_sys::TransactionId = pg_sys::InvalidTransactionId;
@@ -76,16 +96,27 @@ pub fn of(role: pg_sys::Oid, tenant: &[u8]) -> Override {
     // shared invalidation queue, as any lock acquisition does (nothing to do in the
     // common case), so a change committed before this call is seen.
     let (cache, dirty) = unsafe {
+        if !CALLBACK_REGISTERED {
+            pg_sys::CacheRegisterRelcacheCallback(Some(relcache_changed), pg_sys::Datum::from(0));
+            CALLBACK_REGISTERED = true;
+        }
         pg_sys::AcceptInvalidationMessages();
         let now = pg_sys::SharedInvalidMessageCounter;
+        let generation = GENERATION;
         let slot = &mut *std::ptr::addr_of_mut!(CACHE);
-        if slot.as_ref().is_none_or(|c| c.invalidations != now) {
+        if slot.as_ref().is_none_or(|c| c.generation != generation) {
             *slot = Some(Cache {
                 invalidations: now,
+                generation,
                 table: None,
                 entries: HashMap::new(),
                 len: 0,
             });
+        }
+        let c = slot.as_mut().expect("made above");
+        if c.invalidations != now {
+            c.invalidations = now;
+            c.table = None;
         }
         let written = WRITTEN_BY;
         let dirty = written != pg_sys::InvalidTransactionId
@@ -101,6 +132,15 @@ pub fn of(role: pg_sys::Oid, tenant: &[u8]) -> Override {
     let Some((heap, pkey)) = table else {
         return Override::default();
     };
+    // SAFETY: single-threaded backend state. A table found anew (another OID) makes
+    // what was read from the old one void.
+    unsafe {
+        if TABLE_OID != heap {
+            TABLE_OID = heap;
+            cache.entries.clear();
+            cache.len = 0;
+        }
+    }
     let found = read(heap, pkey, role, tenant);
     if !dirty {
         if cache.len >= CACHED_TENANTS {
@@ -170,6 +210,10 @@ fn read(heap: pg_sys::Oid, pkey: pg_sys::Oid, role: pg_sys::Oid, tenant: &[u8]) 
     locks.take(heap, pg_sys::AccessShareLock);
     locks.take(pkey, pg_sys::AccessShareLock);
     let snap = Latest::take();
+    // Not this transaction's own uncommitted writes: a change applies from its commit
+    // (a writer-committed ticket admitted under it would outlive its rollback).
+    // SAFETY: a registered copy of the latest snapshot, ours to change.
+    unsafe { (*snap.0).curcid = pg_sys::FirstCommandId };
     let mut found = Override::default();
     scan(
         heap,

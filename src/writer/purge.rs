@@ -19,13 +19,18 @@ thread_local! {
     /// Roles whose tickets the last purge deleted; their counters are forgotten once
     /// that purge has committed (a rebuild before would count the deleted rows).
     static DROPPED: std::cell::RefCell<Vec<pg_sys::Oid>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Whether the last purge left the tenants' own limits of dropped roles for later:
+    /// a quota.set_tenant_limits() held the table (see purge_dropped_roles).
+    static OVERRIDES_LEFT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// `purge_dropped_roles` in a transaction of its own, then forgets the counters of the
-/// roles it purged. Returns whether the purge committed.
+/// roles it purged. Returns whether the purge committed and left nothing for later.
 pub fn purge_dropped_roles_and_counters() -> bool {
     DROPPED.with_borrow_mut(Vec::clear);
-    let committed = try_in_transaction("purge the tickets of dropped roles", purge_dropped_roles);
+    OVERRIDES_LEFT.set(false);
+    let committed = try_in_transaction("purge the tickets of dropped roles", purge_dropped_roles)
+        && !OVERRIDES_LEFT.get();
     let gone = DROPPED.with_borrow_mut(std::mem::take);
     if committed && !gone.is_empty() {
         crate::scopes::forget(shmem::my_db(), Some(&gone));
@@ -40,12 +45,12 @@ fn purge_dropped_roles() {
     let reader = Reader::open();
     let rels = reader.rels;
     let snap = Latest::take();
-    let mut gone = roles_where(&rels, &snap, |role| !role_exists(role));
+    let mut gone = roles_where(&rels, &snap, |role| !crate::catalog::role_exists(role));
     // Roles whose summary row outlived their tickets.
     scan(rels.summary, rels.summary_idx, &snap, &[], |slot| {
         if let Some(d) = attr(slot, 1) {
             let role = pg_sys::Oid::from(d.value() as u32);
-            if !role_exists(role) && !gone.contains(&role) {
+            if !crate::catalog::role_exists(role) && !gone.contains(&role) {
                 gone.push(role);
             }
         }
@@ -64,7 +69,7 @@ fn purge_dropped_roles() {
         scan(heap, pkey, &snap, &[], |slot| {
             if let Some(d) = attr(slot, crate::ledger::overrides::COL_ROLE as i32) {
                 let role = pg_sys::Oid::from(d.value() as u32);
-                if !role_exists(role) && !gone.contains(&role) {
+                if !crate::catalog::role_exists(role) && !gone.contains(&role) {
                     gone.push(role);
                 }
             }
@@ -95,7 +100,17 @@ fn purge_dropped_roles() {
     delete_where(&summary, rels.summary_idx, &[], |slot| {
         attr(slot, 1).is_some_and(|d| gone.contains(&pg_sys::Oid::from(d.value() as u32)))
     });
-    if let Some((heap, pkey)) = overrides {
+    // Only if the table is free at once: a quota.set_tenant_limits() holds it (SHARE
+    // ROW EXCLUSIVE) to the end of its transaction, which the writer must not wait
+    // for while starts queue behind it. Left for the next try (PURGE_RETRY) otherwise.
+    // SAFETY: a plain lock request, kept to the end of the transaction.
+    let free =
+        |heap| unsafe { pg_sys::ConditionalLockRelationOid(heap, pg_sys::RowExclusiveLock as i32) };
+    if let Some((heap, pkey)) = overrides.filter(|&(heap, _)| {
+        let got = free(heap);
+        OVERRIDES_LEFT.set(!got);
+        got
+    }) {
         let rel = OpenRel::open_lazy(heap, "tenant_overrides", 0);
         let n = delete_where(&rel, pkey, &[], |slot| {
             attr(slot, crate::ledger::overrides::COL_ROLE as i32)
@@ -113,17 +128,4 @@ fn purge_dropped_roles() {
         "pg_quota ledger writer: removed the tickets of {} dropped role(s)",
         gone.len()
     );
-}
-
-fn role_exists(role: pg_sys::Oid) -> bool {
-    // SAFETY: a syscache probe of pg_authid.
-    unsafe {
-        pg_sys::SearchSysCacheExists(
-            pg_sys::SysCacheIdentifier::AUTHOID as i32,
-            role.into(),
-            pg_sys::Datum::from(0),
-            pg_sys::Datum::from(0),
-            pg_sys::Datum::from(0),
-        )
-    }
 }

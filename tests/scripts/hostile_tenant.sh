@@ -414,9 +414,11 @@ expect_eq "the caller's own start() is charged to the caller" ht_caller \
 #    (and only as triggers), and current_retention() (0.3.1), which quota.usage reads.
 #    quota.finish_job() and quota.claim_job() (0.6.0) are trigger functions of the
 #    public API, executable by PUBLIC as finish() and renew() are; called as functions,
-#    they refuse.
+#    they refuse. 0.7.0: quota.set_tenant_limits(), which PUBLIC may not execute (a
+#    superuser grants it), and quota.tenant_overrides_written(), an internal trigger
+#    function.
 # ------------------------------------------------------------------------------------
-expect_eq "the internal trigger functions are not executable by PUBLIC" "false false false false" \
+expect_eq "the internal trigger functions are not executable by PUBLIC" "false false false false false" \
   "$(sql -c "SELECT string_agg(has_function_privilege('ht_tenant', p.oid, 'EXECUTE')::text, ' ')
               FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace AND p.prorettype = 'trigger'::regtype
                 AND p.proname NOT IN ('finish_job', 'claim_job')")"
@@ -424,8 +426,12 @@ refused "a tenant cannot call a trigger function" 42501 $T "SELECT quota.ledger_
 refused "... nor the view's routing trigger function quota.ledger_route()" 42501 $T "SELECT quota.ledger_route()"
 refused "quota.finish_job(), a public trigger function, refuses a call that is not a trigger's" 0A000 $T "SELECT quota.finish_job()"
 refused "... and so does quota.claim_job()" 0A000 $T "SELECT quota.claim_job()"
-FUNCTIONS="quota.claim_job(), quota.current_retention(), quota.finish(uuid,text), quota.finish_job(), quota.ledger_route(), quota.ledger_written(), quota.renew(uuid,interval), quota.repack_placeholder(), quota.start(text,interval,text,interval,text,boolean), quota.stats_info_row(), quota.stats_reset(regrole), quota.stats_rows(), quota.summary_written(), quota.try_start(text,interval,text,interval,text,boolean), quota.usage_totals(), quota.wait_histogram_rows(), quota.writer_stats_rows()"
-expect_eq "schema quota has exactly finish, renew, start, try_start, current_retention, the 0.3.0 statistics functions, usage_totals (0.5.1), the four internal trigger functions (0.6.0: with ledger_route), finish_job and claim_job (0.6.0)" \
+refused "a tenant cannot set its own limits (0.7.0: EXECUTE is not PUBLIC's)" 42501 $T \
+  "SELECT quota.set_tenant_limits('me', max_active => 1000000)"
+refused "... nor write them into the table behind them" 42501 $T \
+  "INSERT INTO quota.tenant_overrides VALUES ('ht_tenant', 'me', 1000000, NULL, now(), 'ht_tenant')"
+FUNCTIONS="quota.claim_job(), quota.current_retention(), quota.finish(uuid,text), quota.finish_job(), quota.ledger_route(), quota.ledger_written(), quota.renew(uuid,interval), quota.repack_placeholder(), quota.set_tenant_limits(text,integer,integer,regrole), quota.start(text,interval,text,interval,text,boolean), quota.stats_info_row(), quota.stats_reset(regrole), quota.stats_rows(), quota.summary_written(), quota.tenant_overrides_written(), quota.try_start(text,interval,text,interval,text,boolean), quota.usage_totals(), quota.wait_histogram_rows(), quota.writer_stats_rows()"
+expect_eq "schema quota has exactly finish, renew, start, try_start, current_retention, the 0.3.0 statistics functions, usage_totals (0.5.1), the five internal trigger functions (0.6.0: with ledger_route; 0.7.0: tenant_overrides_written), finish_job and claim_job (0.6.0), set_tenant_limits (0.7.0)" \
   "$FUNCTIONS" \
   "$(sql -c "SELECT string_agg(p.oid::regprocedure::text, ', ' ORDER BY p.oid::regprocedure::text COLLATE \"C\") FROM pg_proc p WHERE p.pronamespace = 'quota'::regnamespace")"
 expect_eq "stats_reset() is not executable by PUBLIC; the statistics readers are (they filter rows themselves)" \

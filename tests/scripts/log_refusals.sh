@@ -126,6 +126,18 @@ expect_eq "on: the database-cap refusal wrote exactly one line" 1 "$(grep -c . <
 check "on: the database-cap line is exactly the SPEC's [$lines]" grep -qE \
   '(^| )LOG:  pg_quota refused a start for role "lr_d" in database "lr_db": 1 of 1 active tickets in the database \(quota\.max_active_per_database = 1\)$' <<<"$lines"
 
+# 0.7.0: a refusal at a tenant's own limit (quota.set_tenant_limits()) says so.
+sql -c "CREATE ROLE lr_o LOGIN" -c "ALTER ROLE lr_o SET quota.max_active_per_tenant = 5" \
+    -c "ALTER ROLE lr_o SET quota.log_refusals = on" \
+    -c "SELECT quota.set_tenant_limits('acme', max_active => 1, role => 'lr_o')" >/dev/null
+psql_as lr_o -c "SELECT quota.start('kept', tenant => 'acme') IS NOT NULL" >/dev/null
+m=$(log_mark)
+expect_eq "on: lr_o's tenant acme is refused at its own limit (53400)" 53400 \
+  "$(state lr_o postgres "SELECT quota.start('own', tenant => 'acme')")"
+lines=$(refusal_lines "$m" lr_o)
+check "on: the line names the tenant's own limit [$lines]" grep -qE \
+  '(^| )LOG:  pg_quota refused a start for role "lr_o" in database "postgres": tenant "acme" holds 1 of 1 active tickets \(set for the tenant by quota\.set_tenant_limits: 1\)$' <<<"$lines"
+
 # ------------------------------------------------------------------------------------
 # The storm: 200 refusals of lr_a within a second, more than 1 s after its last line.
 # ------------------------------------------------------------------------------------

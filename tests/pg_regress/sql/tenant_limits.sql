@@ -95,12 +95,13 @@ SELECT quota.start(tenant => 'trial');
 \set VERBOSITY default
 RESET ROLE;
 
--- Transactional: a rollback leaves the old value, a savepoint's rollback too; the
--- transaction that sets it sees its own change.
+-- Transactional: a rollback leaves the old value, a savepoint's rollback too. A change
+-- applies from its commit, to the transaction that made it too (a ticket admitted
+-- under it would outlive the rollback).
 BEGIN;
 SELECT quota.set_tenant_limits('plain', max_active => 10, role => 'tl_app');
 SET LOCAL ROLE tl_app;
-SELECT quota.try_start(tenant => 'plain') IS NOT NULL AS plain_4_in_the_setting_xact;
+SELECT quota.try_start(tenant => 'plain') IS NULL AS refused_in_the_setting_xact;
 ROLLBACK;
 SET ROLE tl_app;
 SELECT quota.try_start(tenant => 'plain') IS NULL AS plain_refused_after_rollback;
@@ -127,6 +128,8 @@ RESET ROLE;
 SELECT quota.set_tenant_limits('x', max_active => -1, role => 'tl_app');
 \echo :LAST_ERROR_SQLSTATE
 SELECT quota.set_tenant_limits('x', max_retained => -5, role => 'tl_app');
+\echo :LAST_ERROR_SQLSTATE
+SELECT quota.set_tenant_limits('x', max_active => 1000001, role => 'tl_app');
 \echo :LAST_ERROR_SQLSTATE
 SELECT quota.set_tenant_limits(NULL, max_active => 1, role => 'tl_app');
 \echo :LAST_ERROR_SQLSTATE
@@ -179,6 +182,19 @@ SELECT quota.try_start(tenant => 'free') IS NULL AS refused_at_its_own_3;
 SELECT coalesce(sum(seq_scan + coalesce(idx_scan, 0)), 0) AS scans_of_quota_relations
   FROM pg_stat_xact_all_tables WHERE schemaname = 'quota';
 COMMIT;
+
+-- The table's trigger is pg_quota's own: it cannot be dropped or renamed, a DBA's own
+-- trigger on the table is refused (it would run as the table's owner inside
+-- quota.set_tenant_limits()), and ENABLE TRIGGER ALL sets it back to ENABLE ALWAYS.
+DROP TRIGGER tenant_overrides_written ON quota.tenant_overrides;
+\echo :LAST_ERROR_SQLSTATE
+CREATE FUNCTION tl_audit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NULL; END $$;
+CREATE TRIGGER tl_audit AFTER INSERT ON quota.tenant_overrides
+  FOR EACH STATEMENT EXECUTE FUNCTION tl_audit();
+\echo :LAST_ERROR_SQLSTATE
+DROP FUNCTION tl_audit();
+ALTER TABLE quota.tenant_overrides ENABLE TRIGGER ALL;
+SELECT tgenabled FROM pg_trigger WHERE tgname = 'tenant_overrides_written';
 
 -- Clean up.
 DELETE FROM quota.ledger WHERE role IN ('tl_app'::regrole, 'tl_other'::regrole);

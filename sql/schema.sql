@@ -378,6 +378,13 @@ CREATE TABLE quota.tenant_overrides (
 );
 REVOKE ALL ON quota.tenant_overrides FROM PUBLIC;
 SELECT pg_catalog.pg_extension_config_dump('quota.tenant_overrides', '');
+-- pg_repack would copy it through a trigger of its own, which pg_quota refuses on this
+-- table (src/hooks/guard.rs): the placeholder makes pg_repack skip it, as the ledger's.
+CREATE TRIGGER repack_trigger AFTER INSERT ON quota.tenant_overrides
+    FOR EACH STATEMENT EXECUTE FUNCTION quota.repack_placeholder();
+ALTER TABLE quota.tenant_overrides DISABLE TRIGGER repack_trigger;
+COMMENT ON TRIGGER repack_trigger ON quota.tenant_overrides IS
+    'pg_quota: keeps pg_repack off this table, where its trigger is refused; VACUUM FULL compacts it';
 
 -- 0.7.0: the tenants' own limits, visible as quota.tenant_usage is: a role's to its
 -- members, all of them to superusers and members of pg_read_all_stats.

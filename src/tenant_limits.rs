@@ -78,12 +78,20 @@ pub fn set(req: &Request) -> Result<(), QuotaError> {
             needs: "0.7.0",
         });
     };
-    // One change of the table at a time, to the transaction's end (SHARE ROW
-    // EXCLUSIVE conflicts with itself and with every write, not with start()'s
-    // reads): the write below, under the latest snapshot, then sees every change that
-    // committed before it, and none can commit between its look and its write, so it
-    // neither misses a row nor raises 40001 under REPEATABLE READ or SERIALIZABLE (I3).
-    crate::ledger::locks::lock_bounded(table, pg_sys::ShareRowExclusiveLock);
+    // One change at a time, to the transaction's end, on a lock of pg_quota's own (no
+    // SQL function can take it, I4; no maintenance command conflicts with it): the
+    // write below, under the latest snapshot, then sees every change that committed
+    // before it, and none can commit between its look and its write, so it neither
+    // misses a row nor raises 40001 under REPEATABLE READ or SERIALIZABLE (I3). A
+    // superuser's own write to the table does not take it.
+    // SAFETY: a plain read of backend state.
+    let db = unsafe { pg_sys::MyDatabaseId };
+    crate::ledger::locks::lock_tag_bounded(
+        crate::scopes::overrides_lock_tag(db),
+        pg_sys::ExclusiveLock,
+        "quota.tenant_overrides",
+    );
+    crate::ledger::locks::lock_bounded(table, pg_sys::AccessShareLock);
     // SAFETY: the table is locked; NULL if it was dropped before the lock was granted.
     let owner = unsafe {
         let rel = pg_sys::try_relation_open(table, pg_sys::NoLock as i32);

@@ -124,13 +124,15 @@ static mut EXIT_CALLBACK_REGISTERED: bool = false;
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn leave_at_exit(_code: i32, _arg: pg_sys::Datum) {
     if shmem::available() && shmem::my_procno() < header().n {
-        leave();
+        leave_unserved();
     }
 }
 
 /// This backend's place in line while a start() waits; leaves the line when dropped.
 pub struct Place {
     pub seq: u64,
+    /// Whether the start was admitted (see `admitted`).
+    served: bool,
 }
 
 impl Place {
@@ -157,7 +159,13 @@ impl Place {
             header().waiting.fetch_add(1, Ordering::AcqRel);
         }
         w.seq.store(seq, Ordering::Release);
-        Place { seq }
+        Place { seq, served: false }
+    }
+
+    /// Marks the start admitted: it leaves the line having had its turn. One that
+    /// leaves otherwise (its wait ran out, an error, a cancel) gives its turn back.
+    pub fn admitted(&mut self) {
+        self.served = true;
     }
 
     /// Records the limit that refused the waiter last.
@@ -173,7 +181,11 @@ impl Place {
 
 impl Drop for Place {
     fn drop(&mut self) {
-        leave();
+        if self.served {
+            leave();
+        } else {
+            leave_unserved();
+        }
     }
 }
 
@@ -194,7 +206,7 @@ fn next_turn(role: pg_sys::Oid, tenant: u128) -> u64 {
     let me = shmem::my_procno();
     let mut first: Option<u64> = None;
     let mut tenant_last: Option<u64> = None;
-    for (i, w) in waiters().iter().enumerate() {
+    for (i, (w, slot)) in waiters().iter().zip(queue::slots()).enumerate() {
         if i == me
             || w.seq.load(Ordering::Acquire) == 0
             || w.db.load(Ordering::Relaxed) != db
@@ -203,7 +215,15 @@ fn next_turn(role: pg_sys::Oid, tenant: u128) -> u64 {
             continue;
         }
         let turn = w.turn.load(Ordering::Relaxed);
-        first = Some(first.map_or(turn, |f| f.min(turn)));
+        // The front is that of the waiters in the role's line (refused by a role
+        // limit, request not in flight): one held back by its tenant's own limit or
+        // by the database cap is not served in the role's turns, and must not hold
+        // the front back for everybody.
+        if w.kind.load(Ordering::Relaxed) == KIND_ROLE
+            && queue::load_state(slot) == queue::SLOT_FREE
+        {
+            first = Some(first.map_or(turn, |f| f.min(turn)));
+        }
         if tenant_of(w) == tenant {
             tenant_last = Some(tenant_last.map_or(turn, |l| l.max(turn)));
         }
@@ -227,7 +247,41 @@ pub struct Ahead {
     pub of_db: i64,
 }
 
-/// Leaves the line, if this backend is in it. Idempotent.
+/// Leaves the line without having been admitted (0.7.0): the later waiters of its
+/// tenant move up one turn each, so that a tenant whose waiters give up does not keep
+/// the turns they held (1,000 waiters of which 999 time out leave one waiter at the
+/// turn of the first, not of the 1,000th). Then as `leave`.
+fn leave_unserved() {
+    let w = mine();
+    if w.seq.load(Ordering::Acquire) != 0 {
+        let (db, role, tenant) = (
+            w.db.load(Ordering::Relaxed),
+            w.role.load(Ordering::Relaxed),
+            tenant_of(w),
+        );
+        let turn = w.turn.load(Ordering::Relaxed);
+        let me = shmem::my_procno();
+        for (i, o) in waiters().iter().enumerate() {
+            if i != me
+                && o.seq.load(Ordering::Acquire) != 0
+                && o.db.load(Ordering::Relaxed) == db
+                && o.role.load(Ordering::Relaxed) == role
+                && tenant_of(o) == tenant
+            {
+                // Only down to this waiter's turn: a racing join may have read it.
+                let _ = o
+                    .turn
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                        crate::core::turns::moved_up(t, turn)
+                    });
+            }
+        }
+    }
+    leave();
+}
+
+/// Leaves the line, if this backend is in it, having been admitted (or charged, for a
+/// transactional start). Idempotent.
 pub fn leave() {
     let w = mine();
     let was = w.seq.swap(0, Ordering::AcqRel);

@@ -348,6 +348,9 @@ pub fn start(
                 if found_here {
                     stats::add(role, Counter::IdempotentHits, 1);
                 }
+                if let Some((p, _)) = place.as_mut() {
+                    p.admitted();
+                }
                 return Ok(Some(id));
             }
             Err(r) => r,

@@ -809,6 +809,16 @@ pub fn triggers_promoted(triggers: &[String]) -> String {
 }
 
 /// The WARNING, DETAIL and HINT for data triggers a DBA disabled (see guard.rs);
+/// The WARNING when quota.tenant_overrides' trigger is disabled (0.7.0): message,
+/// DETAIL and HINT.
+pub fn overrides_trigger_disabled() -> (String, String, String) {
+    (
+        "pg_quota's trigger tenant_overrides_written on quota.tenant_overrides is disabled".to_string(),
+        "Until it is enabled again, a superuser's own writes to quota.tenant_overrides reach the sessions that cached the tenants' limits only with the next change made through quota.set_tenant_limits(), or the next DDL or VACUUM of the table.".to_string(),
+        "Enable it again with ALTER TABLE … ENABLE ALWAYS TRIGGER, or change tenants' limits with quota.set_tenant_limits() only.".to_string(),
+    )
+}
+
 /// `triggers` name them as "name on table".
 pub fn triggers_disabled(triggers: &[String]) -> (String, String, String) {
     let one = triggers.len() == 1;

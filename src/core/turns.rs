@@ -18,6 +18,13 @@ pub fn next_turn(first: Option<u64>, tenant_last: Option<u64>) -> u64 {
     }
 }
 
+/// The turn of a waiter of the same tenant as a waiter at `left` that leaves the line
+/// without being admitted (it timed out, or was cancelled): the later ones move up one
+/// turn, so that the turns a tenant's waiters gave up are not kept from it.
+pub fn moved_up(turn: u64, left: u64) -> Option<u64> {
+    (turn > left).then(|| turn - 1)
+}
+
 /// Whether the waiter `(turn, place)` goes before the waiter `(turn, place)` `other`.
 pub fn goes_first(one: (u64, u64), other: (u64, u64)) -> bool {
     one < other
@@ -47,6 +54,16 @@ mod tests {
             self.places += 1;
             self.waiting
                 .push((tenant, next_turn(first, last), self.places));
+        }
+
+        fn give_up(&mut self, place: u64) {
+            let i = self.waiting.iter().position(|w| w.2 == place).unwrap();
+            let (tenant, left, _) = self.waiting.remove(i);
+            for w in self.waiting.iter_mut().filter(|w| w.0 == tenant) {
+                if let Some(t) = moved_up(w.1, left) {
+                    w.1 = t;
+                }
+            }
         }
 
         fn serve(&mut self) -> char {
@@ -92,6 +109,27 @@ mod tests {
         // six consecutive slots... until it has none left.
         assert_eq!(&order[..6], &['a', 'b', 'c', 'd', 'e', 'f']);
         assert_eq!(&order[6..11], &['a', 'b', 'c', 'd', 'e']);
+    }
+
+    #[test]
+    fn turns_given_up_are_not_kept_from_the_tenant() {
+        // a and b queue 1,000 each, in turns; then a's first 999 give up.
+        let mut line = Line::default();
+        for _ in 0..1000 {
+            line.join('a');
+        }
+        for _ in 0..1000 {
+            line.join('b');
+        }
+        for place in 1..=999 {
+            line.give_up(place);
+        }
+        // a's last waiter is now at the front turn: it goes within two slots.
+        let order: Vec<char> = (0..3).map(|_| line.serve()).collect();
+        assert!(order[..2].contains(&'a'), "{order:?}");
+        assert_eq!(moved_up(5, 3), Some(4));
+        assert_eq!(moved_up(3, 3), None);
+        assert_eq!(moved_up(2, 3), None);
     }
 
     #[test]

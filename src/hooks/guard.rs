@@ -213,6 +213,10 @@ pub fn extension_created(extoid: pg_sys::Oid) {
 // `after_utility` is acting on it now.
 static mut CHANGED_AT: i32 = 0;
 static mut FIXING: bool = false;
+/// Whether a change noted in CHANGED_AT was to a trigger of the ledger's tables or the
+/// summary's, which makes the summary stale (0.7.0: quota.tenant_overrides' trigger
+/// does not).
+static mut SUMMARY_STALE: bool = false;
 
 /// A trigger was created (object_access_hook, OAT_POST_CREATE): refused on pg_quota's
 /// tables, unless by pg_quota's own scripts; a quota.finish_job() trigger anywhere is
@@ -360,6 +364,7 @@ pub fn trigger_altered(trigoid: pg_sys::Oid) {
                     if CHANGED_AT == 0 || level < CHANGED_AT {
                         CHANGED_AT = level;
                     }
+                    SUMMARY_STALE |= table != "tenant_overrides";
                 }
             }
         }
@@ -374,6 +379,7 @@ pub fn at_abort(level: i32) {
     unsafe {
         if CHANGED_AT >= level {
             CHANGED_AT = 0;
+            SUMMARY_STALE = false;
         }
         FIXING = false;
     }
@@ -573,6 +579,7 @@ pub fn after_utility() {
     unsafe { pg_sys::CommandCounterIncrement() };
     let mut promoted = Vec::new();
     let mut disabled = Vec::new();
+    let mut overrides_disabled = false;
     for (table, trigger) in DATA_TRIGGERS {
         let state = Spi::get_one::<String>(&format!(
             "SELECT t.tgenabled::pg_catalog.text
@@ -582,6 +589,7 @@ pub fn after_utility() {
         ));
         match state.ok().flatten().as_deref() {
             Some("A") => {}
+            Some("D") if table == "tenant_overrides" => overrides_disabled = true,
             Some("D") => disabled.push(format!("{trigger} on quota.{table}")),
             Some(_) => {
                 Spi::run(&format!(
@@ -594,10 +602,20 @@ pub fn after_utility() {
             None => {}
         }
     }
-    Spi::run("TRUNCATE quota.summary").unwrap_or_else(|e| pgrx::error!("pg_quota: {e}"));
+    // SAFETY: single-threaded backend state.
+    if unsafe { std::mem::take(&mut *std::ptr::addr_of_mut!(SUMMARY_STALE)) } {
+        Spi::run("TRUNCATE quota.summary").unwrap_or_else(|e| pgrx::error!("pg_quota: {e}"));
+    }
     if !promoted.is_empty() {
         let msg = crate::core::errors::triggers_promoted(&promoted);
         pgrx::notice!("{msg}");
+    }
+    if overrides_disabled {
+        let (msg, detail, hint) = crate::core::errors::overrides_trigger_disabled();
+        pgrx::pg_sys::panic::ErrorReport::new(PgSqlErrorCode::ERRCODE_WARNING, msg, "pg_quota")
+            .set_detail(detail)
+            .set_hint(hint)
+            .report(PgLogLevel::WARNING);
     }
     if !disabled.is_empty() {
         let (msg, detail, hint) = crate::core::errors::triggers_disabled(&disabled);

@@ -44,6 +44,27 @@ pub fn lock_bounded(relid: pg_sys::Oid, mode: u32) {
     );
 }
 
+/// Takes the lock `tag` in `mode` to the end of the transaction, waiting at most
+/// LOCK_WAIT (55P03 naming `relation` after that), as `lock_bounded` does for a table.
+pub fn lock_tag_bounded(tag: pg_sys::LOCKTAG, mode: u32, relation: &str) {
+    let mut tag = tag;
+    // SAFETY: a transaction-level lock request on a tag of our own.
+    let got = unsafe { pg_sys::LockAcquire(&mut tag, mode as i32, false, true) };
+    if got != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL {
+        return;
+    }
+    wait_bounded(
+        // SAFETY: as above, waiting; cancel and statement_timeout still apply.
+        || unsafe {
+            pg_sys::LockAcquire(&mut tag, mode as i32, false, false);
+        },
+        |seconds| QuotaError::LockTimeout {
+            relation: relation.to_string(),
+            seconds,
+        },
+    );
+}
+
 /// Runs `wait`, a lock wait, with lock_timeout lowered to LOCK_WAIT for its duration
 /// (where the session's is longer or off), and raises `timed_out(seconds)` (55P03)
 /// instead of PostgreSQL's lock timeout error.

@@ -775,6 +775,16 @@ pub fn scope_tag(db: pg_sys::Oid, role: pg_sys::Oid) -> (u32, u32) {
 /// tests/isolation/specs/advisory_squat.spec hangs and fails if it could.
 pub const SCOPE_LOCK_FIELD4: u16 = 0x5153; // "QS"
 pub const CAP_LOCK_FIELD4: u16 = 0x5143; // "QC"
+/// 0.7.0: the lock that serializes changes of the tenants' own limits.
+pub const OVERRIDES_LOCK_FIELD4: u16 = 0x514F; // "QO"
+
+/// The tag of the lock that quota.set_tenant_limits() holds (exclusively, to the end
+/// of its transaction) on the tenants' limits of `db` (0.7.0): changes queue one behind
+/// another, each seeing every change committed before it, without a lock on the table
+/// that VACUUM, ANALYZE or a concurrent index build would conflict with.
+pub fn overrides_lock_tag(db: pg_sys::Oid) -> pg_sys::LOCKTAG {
+    lock_tag(db, 0, 0, OVERRIDES_LOCK_FIELD4)
+}
 
 /// The tag of the scope lock of (`db`, `role`) (see `scope_tag`).
 pub fn scope_lock_tag(db: pg_sys::Oid, role: pg_sys::Oid) -> pg_sys::LOCKTAG {

@@ -29,13 +29,12 @@ thread_local! {
 pub fn purge_dropped_roles_and_counters() -> bool {
     DROPPED.with_borrow_mut(Vec::clear);
     OVERRIDES_LEFT.set(false);
-    let committed = try_in_transaction("purge the tickets of dropped roles", purge_dropped_roles)
-        && !OVERRIDES_LEFT.get();
+    let committed = try_in_transaction("purge the tickets of dropped roles", purge_dropped_roles);
     let gone = DROPPED.with_borrow_mut(std::mem::take);
     if committed && !gone.is_empty() {
         crate::scopes::forget(shmem::my_db(), Some(&gone));
     }
-    committed
+    committed && !OVERRIDES_LEFT.get()
 }
 
 /// Deletes the tickets and summary rows of roles that no longer exist, so that they
@@ -46,6 +45,7 @@ fn purge_dropped_roles() {
     let rels = reader.rels;
     let snap = Latest::take();
     let mut gone = roles_where(&rels, &snap, |role| !crate::catalog::role_exists(role));
+    let with_tickets = gone.len();
     // Roles whose summary row outlived their tickets.
     scan(rels.summary, rels.summary_idx, &snap, &[], |slot| {
         if let Some(d) = attr(slot, 1) {
@@ -100,9 +100,9 @@ fn purge_dropped_roles() {
     delete_where(&summary, rels.summary_idx, &[], |slot| {
         attr(slot, 1).is_some_and(|d| gone.contains(&pg_sys::Oid::from(d.value() as u32)))
     });
-    // Only if the table is free at once: a quota.set_tenant_limits() holds it (SHARE
-    // ROW EXCLUSIVE) to the end of its transaction, which the writer must not wait
-    // for while starts queue behind it. Left for the next try (PURGE_RETRY) otherwise.
+    // Only if the table is free at once (maintenance that holds it, a VACUUM FULL or a
+    // CREATE INDEX, is not waited for while starts queue behind the writer): left for
+    // the next try (PURGE_RETRY) otherwise.
     // SAFETY: a plain lock request, kept to the end of the transaction.
     let free =
         |heap| unsafe { pg_sys::ConditionalLockRelationOid(heap, pg_sys::RowExclusiveLock as i32) };
@@ -124,8 +124,12 @@ fn purge_dropped_roles() {
         }
     }
     DROPPED.with_borrow_mut(|d| d.clone_from(&gone));
-    log!(
-        "pg_quota ledger writer: removed the tickets of {} dropped role(s)",
-        gone.len()
-    );
+    // Not again for roles whose rows were all gone but their tenants' limits, left
+    // while the table was held.
+    if with_tickets > 0 || !OVERRIDES_LEFT.get() {
+        log!(
+            "pg_quota ledger writer: removed the tickets of {} dropped role(s)",
+            gone.len()
+        );
+    }
 }

@@ -33,7 +33,7 @@ sql -c "CREATE ROLE t1 LOGIN" -c "CREATE DATABASE app" -c "CREATE DATABASE app2"
 sql -d app -c "CREATE EXTENSION pg_quota" -c "GRANT CREATE ON SCHEMA public TO t1" >/dev/null
 
 # --- on every major: the placeholders, and what DDL may not do -------------------------
-expect_eq "each of pg_quota's tables has a disabled repack_trigger" "quota.active|D quota.history|D quota.summary|D" \
+expect_eq "each of pg_quota's tables has a disabled repack_trigger" "quota.active|D quota.history|D quota.summary|D quota.tenant_overrides|D" \
   "$(sql -d app -c "SELECT string_agg(tgrelid::regclass || '|' || tgenabled::text, ' ' ORDER BY tgrelid::regclass::text)
                       FROM pg_trigger WHERE tgname = 'repack_trigger'")"
 err_of() {  # err_of DB SQL: the SQLSTATE and message of the statement's error

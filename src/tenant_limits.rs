@@ -89,9 +89,11 @@ pub fn set(req: &Request) -> Result<(), QuotaError> {
     crate::ledger::locks::lock_tag_bounded(
         crate::scopes::overrides_lock_tag(db),
         pg_sys::ExclusiveLock,
-        "quota.tenant_overrides",
+        |seconds| QuotaError::TenantLimitsBusy { seconds },
     );
-    crate::ledger::locks::lock_bounded(table, pg_sys::AccessShareLock);
+    // The write's own lock, with the same bound (a superuser's LOCK TABLE, a plain
+    // CREATE INDEX): VACUUM, ANALYZE and concurrent index builds do not conflict.
+    crate::ledger::locks::lock_bounded(table, pg_sys::RowExclusiveLock);
     // SAFETY: the table is locked; NULL if it was dropped before the lock was granted.
     let owner = unsafe {
         let rel = pg_sys::try_relation_open(table, pg_sys::NoLock as i32);

@@ -54,6 +54,9 @@ pub struct Waiter {
     kind: AtomicU32,
     /// Its turn among the waiters of its role (0.7.0; see the module's comment).
     turn: AtomicU64,
+    /// The front turn of its role's line when it joined: giving back turns never moves
+    /// it before that (see core::turns::moved_up).
+    floor: AtomicU64,
     /// Set by `wake`; the waiter looks again before it sleeps.
     woken: AtomicBool,
 }
@@ -152,7 +155,9 @@ impl Place {
         w.tenant[0].store(tenant as u64, Ordering::Relaxed);
         w.tenant[1].store((tenant >> 64) as u64, Ordering::Relaxed);
         w.kind.store(kind_of(kind), Ordering::Relaxed);
-        w.turn.store(next_turn(role, tenant), Ordering::Relaxed);
+        let (turn, floor) = next_turn(role, tenant);
+        w.turn.store(turn, Ordering::Relaxed);
+        w.floor.store(floor, Ordering::Relaxed);
         let seq = header().wait_seq.fetch_add(1, Ordering::AcqRel) + 1;
         // Counted before the place is published (see `ahead`).
         if w.seq.load(Ordering::Acquire) == 0 {
@@ -197,14 +202,15 @@ fn kind_of(kind: RefusalKind) -> u32 {
     }
 }
 
-/// The turn of a new waiter of `role` and its tenant `tenant` in this database: one past
-/// its tenant's last waiter's, and no earlier than the role's first waiter's (0 where
-/// none waits). Two waiters that take their places at once may get the same turn; their
-/// places order them.
-fn next_turn(role: pg_sys::Oid, tenant: u128) -> u64 {
+/// The turn of a new waiter of `role` and its tenant `tenant` in this database (one past
+/// its tenant's last waiter's, and no earlier than the front of the role's line; see
+/// core::turns), and that front. Two waiters that take their places at once may get
+/// the same turn; their places order them.
+fn next_turn(role: pg_sys::Oid, tenant: u128) -> (u64, u64) {
     let (db, role) = (u32::from(shmem::my_db()), u32::from(role));
     let me = shmem::my_procno();
     let mut first: Option<u64> = None;
+    let mut any: Option<u64> = None;
     let mut tenant_last: Option<u64> = None;
     for (i, (w, slot)) in waiters().iter().zip(queue::slots()).enumerate() {
         if i == me
@@ -215,6 +221,7 @@ fn next_turn(role: pg_sys::Oid, tenant: u128) -> u64 {
             continue;
         }
         let turn = w.turn.load(Ordering::Relaxed);
+        any = Some(any.map_or(turn, |f| f.min(turn)));
         // The front is that of the waiters in the role's line (refused by a role
         // limit, request not in flight): one held back by its tenant's own limit or
         // by the database cap is not served in the role's turns, and must not hold
@@ -228,7 +235,11 @@ fn next_turn(role: pg_sys::Oid, tenant: u128) -> u64 {
             tenant_last = Some(tenant_last.map_or(turn, |l| l.max(turn)));
         }
     }
-    crate::core::turns::next_turn(first, tenant_last)
+    let front = crate::core::turns::front(first, any);
+    (
+        crate::core::turns::next_turn(front, tenant_last),
+        front.unwrap_or(0),
+    )
 }
 
 fn tenant_of(w: &Waiter) -> u128 {
@@ -272,7 +283,7 @@ fn leave_unserved() {
                 let _ = o
                     .turn
                     .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
-                        crate::core::turns::moved_up(t, turn)
+                        crate::core::turns::moved_up(t, turn, o.floor.load(Ordering::Relaxed))
                     });
             }
         }

@@ -299,6 +299,10 @@ pub enum QuotaError {
     WriterDidNotStart { db: String },
     #[error("could not obtain lock on relation \"{relation}\"")]
     LockTimeout { relation: String, seconds: i64 },
+    /// quota.set_tenant_limits() waited for another change of tenants' limits whose
+    /// transaction is still open (0.7.0).
+    #[error("could not obtain the lock on the tenants' limits")]
+    TenantLimitsBusy { seconds: i64 },
     /// The ledger writer waited for extension pg_quota's own lock, which a command
     /// dropping the extension holds or awaits (0.6.0, ledger::locks::lock_extension).
     #[error("could not obtain lock on extension \"pg_quota\"")]
@@ -491,9 +495,9 @@ impl QuotaError {
             QuotaError::WriterDidNotStart { .. }
             | QuotaError::NotExtensionMember { .. }
             | QuotaError::BadShape { .. } => Sqlstate::ObjectNotInPrerequisiteState,
-            QuotaError::LockTimeout { .. } | QuotaError::ExtensionLockTimeout { .. } => {
-                Sqlstate::LockNotAvailable
-            }
+            QuotaError::LockTimeout { .. }
+            | QuotaError::ExtensionLockTimeout { .. }
+            | QuotaError::TenantLimitsBusy { .. } => Sqlstate::LockNotAvailable,
             QuotaError::SchemaNotOurs { .. }
             | QuotaError::SchemaOpen { .. }
             | QuotaError::SchemaNotEmpty => Sqlstate::DuplicateSchema,
@@ -583,6 +587,9 @@ impl QuotaError {
             ),
             QuotaError::LockTimeout { seconds, .. } => Some(format!(
                 "pg_quota waited {seconds} s. Maintenance such as VACUUM FULL, CLUSTER, REINDEX or ALTER TABLE holds or awaits a conflicting lock on it."
+            )),
+            QuotaError::TenantLimitsBusy { seconds } => Some(format!(
+                "pg_quota waited {seconds} s for another transaction that changed tenants' limits with quota.set_tenant_limits() and is still open: changes queue one behind another."
             )),
             QuotaError::ExtensionLockTimeout { seconds } => Some(format!(
                 "The ledger writer waited {seconds} s. A command that drops the extension (DROP EXTENSION pg_quota, DROP OWNED BY its owner) holds or awaits a conflicting lock on it."
@@ -751,6 +758,9 @@ impl QuotaError {
             QuotaError::LockTimeout { .. } => {
                 Some("Try again once the maintenance has finished.".to_string())
             }
+            QuotaError::TenantLimitsBusy { .. } => Some(
+                "Try again once that transaction has ended; pg_stat_activity shows it.".to_string(),
+            ),
             QuotaError::ExtensionLockTimeout { .. } => Some(
                 "Try again once that command has ended; if it dropped the extension, create it again first."
                     .to_string(),
@@ -814,7 +824,7 @@ pub fn triggers_promoted(triggers: &[String]) -> String {
 pub fn overrides_trigger_disabled() -> (String, String, String) {
     (
         "pg_quota's trigger tenant_overrides_written on quota.tenant_overrides is disabled".to_string(),
-        "Until it is enabled again, a superuser's own writes to quota.tenant_overrides reach the sessions that cached the tenants' limits only with the next change made through quota.set_tenant_limits(), or the next DDL or VACUUM of the table.".to_string(),
+        "Until it is enabled again, a superuser's own writes to quota.tenant_overrides reach the sessions that cached the tenants' limits only with the next change made through quota.set_tenant_limits(), or the next DDL on the table.".to_string(),
         "Enable it again with ALTER TABLE … ENABLE ALWAYS TRIGGER, or change tenants' limits with quota.set_tenant_limits() only.".to_string(),
     )
 }

@@ -497,6 +497,9 @@ fn set_tenant_limits_errors_have_their_sqlstates() {
         "permission denied to set the limits of tenants of role \"billing\""
     );
     assert!(e.hint().unwrap().contains("member"));
+    let e = QuotaError::TenantLimitsBusy { seconds: 5 };
+    assert_eq!(e.sqlstate().code(), "55P03");
+    assert!(e.detail().unwrap().contains("still open"));
 }
 
 #[test]

@@ -8,21 +8,31 @@
 //! of the front of the line: it goes after the waiters that already hold that turn and
 //! before the second turn of any tenant.
 
-/// The turn of a new waiter, given the first turn in its role's line (None: nobody
+/// The turn of a new waiter, given the front turn of its role's line (None: nobody
 /// waits) and its tenant's last waiter's turn (None: none of its tenant waits).
-pub fn next_turn(first: Option<u64>, tenant_last: Option<u64>) -> u64 {
-    let front = first.unwrap_or(0);
+pub fn next_turn(front: Option<u64>, tenant_last: Option<u64>) -> u64 {
+    let front = front.unwrap_or(0);
     match tenant_last {
         Some(last) => front.max(last.saturating_add(1)),
         None => front,
     }
 }
 
+/// The front turn of a role's line: the first turn of the waiters refused by the
+/// role's limit whose request is not in flight (`line`), else the first turn of any of
+/// the role's waiters (`any`), so that it never falls back behind waiters that were
+/// held apart for a moment (by their tenant's own limit, the database cap).
+pub fn front(line: Option<u64>, any: Option<u64>) -> Option<u64> {
+    line.or(any)
+}
+
 /// The turn of a waiter of the same tenant as a waiter at `left` that leaves the line
 /// without being admitted (it timed out, or was cancelled): the later ones move up one
-/// turn, so that the turns a tenant's waiters gave up are not kept from it.
-pub fn moved_up(turn: u64, left: u64) -> Option<u64> {
-    (turn > left).then(|| turn - 1)
+/// turn, so that the turns a tenant's waiters gave up are not kept from it, but never
+/// before `floor`, the front when it joined (its tenant's turns may have gaps, and the
+/// other tenants' waiters that were in line then stay ahead).
+pub fn moved_up(turn: u64, left: u64, floor: u64) -> Option<u64> {
+    (turn > left && turn > floor).then(|| turn - 1)
 }
 
 /// Whether the waiter `(turn, place)` goes before the waiter `(turn, place)` `other`.
@@ -40,6 +50,8 @@ mod tests {
     struct Line {
         waiting: Vec<(char, u64, u64)>,
         places: u64,
+        /// (place, the front when it joined).
+        floors: Vec<(u64, u64)>,
     }
 
     impl Line {
@@ -52,16 +64,24 @@ mod tests {
                 .map(|w| w.1)
                 .max();
             self.places += 1;
-            self.waiting
-                .push((tenant, next_turn(first, last), self.places));
+            let turn = next_turn(front(first, None), last);
+            self.floors.push((self.places, first.unwrap_or(0)));
+            self.waiting.push((tenant, turn, self.places));
+        }
+
+        fn floor(&self, place: u64) -> u64 {
+            self.floors.iter().find(|f| f.0 == place).unwrap().1
         }
 
         fn give_up(&mut self, place: u64) {
             let i = self.waiting.iter().position(|w| w.2 == place).unwrap();
             let (tenant, left, _) = self.waiting.remove(i);
-            for w in self.waiting.iter_mut().filter(|w| w.0 == tenant) {
-                if let Some(t) = moved_up(w.1, left) {
-                    w.1 = t;
+            let floors: Vec<u64> = self.waiting.iter().map(|w| self.floor(w.2)).collect();
+            for (w, floor) in self.waiting.iter_mut().zip(floors) {
+                if w.0 == tenant {
+                    if let Some(t) = moved_up(w.1, left, floor) {
+                        w.1 = t;
+                    }
                 }
             }
         }
@@ -127,9 +147,14 @@ mod tests {
         // a's last waiter is now at the front turn: it goes within two slots.
         let order: Vec<char> = (0..3).map(|_| line.serve()).collect();
         assert!(order[..2].contains(&'a'), "{order:?}");
-        assert_eq!(moved_up(5, 3), Some(4));
-        assert_eq!(moved_up(3, 3), None);
-        assert_eq!(moved_up(2, 3), None);
+        assert_eq!(moved_up(5, 3, 0), Some(4));
+        assert_eq!(moved_up(3, 3, 0), None);
+        assert_eq!(moved_up(2, 3, 0), None);
+        // Never before the front it joined at.
+        assert_eq!(moved_up(200, 99, 200), None);
+        assert_eq!(front(None, Some(10_000)), Some(10_000));
+        assert_eq!(front(Some(7), Some(3)), Some(7));
+        assert_eq!(front(None, None), None);
     }
 
     #[test]

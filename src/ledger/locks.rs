@@ -45,8 +45,13 @@ pub fn lock_bounded(relid: pg_sys::Oid, mode: u32) {
 }
 
 /// Takes the lock `tag` in `mode` to the end of the transaction, waiting at most
-/// LOCK_WAIT (55P03 naming `relation` after that), as `lock_bounded` does for a table.
-pub fn lock_tag_bounded(tag: pg_sys::LOCKTAG, mode: u32, relation: &str) {
+/// LOCK_WAIT (then raising `timed_out(seconds)`, 55P03), as `lock_bounded` does for a
+/// table.
+pub fn lock_tag_bounded(
+    tag: pg_sys::LOCKTAG,
+    mode: u32,
+    timed_out: impl FnOnce(i64) -> QuotaError,
+) {
     let mut tag = tag;
     // SAFETY: a transaction-level lock request on a tag of our own.
     let got = unsafe { pg_sys::LockAcquire(&mut tag, mode as i32, false, true) };
@@ -58,10 +63,7 @@ pub fn lock_tag_bounded(tag: pg_sys::LOCKTAG, mode: u32, relation: &str) {
         || unsafe {
             pg_sys::LockAcquire(&mut tag, mode as i32, false, false);
         },
-        |seconds| QuotaError::LockTimeout {
-            relation: relation.to_string(),
-            seconds,
-        },
+        timed_out,
     );
 }
 

@@ -126,10 +126,16 @@ fn purge_dropped_roles() {
     DROPPED.with_borrow_mut(|d| d.clone_from(&gone));
     // Not again for roles whose rows were all gone but their tenants' limits, left
     // while the table was held.
-    if with_tickets > 0 || !OVERRIDES_LEFT.get() {
+    if with_tickets > 0 {
         log!(
             "pg_quota ledger writer: removed the tickets of {} dropped role(s)",
-            gone.len()
+            with_tickets
+        );
+    }
+    if !OVERRIDES_LEFT.get() && gone.len() > with_tickets {
+        log!(
+            "pg_quota ledger writer: removed what was left of {} dropped role(s)",
+            gone.len() - with_tickets
         );
     }
 }

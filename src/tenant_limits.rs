@@ -106,8 +106,15 @@ pub fn set(req: &Request) -> Result<(), QuotaError> {
         pg_sys::relation_close(rel, pg_sys::NoLock as i32);
         owner
     };
-    // SAFETY: the caller's name in the server encoding, palloc'd, as the column holds it.
-    let by = unsafe { pg_sys::GetUserNameFromId(me, false) };
+    // SAFETY: the caller's name in the server encoding (palloc'd), made a name datum by
+    // PostgreSQL's own input function, as the column holds it.
+    let by = unsafe {
+        pg_sys::OidFunctionCall1Coll(
+            pg_sys::Oid::from(pg_sys::F_NAMEIN),
+            pg_sys::InvalidOid,
+            pg_sys::Datum::from(pg_sys::GetUserNameFromId(me, false)),
+        )
+    };
     let as_owner = AsRole::enter(owner);
     let delete = req.max_active.is_none() && req.max_retained.is_none();
     let int4 = |v: Option<i32>| {
@@ -129,12 +136,7 @@ pub fn set(req: &Request) -> Result<(), QuotaError> {
             (pg_sys::TEXTOID, text_datum(tenant), false),
             (pg_sys::INT4OID, a, a_null),
             (pg_sys::INT4OID, r, r_null),
-            // SAFETY: a NUL-terminated name from GetUserNameFromId.
-            (
-                pg_sys::NAMEOID,
-                name_datum(unsafe { std::ffi::CStr::from_ptr(by) }),
-                false,
-            ),
+            (pg_sys::NAMEOID, by, false),
         ]
     };
     let query: &std::ffi::CStr = if delete {
@@ -198,19 +200,6 @@ unsafe fn execute_latest(query: &std::ffi::CStr, args: &[(pg_sys::Oid, pg_sys::D
             pgrx::error!("pg_quota: SPI_execute_snapshot failed: {rc}");
         }
         pg_sys::SPI_finish();
-    }
-}
-
-/// A name datum holding `s` (at most NAMEDATALEN - 1 bytes, as PostgreSQL keeps them).
-fn name_datum(s: &std::ffi::CStr) -> pg_sys::Datum {
-    let bytes = s.to_bytes();
-    // SAFETY: palloc0 of NAMEDATALEN bytes, into which at most NAMEDATALEN - 1 are
-    // copied: the name stays NUL-terminated.
-    unsafe {
-        let p = pg_sys::palloc0(pg_sys::NAMEDATALEN as usize).cast::<u8>();
-        let n = bytes.len().min(pg_sys::NAMEDATALEN as usize - 1);
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, n);
-        pg_sys::Datum::from(p)
     }
 }
 

@@ -182,7 +182,7 @@ pub enum QuotaError {
     },
     #[error("{0} must not be null")]
     NullArgument(&'static str),
-    /// quota.set_tenant_limits() with a negative limit (0.7.0).
+    /// quota.set_tenant_limits() with a limit below 0 or above 1,000,000 (0.7.0).
     #[error("invalid {what} {value}")]
     InvalidLimit { what: &'static str, value: i64 },
     /// quota.set_tenant_limits() for a role that does not exist (given by OID).

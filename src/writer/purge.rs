@@ -20,7 +20,7 @@ thread_local! {
     /// that purge has committed (a rebuild before would count the deleted rows).
     static DROPPED: std::cell::RefCell<Vec<pg_sys::Oid>> = const { std::cell::RefCell::new(Vec::new()) };
     /// Whether the last purge left the tenants' own limits of dropped roles for later:
-    /// a quota.set_tenant_limits() held the table (see purge_dropped_roles).
+    /// maintenance held their table (see purge_dropped_roles).
     static OVERRIDES_LEFT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
@@ -47,14 +47,15 @@ fn purge_dropped_roles() {
     let mut gone = roles_where(&rels, &snap, |role| !crate::catalog::role_exists(role));
     let with_tickets = gone.len();
     // Roles whose summary row outlived their tickets.
-    scan(rels.summary, rels.summary_idx, &snap, &[], |slot| {
-        if let Some(d) = attr(slot, 1) {
-            let role = pg_sys::Oid::from(d.value() as u32);
-            if !crate::catalog::role_exists(role) && !gone.contains(&role) {
-                gone.push(role);
-            }
+    let mut add_dropped = |role: Option<pg_sys::Oid>| {
+        if let Some(role) = role.filter(|&r| !crate::catalog::role_exists(r) && !gone.contains(&r))
+        {
+            gone.push(role);
         }
         true
+    };
+    scan(rels.summary, rels.summary_idx, &snap, &[], |slot| {
+        add_dropped(role_at(slot, 1))
     });
     drop(snap);
     drop(reader);
@@ -67,13 +68,7 @@ fn purge_dropped_roles() {
         locks.take(pkey, pg_sys::AccessShareLock);
         let snap = Latest::take();
         scan(heap, pkey, &snap, &[], |slot| {
-            if let Some(d) = attr(slot, crate::ledger::overrides::COL_ROLE as i32) {
-                let role = pg_sys::Oid::from(d.value() as u32);
-                if !crate::catalog::role_exists(role) && !gone.contains(&role) {
-                    gone.push(role);
-                }
-            }
-            true
+            add_dropped(role_at(slot, crate::ledger::overrides::COL_ROLE))
         });
     }
     if gone.is_empty() {
@@ -98,7 +93,7 @@ fn purge_dropped_roles() {
     drop(tables);
     let summary = OpenRel::open(rels.summary, "summary", 1);
     delete_where(&summary, rels.summary_idx, &[], |slot| {
-        attr(slot, 1).is_some_and(|d| gone.contains(&pg_sys::Oid::from(d.value() as u32)))
+        role_at(slot, 1).is_some_and(|r| gone.contains(&r))
     });
     // Only if the table is free at once (maintenance that holds it, a VACUUM FULL or a
     // CREATE INDEX, is not waited for while starts queue behind the writer): left for
@@ -113,8 +108,7 @@ fn purge_dropped_roles() {
     }) {
         let rel = OpenRel::open_lazy(heap, "tenant_overrides", 0);
         let n = delete_where(&rel, pkey, &[], |slot| {
-            attr(slot, crate::ledger::overrides::COL_ROLE as i32)
-                .is_some_and(|d| gone.contains(&pg_sys::Oid::from(d.value() as u32)))
+            role_at(slot, crate::ledger::overrides::COL_ROLE).is_some_and(|r| gone.contains(&r))
         });
         if n > 0 {
             // Written below SQL, so the table's trigger does not fire: every backend's
@@ -138,4 +132,9 @@ fn purge_dropped_roles() {
             gone.len() - with_tickets
         );
     }
+}
+
+/// The role in column `col` (regrole or oid) of the tuple in `slot`.
+fn role_at(slot: *mut pg_sys::TupleTableSlot, col: usize) -> Option<pg_sys::Oid> {
+    attr(slot, col as i32).map(|d| pg_sys::Oid::from(d.value() as u32))
 }

@@ -14,7 +14,23 @@
 -- - a disabled repack_trigger on it, which makes pg_repack skip it as it skips the
 --   ledger's tables (the library refuses any other trigger on it).
 --
--- Nothing existing changes: every ticket, table and index stays as it is.
+-- 0.7.0 also weighs tickets: start(weight => n) and try_start(weight => n) charge n
+-- units against the active limits. That needs:
+--
+-- - a column weight on quota.active and quota.history (NULL for 1, so no existing row
+--   changes, and ADD COLUMN rewrites nothing), with a check that is NOT VALID (no scan
+--   of the tables under their ACCESS EXCLUSIVE lock; new rows are checked);
+-- - quota.ledger, quota.usage and quota.tenant_usage redefined to carry it: the views'
+--   active columns sum weights; quota.tickets gains a column weight at its end;
+-- - start() and try_start() overloads whose first argument, weight, has no default:
+--   the existing functions stay as they are, so that a view, a column default or a
+--   function that calls them keeps working, and every existing call resolves as
+--   before: a call without weight matches only the old function, and where the old
+--   one takes an interval or a boolean the new one takes the same at that place, so
+--   that literals of unknown type (start('a job', '1 hour')) never make a call
+--   ambiguous (src/api.rs, start_v7).
+--
+-- No index changes, and no ticket is rewritten.
 --
 -- The update refuses (55000) while the server still runs an older library (see the
 -- first statement): an older library would ignore the tenants' own limits, and lacks
@@ -33,7 +49,7 @@ BEGIN
                     OPERATOR(pg_catalog.<) '{0,7,0}'::pg_catalog.int4[] THEN
         RAISE EXCEPTION 'this server still runs a pg_quota library older than 0.7.0'
             USING ERRCODE = 'object_not_in_prerequisite_state',
-                  DETAIL = pg_catalog.format('The library loaded at server start is %s.', pg_catalog.coalesce(v, 'older than 0.6.1')),
+                  DETAIL = pg_catalog.format('The library loaded at server start is %s.', COALESCE(v, 'older than 0.6.1')),
                   HINT = 'Restart the server after installing pg_quota 0.7.0, then run ALTER EXTENSION pg_quota UPDATE again.';
     END IF;
 END
@@ -87,3 +103,118 @@ CREATE TRIGGER tenant_overrides_written
     FOR EACH STATEMENT EXECUTE FUNCTION quota.tenant_overrides_written();
 ALTER TABLE quota.tenant_overrides ENABLE ALWAYS TRIGGER tenant_overrides_written;
 REVOKE ALL ON FUNCTION quota.set_tenant_limits(text, integer, integer, regrole) FROM PUBLIC;
+
+-- Weighted tickets.
+ALTER TABLE quota.history ADD COLUMN weight integer;
+ALTER TABLE quota.history ADD CONSTRAINT history_weight_check
+    CHECK (weight BETWEEN 1 AND 1000000) NOT VALID;
+ALTER TABLE quota.active ADD COLUMN weight integer;
+ALTER TABLE quota.active ADD CONSTRAINT active_weight_check
+    CHECK (weight BETWEEN 1 AND 1000000) NOT VALID;
+
+CREATE OR REPLACE VIEW quota.ledger AS
+SELECT id, role, label, started_at, ended_at, outcome, lease_until, idempotency_key,
+       pid, tenant, txid, weight
+  FROM quota.active
+UNION ALL
+SELECT id, role, label, started_at, ended_at, outcome, lease_until, idempotency_key,
+       pid, tenant, txid, weight
+  FROM quota.history;
+
+CREATE OR REPLACE VIEW quota.usage WITH (security_barrier) AS
+WITH params AS (
+    SELECT quota.current_retention() AS retention,
+           pg_catalog.now() AS now
+), tickets AS (
+    SELECT l.role,
+           CASE WHEN l.ended_at IS NULL AND l.lease_until OPERATOR(pg_catalog.<=) p.now
+                THEN l.lease_until ELSE l.ended_at END AS ended_at,
+           COALESCE(l.weight, 1) AS weight,
+           p.retention,
+           p.now
+      FROM quota.ledger l, params p
+     WHERE pg_catalog.pg_has_role(CURRENT_USER, l.role::pg_catalog.oid, 'MEMBER')
+        OR (SELECT pg_catalog.pg_has_role(CURRENT_USER, 'pg_read_all_stats', 'USAGE'))
+)
+SELECT t.role                                                        AS role,
+       COALESCE(pg_catalog.sum(t.weight) FILTER (WHERE t.ended_at IS NULL), 0)
+                                                                     AS active,
+       pg_catalog.count(*)                                           AS retained,
+       (pg_catalog.min(t.ended_at) OPERATOR(pg_catalog.+) t.retention) AS next_ageout
+  FROM tickets t
+ WHERE t.ended_at IS NULL
+    OR t.ended_at OPERATOR(pg_catalog.>=) (t.now OPERATOR(pg_catalog.-) t.retention)
+ GROUP BY t.role, t.retention;
+
+CREATE OR REPLACE VIEW quota.tickets WITH (security_barrier) AS
+SELECT l.id,
+       l.role,
+       l.label,
+       l.started_at,
+       l.lease_until,
+       CASE WHEN l.ended_at IS NULL AND l.lease_until OPERATOR(pg_catalog.<=) pg_catalog.now()
+            THEN l.lease_until ELSE l.ended_at END AS ended_at,
+       CASE WHEN l.ended_at IS NULL AND l.lease_until OPERATOR(pg_catalog.<=) pg_catalog.now()
+            THEN 'expired'::pg_catalog.text ELSE l.outcome END AS outcome,
+       l.idempotency_key,
+       l.pid,
+       l.tenant,
+       l.txid IS NOT NULL AS transactional,
+       COALESCE(l.weight, 1) AS weight
+  FROM quota.ledger l
+ WHERE pg_catalog.pg_has_role(CURRENT_USER, l.role::pg_catalog.oid, 'MEMBER')
+    OR (SELECT pg_catalog.pg_has_role(CURRENT_USER, 'pg_read_all_stats', 'USAGE'));
+
+CREATE OR REPLACE VIEW quota.tenant_usage WITH (security_barrier) AS
+WITH params AS (
+    SELECT quota.current_retention() AS retention,
+           pg_catalog.now() AS now
+), tickets AS (
+    SELECT l.role,
+           l.tenant,
+           CASE WHEN l.ended_at IS NULL AND l.lease_until OPERATOR(pg_catalog.<=) p.now
+                THEN l.lease_until ELSE l.ended_at END AS ended_at,
+           COALESCE(l.weight, 1) AS weight,
+           p.retention,
+           p.now
+      FROM quota.ledger l, params p
+     WHERE l.tenant IS NOT NULL
+       AND (pg_catalog.pg_has_role(CURRENT_USER, l.role::pg_catalog.oid, 'MEMBER')
+            OR (SELECT pg_catalog.pg_has_role(CURRENT_USER, 'pg_read_all_stats', 'USAGE')))
+)
+SELECT t.role                                                        AS role,
+       t.tenant                                                      AS tenant,
+       COALESCE(pg_catalog.sum(t.weight) FILTER (WHERE t.ended_at IS NULL), 0)
+                                                                     AS active,
+       pg_catalog.count(*)                                           AS retained,
+       (pg_catalog.min(t.ended_at) OPERATOR(pg_catalog.+) t.retention) AS next_ageout
+  FROM tickets t
+ WHERE t.ended_at IS NULL
+    OR t.ended_at OPERATOR(pg_catalog.>=) (t.now OPERATOR(pg_catalog.-) t.retention)
+ GROUP BY t.role, t.tenant, t.retention;
+
+CREATE FUNCTION quota."start"(
+	"weight" INT,
+	"lease" interval DEFAULT NULL,
+	"label" TEXT DEFAULT NULL,
+	"wait" interval DEFAULT '0',
+	"tenant" TEXT DEFAULT NULL,
+	"transactional" bool DEFAULT false,
+	"idempotency_key" TEXT DEFAULT NULL
+) RETURNS uuid
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'start_v7_wrapper';
+
+CREATE FUNCTION quota."try_start"(
+	"weight" INT,
+	"lease" interval DEFAULT NULL,
+	"label" TEXT DEFAULT NULL,
+	"wait" interval DEFAULT '0',
+	"tenant" TEXT DEFAULT NULL,
+	"transactional" bool DEFAULT false,
+	"idempotency_key" TEXT DEFAULT NULL
+) RETURNS uuid
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'try_start_v7_wrapper';

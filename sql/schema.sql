@@ -28,6 +28,11 @@
 -- role itself) and txid (for a transactional start, the full transaction id of the
 -- transaction that charged it: the row commits or rolls back with that transaction;
 -- NULL for a charge the ledger writer committed).
+-- From 0.7.0: weight (the units the ticket counts against its active limits; NULL
+-- stands for 1, so that a ticket of weight 1 takes no byte more). The checks are NOT
+-- VALID so that the update from 0.6.1 adds the column without reading the tables; new
+-- rows are checked (pg_quota's own writes, below SQL, never store anything but 2 to
+-- 1,000,000).
 --
 -- quota.history is 0.5.2's quota.ledger table renamed (sql/pg_quota--0.5.2--0.6.0.sql
 -- renames it and moves its unended rows to quota.active), with its indexes.
@@ -43,6 +48,7 @@ CREATE TABLE quota.history (
     pid             integer,
     tenant          text,
     txid            xid8,
+    weight          integer,
     CONSTRAINT history_outcome_check
         CHECK (outcome IN ('succeeded', 'failed', 'cancelled', 'expired')),
     CONSTRAINT history_ended_has_outcome
@@ -53,6 +59,8 @@ CREATE TABLE quota.history (
 -- checked (pg_quota's own writes, below SQL, put only ended tickets here).
 ALTER TABLE quota.history ADD CONSTRAINT history_ended_check
     CHECK (ended_at IS NOT NULL) NOT VALID;
+ALTER TABLE quota.history ADD CONSTRAINT history_weight_check
+    CHECK (weight BETWEEN 1 AND 1000000) NOT VALID;
 
 -- A role's ended tickets by when they ended: its retained count at the window's edge,
 -- its oldest retained ticket, its purge.
@@ -96,6 +104,7 @@ CREATE TABLE quota.active (
     pid             integer,
     tenant          text,
     txid            xid8,
+    weight          integer,
     CONSTRAINT active_unended_check CHECK (ended_at IS NULL AND outcome IS NULL)
 );
 -- A role's active tickets (ended_at is NULL in every row; it is in the key so that one
@@ -103,6 +112,8 @@ CREATE TABLE quota.active (
 -- so that a renewal (which changes only lease_until) is a heap-only update; a scope's
 -- lapsed leases, its earliest lease, the database's active tickets and the expiry
 -- sweep read the rows themselves (quota.active holds only unended tickets).
+ALTER TABLE quota.active ADD CONSTRAINT active_weight_check
+    CHECK (weight BETWEEN 1 AND 1000000) NOT VALID;
 CREATE INDEX active_role_idx ON quota.active (role, ended_at);
 -- Idempotent starts: a role's active tickets by key; only keyed tickets have entries.
 CREATE INDEX active_role_key_idx ON quota.active (role, idempotency_key)
@@ -126,11 +137,11 @@ SELECT pg_catalog.pg_extension_config_dump('quota.active', '');
 -- (quota.ledger_route).
 CREATE VIEW quota.ledger AS
 SELECT id, role, label, started_at, ended_at, outcome, lease_until, idempotency_key,
-       pid, tenant, txid
+       pid, tenant, txid, weight
   FROM quota.active
 UNION ALL
 SELECT id, role, label, started_at, ended_at, outcome, lease_until, idempotency_key,
-       pid, tenant, txid
+       pid, tenant, txid, weight
   FROM quota.history;
 
 REVOKE ALL ON quota.ledger FROM PUBLIC;
@@ -286,6 +297,7 @@ WITH params AS (
     SELECT l.role,
            CASE WHEN l.ended_at IS NULL AND l.lease_until OPERATOR(pg_catalog.<=) p.now
                 THEN l.lease_until ELSE l.ended_at END AS ended_at,
+           COALESCE(l.weight, 1) AS weight,
            p.retention,
            p.now
       FROM quota.ledger l, params p
@@ -293,7 +305,8 @@ WITH params AS (
         OR (SELECT pg_catalog.pg_has_role(CURRENT_USER, 'pg_read_all_stats', 'USAGE'))
 )
 SELECT t.role                                                        AS role,
-       pg_catalog.count(*) FILTER (WHERE t.ended_at IS NULL)         AS active,
+       COALESCE(pg_catalog.sum(t.weight) FILTER (WHERE t.ended_at IS NULL), 0)
+                                                                     AS active,
        pg_catalog.count(*)                                           AS retained,
        (pg_catalog.min(t.ended_at) OPERATOR(pg_catalog.+) t.retention) AS next_ageout
   FROM tickets t
@@ -321,7 +334,8 @@ SELECT l.id,
        l.idempotency_key,
        l.pid,
        l.tenant,
-       l.txid IS NOT NULL AS transactional
+       l.txid IS NOT NULL AS transactional,
+       COALESCE(l.weight, 1) AS weight
   FROM quota.ledger l
  WHERE pg_catalog.pg_has_role(CURRENT_USER, l.role::pg_catalog.oid, 'MEMBER')
     OR (SELECT pg_catalog.pg_has_role(CURRENT_USER, 'pg_read_all_stats', 'USAGE'));
@@ -340,6 +354,7 @@ WITH params AS (
            l.tenant,
            CASE WHEN l.ended_at IS NULL AND l.lease_until OPERATOR(pg_catalog.<=) p.now
                 THEN l.lease_until ELSE l.ended_at END AS ended_at,
+           COALESCE(l.weight, 1) AS weight,
            p.retention,
            p.now
       FROM quota.ledger l, params p
@@ -349,7 +364,8 @@ WITH params AS (
 )
 SELECT t.role                                                        AS role,
        t.tenant                                                      AS tenant,
-       pg_catalog.count(*) FILTER (WHERE t.ended_at IS NULL)         AS active,
+       COALESCE(pg_catalog.sum(t.weight) FILTER (WHERE t.ended_at IS NULL), 0)
+                                                                     AS active,
        pg_catalog.count(*)                                           AS retained,
        (pg_catalog.min(t.ended_at) OPERATOR(pg_catalog.+) t.retention) AS next_ageout
   FROM tickets t

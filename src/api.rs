@@ -62,6 +62,28 @@ fn args<'a>(
     tenant: Option<&'a [u8]>,
     transactional: Option<bool>,
 ) -> Result<StartArgs<'a>, QuotaError> {
+    weighed(
+        label,
+        lease,
+        idempotency_key,
+        wait,
+        tenant,
+        transactional,
+        Some(1),
+    )
+}
+
+/// `args` with a weight (0.7.0), checked first: core::weights::check_weight.
+fn weighed<'a>(
+    label: Option<&'a [u8]>,
+    lease: Option<Interval>,
+    idempotency_key: Option<&'a [u8]>,
+    wait: Option<Interval>,
+    tenant: Option<&'a [u8]>,
+    transactional: Option<bool>,
+    weight: Option<i32>,
+) -> Result<StartArgs<'a>, QuotaError> {
+    let weight = crate::core::weights::check_weight(weight)?;
     Ok(StartArgs {
         label,
         key: idempotency_key,
@@ -73,6 +95,7 @@ fn args<'a>(
         ),
         tenant,
         transactional: transactional.ok_or(QuotaError::NullArgument("transactional"))?,
+        weight,
     })
 }
 
@@ -191,6 +214,98 @@ fn try_start_v5(
             wait,
             tenant,
             transactional,
+        )?)
+    })
+}
+
+/// 0.7.0: start() of a ticket that counts `weight` units against its active limits.
+/// An overload rather than a new argument of start(): the existing function stays, so
+/// that what depends on it (a view, a column default, a function) keeps working. Its
+/// weight comes first and has no default, so that a call without one resolves to the
+/// existing function as before; and where the existing function's arguments are not
+/// text (lease and wait, intervals, and transactional), this one's are of the same
+/// type, so that a call of the existing one with literals of unknown type, such as
+/// start('a job', '1 hour'), is never ambiguous: PostgreSQL resolves each literal to
+/// text where any candidate takes text there, and the existing function alone takes
+/// text first. Hence the order: weight, lease, label, wait, tenant, transactional,
+/// idempotency_key (USER_GUIDE, "Weighted tickets": call it with named arguments).
+#[pg_extern(
+    volatile,
+    parallel_unsafe,
+    sql = r#"
+CREATE FUNCTION "start"(
+	"weight" INT,
+	"lease" interval DEFAULT NULL,
+	"label" TEXT DEFAULT NULL,
+	"wait" interval DEFAULT '0',
+	"tenant" TEXT DEFAULT NULL,
+	"transactional" bool DEFAULT false,
+	"idempotency_key" TEXT DEFAULT NULL
+) RETURNS uuid
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'start_v7_wrapper';
+"#
+)]
+fn start_v7(
+    weight: Option<i32>,
+    lease: Option<Interval>,
+    label: Option<&[u8]>,
+    wait: Option<Interval>,
+    tenant: Option<&[u8]>,
+    transactional: Option<bool>,
+    idempotency_key: Option<&[u8]>,
+) -> pgrx::Uuid {
+    boundary(|| {
+        raising(&weighed(
+            label,
+            lease,
+            idempotency_key,
+            wait,
+            tenant,
+            transactional,
+            weight,
+        )?)
+    })
+}
+
+/// 0.7.0: try_start() of a weighted ticket, as start_v7.
+#[pg_extern(
+    volatile,
+    parallel_unsafe,
+    sql = r#"
+CREATE FUNCTION "try_start"(
+	"weight" INT,
+	"lease" interval DEFAULT NULL,
+	"label" TEXT DEFAULT NULL,
+	"wait" interval DEFAULT '0',
+	"tenant" TEXT DEFAULT NULL,
+	"transactional" bool DEFAULT false,
+	"idempotency_key" TEXT DEFAULT NULL
+) RETURNS uuid
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'try_start_v7_wrapper';
+"#
+)]
+fn try_start_v7(
+    weight: Option<i32>,
+    lease: Option<Interval>,
+    label: Option<&[u8]>,
+    wait: Option<Interval>,
+    tenant: Option<&[u8]>,
+    transactional: Option<bool>,
+    idempotency_key: Option<&[u8]>,
+) -> Option<pgrx::Uuid> {
+    boundary(|| {
+        refused_as_null(&weighed(
+            label,
+            lease,
+            idempotency_key,
+            wait,
+            tenant,
+            transactional,
+            weight,
         )?)
     })
 }

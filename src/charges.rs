@@ -43,6 +43,8 @@ struct Charge {
     /// When its ticket's lease ends (None: never): its scopes' counters' `earliest`
     /// goes down to it when it commits (see scopes::Counter).
     lease_until: Option<i64>,
+    /// Its weight (0.7.0): the units it counts against its scopes' active limits.
+    weight: i64,
 }
 
 // Single-threaded backend state: the open charges of the current transaction, with
@@ -52,8 +54,8 @@ static mut OPEN: Vec<(Charge, i32)> = Vec::new();
 static mut OVERFLOW: Vec<ScopeKey> = Vec::new();
 static mut CALLBACKS_REGISTERED: bool = false;
 
-/// Takes an open charge of `role` (and of its tenant `tenant`, a key of
-/// scopes::tenant_key, 0 for none) for the current (sub)transaction. The caller holds
+/// Takes an open charge of `weight` units of `role` (and of its tenant `tenant`, a key
+/// of scopes::tenant_key, 0 for none) for the current (sub)transaction. The caller holds
 /// the role's scope lock and has decided to admit. Fails with 53000 if a scope has no
 /// counter it could keep (every entry of its window holds open charges itself); then
 /// nothing is charged.
@@ -62,11 +64,12 @@ pub fn take(
     tenant: u128,
     key: Option<&[u8]>,
     tags: Option<Tags>,
+    weight: i64,
 ) -> Result<(), QuotaError> {
     register_callbacks();
-    let role_pin = scopes::pin(ScopeKey::role(role), tags).ok_or(QuotaError::NoCounter)?;
+    let role_pin = scopes::pin(ScopeKey::role(role), tags, weight).ok_or(QuotaError::NoCounter)?;
     let tenant_pin = if tenant != 0 {
-        match scopes::pin(ScopeKey { role, tenant }, tags) {
+        match scopes::pin(ScopeKey { role, tenant }, tags, weight) {
             Some(p) => Some(p),
             None => {
                 scopes::unpin(role_pin);
@@ -87,13 +90,14 @@ pub fn take(
                 key: key.map(<[u8]>::to_vec),
                 id: None,
                 lease_until: None,
+                weight,
             },
             level,
         ));
     }
     let mine = mine();
     mine.db.store(u32::from(shmem::my_db()), Ordering::Relaxed);
-    mine.n.fetch_add(1, Ordering::AcqRel);
+    mine.n.fetch_add(weight, Ordering::AcqRel);
     Ok(())
 }
 
@@ -107,18 +111,19 @@ pub fn identify(id: [u8; 16], lease_until: Option<i64>) {
 }
 
 /// The ticket of an open charge of this transaction in scope (`role`, `tenant`) with
-/// idempotency key `key`. Nobody else sees it before the commit, and this transaction
+/// idempotency key `key`, and its weight. Nobody else sees it before the commit, and this transaction
 /// may not either: a repeat in the same statement runs under the same command id.
-pub fn own_with_key(role: pg_sys::Oid, tenant: u128, key: &[u8]) -> Option<[u8; 16]> {
+pub fn own_with_key(role: pg_sys::Oid, tenant: u128, key: &[u8]) -> Option<([u8; 16], i64)> {
     // SAFETY: single-threaded backend state.
     let open = unsafe { &*std::ptr::addr_of!(OPEN) };
     open.iter()
         .rev()
         .find(|(c, _)| c.role == role && c.tenant == tenant && c.key.as_deref() == Some(key))
-        .and_then(|(c, _)| c.id)
+        .and_then(|(c, _)| c.id.map(|id| (id, c.weight)))
 }
 
-/// How many open charges of any role this database has: what the database cap counts
+/// The units of the open charges of any role this database has (0.7.0: their weights
+/// summed): what the database cap counts
 /// beside the committed tickets. A read that races with a charge being taken or ended
 /// only misses or counts it once more for a moment; the cap is counted again by the
 /// writer for its requests, and under each role's scope lock for transactional ones.
@@ -140,7 +145,7 @@ fn end(charges: Vec<(Charge, i32)>, committed: bool) {
         for p in c.pins.into_iter().flatten() {
             scopes::unpin(p);
         }
-        mine.n.fetch_sub(1, Ordering::AcqRel);
+        mine.n.fetch_sub(c.weight, Ordering::AcqRel);
         if committed {
             crate::stats::add(c.role, crate::core::stats::Counter::Admitted, 1);
         } else {
@@ -174,15 +179,15 @@ unsafe extern "C-unwind" fn xact_event(
         }
         match event {
             pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT => {
-                // One change per scope: each charge is one more active ticket and one
-                // more row of its role, and one more active ticket of its tenant.
+                // One change per scope: each charge is its weight's active units and
+                // one more row of its role, and the same units of its tenant.
                 let mut changes = Vec::new();
                 for (c, _) in open.iter() {
                     let key = ScopeKey {
                         role: c.role,
                         tenant: c.tenant,
                     };
-                    scopes::add_change(&mut changes, key, 1, 1, c.lease_until);
+                    scopes::add_change(&mut changes, key, c.weight, 1, c.lease_until);
                 }
                 *overflow = scopes::publish(&changes);
             }
@@ -240,6 +245,7 @@ unsafe extern "C-unwind" fn subxact_event(
 struct Entry {
     /// The database of the backend's open charges.
     db: AtomicU32,
+    /// Their units (0.7.0; one per charge before).
     n: AtomicI64,
 }
 

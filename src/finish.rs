@@ -87,7 +87,7 @@ pub fn finish_ticket(ticket: pgrx::Uuid, outcome: Outcome) -> Result<bool, Quota
         match tables.end(found.tid, found.new_tuple, &[COL_ENDED_AT, COL_OUTCOME]) {
             pg_sys::TM_Result::TM_Ok => {
                 // The scope's active counter drops when this transaction commits.
-                note_finish(found.holder, found.tenant, outcome);
+                note_finish(found.holder, found.tenant, found.weight, outcome);
                 return Ok(true);
             }
             // A concurrent finish committed first (or, long after, a purge), or this
@@ -271,6 +271,8 @@ struct Found {
     holder: pg_sys::Oid,
     /// Its tenant's key (scopes::tenant_key), 0 for none.
     tenant: u128,
+    /// Its weight (0.7.0): the active units its finish frees.
+    weight: i64,
     ended: Option<pg_sys::TimestampTz>,
     /// Whether it ended by its lease (outcome `expired`, written by the sweep).
     outcome_expired: bool,
@@ -382,6 +384,7 @@ fn find_in(
                 } else {
                     0
                 };
+                let weight = crate::ledger::scan::weight_attr(slot);
                 // The row's header only for a lease that ran out.
                 let lapsed_untouched = ended.is_none()
                     && lease_until.zip(lapsed_by).is_some_and(|(l, by)| l <= by)
@@ -391,6 +394,7 @@ fn find_in(
                     tid: (*slot).tts_tid,
                     holder,
                     tenant,
+                    weight,
                     ended,
                     outcome_expired,
                     lease_until,
@@ -410,9 +414,9 @@ fn find_in(
 // ---------------------------------------------------------------------------------
 
 // Single-threaded backend state: the tickets finished by the current transaction, as
-// (role, tenant key, subtransaction nesting level), and the scopes that did not fit
-// when published.
-static mut FINISHED: Vec<((pg_sys::Oid, u128), i32)> = Vec::new();
+// ((role, tenant key, weight), subtransaction nesting level), and the scopes that did
+// not fit when published.
+static mut FINISHED: Vec<((pg_sys::Oid, u128, i64), i32)> = Vec::new();
 /// The tickets the current transaction renewed, as ((role, tenant key, new lease end),
 /// subtransaction nesting level) (0.6.0).
 static mut RENEWED: Vec<((pg_sys::Oid, u128, pg_sys::TimestampTz), i32)> = Vec::new();
@@ -434,14 +438,14 @@ fn nest_level() -> i32 {
     }
 }
 
-/// Records that this transaction ended a ticket of `role` with `outcome`; its scope's
-/// counter drops, and quota.stats counts the finish, when (and only if) the
-/// transaction commits.
-pub fn note_finish(role: pg_sys::Oid, tenant: u128, outcome: crate::core::Outcome) {
+/// Records that this transaction ended a ticket of `role` (and tenant key `tenant`) of
+/// `weight` units with `outcome`; its scopes' counters drop by its units, and
+/// quota.stats counts the finish, when (and only if) the transaction commits.
+pub fn note_finish(role: pg_sys::Oid, tenant: u128, weight: i64, outcome: crate::core::Outcome) {
     let level = nest_level();
     // SAFETY: single-threaded backend state.
     unsafe {
-        (*std::ptr::addr_of_mut!(FINISHED)).push(((role, tenant), level));
+        (*std::ptr::addr_of_mut!(FINISHED)).push(((role, tenant, weight), level));
         (*std::ptr::addr_of_mut!(STATS_OWED)).push(((role, Counter::finished(outcome)), level));
     }
 }
@@ -489,8 +493,8 @@ unsafe extern "C-unwind" fn xact_event(
             {
                 // One change per scope: its role's, and its tenant's if it has one.
                 let mut per_scope = Vec::new();
-                for &((role, tenant), _) in finished.iter() {
-                    scopes::add_change(&mut per_scope, ScopeKey { role, tenant }, -1, 0, None);
+                for &((role, tenant, weight), _) in finished.iter() {
+                    scopes::add_change(&mut per_scope, ScopeKey { role, tenant }, -weight, 0, None);
                 }
                 for &((role, tenant, until), _) in renewed.iter() {
                     scopes::add_change(
@@ -522,7 +526,7 @@ unsafe extern "C-unwind" fn xact_event(
                 // Freed slots: starts waiting in this scope or for the database cap
                 // look again (see waiters.rs).
                 let mut woken: Vec<pg_sys::Oid> = Vec::new();
-                for &((role, _), _) in finished.iter() {
+                for &((role, _, _), _) in finished.iter() {
                     if !woken.contains(&role) {
                         woken.push(role);
                         crate::waiters::wake(shmem::my_db(), role);

@@ -59,6 +59,8 @@ pub struct Waiter {
     floor: AtomicU64,
     /// Set by `wake`; the waiter looks again before it sleeps.
     woken: AtomicBool,
+    /// Its start's weight (0.7.0): the units it takes of the slots it waits for.
+    weight: AtomicU64,
 }
 
 #[repr(C)]
@@ -139,9 +141,9 @@ pub struct Place {
 }
 
 impl Place {
-    /// Takes a place in line for `role` (and its tenant `tenant`, a key, 0 for none) of
-    /// this database, refused by `kind`.
-    pub fn take(role: pg_sys::Oid, tenant: u128, kind: RefusalKind) -> Place {
+    /// Takes a place in line for a start of `weight` units of `role` (and its tenant
+    /// `tenant`, a key, 0 for none) of this database, refused by `kind`.
+    pub fn take(role: pg_sys::Oid, tenant: u128, kind: RefusalKind, weight: i64) -> Place {
         // SAFETY: single-threaded backend state; the callback is registered once.
         unsafe {
             if !EXIT_CALLBACK_REGISTERED {
@@ -155,6 +157,7 @@ impl Place {
         w.tenant[0].store(tenant as u64, Ordering::Relaxed);
         w.tenant[1].store((tenant >> 64) as u64, Ordering::Relaxed);
         w.kind.store(kind_of(kind), Ordering::Relaxed);
+        w.weight.store(weight.max(1) as u64, Ordering::Relaxed);
         let (turn, floor) = next_turn(role, tenant);
         w.turn.store(turn, Ordering::Relaxed);
         w.floor.store(floor, Ordering::Relaxed);
@@ -247,7 +250,9 @@ fn tenant_of(w: &Waiter) -> u128 {
         | (u128::from(w.tenant[1].load(Ordering::Relaxed)) << 64)
 }
 
-/// The starts waiting ahead of a newcomer, as its admission counts them.
+/// The starts waiting ahead of a newcomer, as its admission counts them: how many (a
+/// retained count takes each once, and a refusal names them) and their units (0.7.0;
+/// an active count takes each's weight).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Ahead {
     /// Of its role: they take its role's next free slots.
@@ -256,6 +261,9 @@ pub struct Ahead {
     pub of_tenant: i64,
     /// Of any role, waiting for the database cap.
     pub of_db: i64,
+    pub role_units: i64,
+    pub tenant_units: i64,
+    pub db_units: i64,
 }
 
 /// Leaves the line without having been admitted (0.7.0): the later waiters of its
@@ -345,24 +353,25 @@ pub fn ahead(role: pg_sys::Oid, tenant: u128, seq: u64) -> Ahead {
             continue;
         }
         let kind = w.kind.load(Ordering::Relaxed);
+        let units = w.weight.load(Ordering::Relaxed).max(1) as i64;
         if kind == KIND_DATABASE {
-            a.of_db += i64::from(before(false));
+            if before(false) {
+                a.of_db += 1;
+                a.db_units += units;
+            }
             continue;
         }
         if w.role.load(Ordering::Relaxed) != role || !before(true) {
             continue;
         }
         let same_tenant = tenant != 0 && tenant_of(w) == tenant;
-        match kind {
-            KIND_ROLE => {
-                a.of_role += 1;
-                a.of_tenant += i64::from(same_tenant);
-            }
-            _ if same_tenant => {
-                a.of_role += 1;
-                a.of_tenant += 1;
-            }
-            _ => {}
+        if kind == KIND_ROLE || same_tenant {
+            a.of_role += 1;
+            a.role_units += units;
+        }
+        if same_tenant {
+            a.of_tenant += 1;
+            a.tenant_units += units;
         }
     }
     a

@@ -10,7 +10,7 @@ use pgrx::pg_sys;
 
 use super::{Caller, Numbers, Refused};
 use crate::compat::{self, nap};
-use crate::core::{decide, refuse_on_active, Decision, RefusalKind, Usage};
+use crate::core::{decide_weighted, refuse_on_active, Decision, RefusalKind, Usage};
 use crate::ledger::keys::{key_in_progress, retained_with_key};
 use crate::ledger::leases::db_active;
 use crate::ledger::rels::Reader;
@@ -161,10 +161,11 @@ fn refuse_from_counters(
         return None;
     }
     let tags = crate::ledger::rels::current_tags()?;
+    let weight = caller.args.weight;
     let live = |key: scopes::ScopeKey| {
         scopes::peek(key, tags, now)
             .filter(|p| p.earliest > now)
-            .map(|p| p.active + p.open)
+            .map(|p| p.active + p.open.units)
     };
     let mut counted = Usage::default();
     if let (Some(t), true) = (caller.tenant, limits.tenant_active > 0) {
@@ -173,10 +174,10 @@ fn refuse_from_counters(
             tenant: t.key,
         })?;
     }
-    let mut refusal = refuse_on_active(limits, with_ahead(counted, ahead));
+    let mut refusal = refuse_on_active(limits, with_ahead(counted, ahead), weight);
     if refusal.is_none() && limits.max_active > 0 {
         counted.active = live(scopes::ScopeKey::role(caller.role))?;
-        refusal = refuse_on_active(limits, with_ahead(counted, ahead));
+        refusal = refuse_on_active(limits, with_ahead(counted, ahead), weight);
     }
     let kind = refusal?.kind;
     counted.ahead = ahead_of(kind, ahead);
@@ -188,8 +189,8 @@ fn refuse_from_counters(
 
 /// What the limited path found instead of a decision.
 pub(crate) enum Repeat {
-    /// The key's ticket, committed and retained.
-    Found(pgrx::Uuid),
+    /// The key's ticket, committed and retained, and its weight.
+    Found([u8; 16], i64),
     /// A start with the key, in the writer's hands: the writer must answer this one.
     InFlight,
     /// A transactional start with the key whose transaction is still open: wait for it
@@ -209,13 +210,14 @@ fn ahead_of(kind: RefusalKind, ahead: Ahead) -> i64 {
     }
 }
 
-/// The counts plus the starts waiting ahead, which take the next free slots.
+/// The counts plus the starts waiting ahead, which take the next free slots: their
+/// units in the active counts, each once in the retained ones.
 fn with_ahead(u: Usage, a: Ahead) -> Usage {
     Usage {
-        active: u.active + a.of_role,
+        active: u.active + a.role_units,
         retained: u.retained + a.of_role,
-        db_active: u.db_active + a.of_db,
-        tenant_active: u.tenant_active + a.of_tenant,
+        db_active: u.db_active + a.db_units,
+        tenant_active: u.tenant_active + a.tenant_units,
         tenant_retained: u.tenant_retained + a.of_tenant,
         ahead: a.of_role + a.of_db,
     }
@@ -237,6 +239,7 @@ pub(crate) fn under_lock<T>(
     let role = caller.role;
     let tenant = caller.tenant_key();
     let limits = caller.limits;
+    let weight = caller.args.weight;
     let retention = caller.policy.retention_secs;
     let key = caller.args.key;
     // The clock after a wait for pg_quota's locks (a Reader's, bounded, behind
@@ -265,7 +268,7 @@ pub(crate) fn under_lock<T>(
             if key_in_progress(&reader.rels, role, caller.args.tenant, key).is_some() {
                 return Err(Repeat::InProgress);
             }
-            if let Some(id) = retained_with_key(
+            if let Some((id, weight)) = retained_with_key(
                 &reader.rels,
                 &Latest::take(),
                 role,
@@ -274,7 +277,7 @@ pub(crate) fn under_lock<T>(
                 now,
                 cutoff(now, retention),
             ) {
-                return Err(Repeat::Found(pgrx::Uuid::from_bytes(id)));
+                return Err(Repeat::Found(id, weight));
             }
         }
         // The counts stay tickets; the starts waiting ahead are named apart (see
@@ -312,9 +315,10 @@ pub(crate) fn under_lock<T>(
         } else {
             0
         };
-        let admits = |u: Usage| decide(limits, with_ahead(u, ahead), false) == Decision::Admit;
+        let decide = |u: Usage| decide_weighted(limits, u, weight, false);
+        let admits = |u: Usage| decide(with_ahead(u, ahead)) == Decision::Admit;
         let usage = usage_for(&reader, &snap, open_db, caller, now, cutoff, admits);
-        if let Decision::Refuse(r) = decide(limits, with_ahead(usage, ahead), false) {
+        if let Decision::Refuse(r) = decide(with_ahead(usage, ahead)) {
             // So that the next refusals of the scope read its counter alone.
             counts::refresh_earliest(&reader, role, caller.tenant, r.kind, now);
             return refuse(&reader, r.kind, ahead, usage, now);
@@ -361,7 +365,7 @@ pub(crate) fn under_lock<T>(
         // Waiters ahead first: one moves from the line (slot free) into flight, never
         // back, so read in this order it is counted at least once.
         let ahead = crate::waiters::ahead(role, tenant, seq);
-        let (inflight, inflight_tenant) = queue::inflight(role, tenant);
+        let inflight = queue::inflight(role, tenant);
         let (inflight_db, open_db) = if limits.max_db > 0 {
             (queue::inflight_db(), crate::charges::open_in_db())
         } else {
@@ -384,7 +388,7 @@ pub(crate) fn under_lock<T>(
         let snap = scopes::others_view();
         if let Some(key) = key {
             // A start with our key committed while we waited for in-flight ones.
-            if let Some(id) = retained_with_key(
+            if let Some((id, weight)) = retained_with_key(
                 &reader.rels,
                 &snap,
                 role,
@@ -393,31 +397,31 @@ pub(crate) fn under_lock<T>(
                 now,
                 cutoff,
             ) {
-                return Err(Repeat::Found(pgrx::Uuid::from_bytes(id)));
+                return Err(Repeat::Found(id, weight));
             }
         }
         if caller.exempt {
             // I7: superusers are never refused; what they take is still recorded.
             return take(&reader).map(Ok);
         }
+        // In units for the active counts, each request once for the retained ones.
         let with_inflight = |u: Usage| Usage {
-            active: u.active + inflight,
-            retained: u.retained + inflight,
+            active: u.active + inflight.units,
+            retained: u.retained + inflight.tickets,
             db_active: u.db_active + inflight_db,
-            tenant_active: u.tenant_active + inflight_tenant,
-            tenant_retained: u.tenant_retained + inflight_tenant,
+            tenant_active: u.tenant_active + inflight.tenant_units,
+            tenant_retained: u.tenant_retained + inflight.tenant_tickets,
             ahead: u.ahead,
         };
+        let decide = |u: Usage| decide_weighted(limits, u, weight, false);
         // An upper bound that admits with everything in flight admits exactly.
-        let admits = |u: Usage| {
-            decide(limits, with_inflight(with_ahead(u, ahead)), false) == Decision::Admit
-        };
+        let admits = |u: Usage| decide(with_inflight(with_ahead(u, ahead))) == Decision::Admit;
         let counted = usage_for(&reader, &snap, open_db, caller, now, cutoff, admits);
         let usage = with_ahead(counted, ahead);
-        if let Decision::Refuse(r) = decide(limits, usage, false) {
+        if let Decision::Refuse(r) = decide(usage) {
             return refuse(&reader, r.kind, ahead, counted, now);
         }
-        if decide(limits, with_inflight(usage), false) == Decision::Admit {
+        if decide(with_inflight(usage)) == Decision::Admit {
             return take(&reader).map(Ok);
         }
         // Requests in flight would take the last slots; wait for them to be

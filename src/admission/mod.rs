@@ -43,6 +43,9 @@ pub struct StartArgs<'a> {
     pub tenant: Option<&'a [u8]>,
     /// 0.5.0: the charge commits or rolls back with the calling transaction.
     pub transactional: bool,
+    /// 0.7.0: the units the ticket counts against its active limits (checked by
+    /// core::weights::check_weight; 1 for the calls without a weight).
+    pub weight: i64,
 }
 
 impl StartArgs<'_> {
@@ -55,6 +58,7 @@ impl StartArgs<'_> {
             wait: None,
             tenant: None,
             transactional: false,
+            weight: 1,
         }
     }
 }
@@ -88,6 +92,32 @@ impl Caller<'_> {
         }
     }
 
+    /// The error of a start that can never fit the active limit of `kind` (0.7.0).
+    fn never_fits(&self, kind: RefusalKind) -> QuotaError {
+        let role = role_name(self.role);
+        let (who, limit) = match kind {
+            RefusalKind::TenantActive => (
+                format!(
+                    "tenant \"{}\" of role \"{role}\"",
+                    self.args.tenant.map(server_text).unwrap_or_default()
+                ),
+                self.limits.tenant_active,
+            ),
+            RefusalKind::Database => (
+                format!("database \"{}\"", database_name(shmem::my_db())),
+                self.limits.max_db,
+            ),
+            _ => (format!("role \"{role}\""), self.limits.max_active),
+        };
+        QuotaError::WeightNeverFits(crate::core::weights::NeverFits {
+            kind,
+            weight: self.args.weight,
+            limit,
+            who,
+            tenant_limit_set: self.tenant_limit_set(kind),
+        })
+    }
+
     /// The refusal error for the caller's role (and tenant), with the full numbers.
     fn refusal(&self, r: &Refused) -> QuotaError {
         let (usage, next) = r.numbers(self);
@@ -99,6 +129,7 @@ impl Caller<'_> {
                 kind: r.kind,
                 usage,
                 limits: self.limits,
+                weight: self.args.weight,
             },
             next_ageout: next.map(format_ts),
             default_retained_for: (r.kind == RefusalKind::Retained
@@ -283,6 +314,9 @@ pub fn start(
             rels.require_v5("a transactional start");
         }
     }
+    if args.weight > 1 {
+        rels.require_v7("a weight above 1");
+    }
     if args.transactional && !policy.allow_transactional {
         return Err(QuotaError::TransactionalNotAllowed {
             role: role_name(role),
@@ -315,6 +349,16 @@ pub fn start(
         own,
         tenant,
     };
+    // 0.7.0: a start heavier than an active limit that applies to it is refused at
+    // once, wait or not: no ticket that ends could make room for it. Counted as a
+    // refusal of that limit (no LOG line: the caller's own error says it all).
+    if let Some(kind) = crate::core::never_fits(caller.limits, args.weight, exempt) {
+        // SAFETY: plain clock read.
+        stats::refused(role, Counter::refused(kind), false, unsafe {
+            pg_sys::GetCurrentTimestamp()
+        });
+        return Err(caller.never_fits(kind));
+    }
     // The clock reading the first try decides on, taken after what may wait (the
     // policy's and the relations' lookups, which lock catalogs and pg_quota's tables
     // when a cache was invalidated): a lease that runs out meanwhile must not still
@@ -375,7 +419,7 @@ pub fn start(
             // Take a place in line, then look again at once: a finish() that
             // committed before we were in line could not wake us.
             place = Some((
-                crate::waiters::Place::take(role, caller.tenant_key(), r.kind),
+                crate::waiters::Place::take(role, caller.tenant_key(), r.kind, args.weight),
                 WaitTimer::start(role),
             ));
             continue;
@@ -484,6 +528,25 @@ fn count_refusal(caller: &Caller, r: &Refused, now: pg_sys::TimestampTz) {
     }
 }
 
+/// The ticket `id` of an idempotent repeat, of weight `held`, if that is the weight the
+/// repeat asks for (0.7.0): a repeat with another weight is refused (22023), and
+/// charges nothing, rather than hand out a ticket that counts other than asked.
+pub(crate) fn repeat_of(
+    caller: &Caller,
+    id: [u8; 16],
+    held: i64,
+) -> Result<pgrx::Uuid, QuotaError> {
+    let id = pgrx::Uuid::from_bytes(id);
+    if held != caller.args.weight {
+        return Err(QuotaError::WeightMismatch {
+            ticket: id.to_string(),
+            held,
+            asked: caller.args.weight,
+        });
+    }
+    Ok(id)
+}
+
 /// Waits, outside any lock of pg_quota's, for every transaction still in progress that
 /// started a ticket of the caller's scope with `key` (a transactional start, 0.5.0) to
 /// commit or roll back, as an insert into a unique index waits for a conflicting one:
@@ -529,11 +592,13 @@ fn attempt(
         // snapshots may not see (the same statement, see charges::own_with_key): a
         // transactional repeat gets its ticket, which stands or falls with the same
         // transaction; a writer-committed one may not (KeyHeldUncommitted).
-        if let Some(id) = crate::charges::own_with_key(caller.role, caller.tenant_key(), key) {
+        if let Some((id, held)) =
+            crate::charges::own_with_key(caller.role, caller.tenant_key(), key)
+        {
             if !caller.args.transactional {
                 return Err(QuotaError::KeyHeldUncommitted);
             }
-            return Ok(Ok((pgrx::Uuid::from_bytes(id), true)));
+            return Ok(Ok((repeat_of(caller, id, held)?, true)));
         }
         wait_for_key(caller, key);
         let reader = Reader::open();
@@ -545,7 +610,7 @@ fn attempt(
         // SAFETY: plain clock read.
         now = unsafe { pg_sys::GetCurrentTimestamp() };
         let cutoff = cutoff(now, caller.policy.retention_secs);
-        if let Some(id) = retained_with_key(
+        if let Some((id, held)) = retained_with_key(
             &reader.rels,
             &snap,
             caller.role,
@@ -554,8 +619,9 @@ fn attempt(
             now,
             cutoff,
         ) {
+            let id = repeat_of(caller, id, held)?;
             if caller.args.transactional || !crate::syncrep::standbys_defined() {
-                return Ok(Ok((pgrx::Uuid::from_bytes(id), true)));
+                return Ok(Ok((id, true)));
             }
             repeat = true;
         }

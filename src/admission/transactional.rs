@@ -51,6 +51,7 @@ pub(crate) fn attempt(
                     caller.tenant_key(),
                     caller.args.key,
                     reader.tags,
+                    caller.args.weight,
                 );
                 // The charge is what every count reads (an open charge, in shared
                 // memory); the row is only looked for by a repeat of its key. So a
@@ -72,7 +73,9 @@ pub(crate) fn attempt(
             }
             Ok(Ok(Err(e))) => return Err(e),
             Ok(Err(refused)) => return Ok(Err(refused)),
-            Err(Repeat::Found(id)) => return Ok(Ok((id, true))),
+            Err(Repeat::Found(id, held)) => {
+                return super::repeat_of(caller, id, held).map(|id| Ok((id, true)))
+            }
             // A transactional start with our key is still open: wait for it without
             // the lock, as a unique index would, then look again.
             Err(Repeat::InProgress) => {
@@ -120,6 +123,7 @@ fn insert(caller: &Caller, ledger: &OpenRel, lease_us: Option<i64>) -> pgrx::Uui
             pid,
             tenant: caller.args.tenant,
             txid: Some(txid),
+            weight: caller.args.weight,
         }],
     );
     crate::charges::identify(*id.as_bytes(), lease_until);

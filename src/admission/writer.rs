@@ -57,7 +57,7 @@ pub(crate) fn attempt(
     // repeat of a key whose first start is still in the writer's hands: refused here,
     // its caller would think nothing was charged, and then the first start commits.
     let through_writer = || {
-        queue::enqueue(tenant, fill);
+        queue::enqueue(tenant, args.weight, fill);
         queue::wait(crate::waiters::leave)
     };
     let answer = if repeat || ((caller.exempt || !limits.any()) && args.key.is_none()) {
@@ -78,7 +78,7 @@ pub(crate) fn attempt(
                 // Handed over only to a running writer: a wait in line for a writer
                 // slot under the scope lock would hold up every other start of the
                 // scope.
-                if queue::enqueue_to_running(tenant, fill) {
+                if queue::enqueue_to_running(tenant, args.weight, fill) {
                     Ok(())
                 } else {
                     Err(Repeat::NoWriter)
@@ -87,8 +87,8 @@ pub(crate) fn attempt(
             match handed {
                 Ok(Ok(())) => break queue::wait(crate::waiters::leave),
                 Ok(Err(refused)) => return Ok(Err(refused)),
-                Err(Repeat::Found(id)) if !crate::syncrep::standbys_defined() => {
-                    return Ok(Ok((id, true)))
+                Err(Repeat::Found(id, held)) if !crate::syncrep::standbys_defined() => {
+                    return super::repeat_of(caller, id, held).map(|id| Ok((id, true)))
                 }
                 // The database had no writer, or the one that the requests in flight
                 // waited for is gone: wait in line for one without the scope lock, then
@@ -110,7 +110,7 @@ pub(crate) fn attempt(
         }
     };
     Ok(match answer {
-        Answer::Admitted(id) => Ok((pgrx::Uuid::from_bytes(id), false)),
+        Answer::Admitted(id, held) => Ok((super::repeat_of(caller, id, held)?, false)),
         Answer::Refused(kind, usage, next) => Err(Refused {
             kind,
             numbers: Numbers::Full(usage, next),

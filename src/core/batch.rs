@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 
-use super::decision::{decide, Decision, Limits, Usage};
+use super::decision::{decide_weighted, Decision, Limits, Usage};
 
 /// One start request as the writer sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -22,6 +22,8 @@ pub struct BatchRequest {
     pub limits: Limits,
     pub retention_secs: i64,
     pub exempt: bool,
+    /// Its weight (0.7.0): the units it takes of each active count it is admitted to.
+    pub weight: i64,
 }
 
 /// A tenant of a role, as the batch counts it.
@@ -93,10 +95,10 @@ pub fn db_cap(requests: &[BatchRequest]) -> Option<i64> {
         .max()
 }
 
-/// Decides every request in order. Each admission adds one active and one retained
-/// ticket to its role's counts (for every retention), so later requests of the same
-/// role in the batch count it, whatever their own settings; and one active ticket to
-/// the database's count (`db_active`, the committed count of every role), which every
+/// Decides every request in order. Each admission adds its weight's active units and
+/// one retained ticket to its role's counts (for every retention), so later requests
+/// of the same role in the batch count it, whatever their own settings; and its units
+/// to the database's count (`db_active`, the committed count of every role), which every
 /// later request limited by `quota.max_active_per_database` counts, whatever its role.
 /// Exempt (superuser) requests are always admitted, and their tickets count towards
 /// the database's total too.
@@ -119,8 +121,8 @@ pub fn decide_batch(
             .find(|(r, _)| *r == ret)
             .map_or(0, |(_, n)| *n)
     };
-    let bump = |c: &mut Counted| {
-        c.active += 1;
+    let bump = |c: &mut Counted, units: i64| {
+        c.active += units;
         for (_, n) in c.retained.iter_mut() {
             *n += 1;
         }
@@ -129,7 +131,7 @@ pub fn decide_batch(
         .iter()
         .map(|r| {
             if r.exempt {
-                db_active += 1;
+                db_active += r.weight;
                 return Decision::Admit;
             }
             let c = state.entry(r.role).or_default();
@@ -145,13 +147,13 @@ pub fn decide_batch(
                 tenant_retained: t.as_ref().map_or(0, |t| retained_for(t, r.retention_secs)),
             };
             let limits = r.limits.for_tenant(r.tenant.is_some());
-            let d = decide(limits, usage, false);
+            let d = decide_weighted(limits, usage, r.weight, false);
             if d == Decision::Admit {
-                bump(c);
+                bump(c, r.weight);
                 if let Some(t) = t {
-                    bump(t);
+                    bump(t, r.weight);
                 }
-                db_active += 1;
+                db_active += r.weight;
             }
             d
         })
@@ -174,6 +176,7 @@ mod tests {
             },
             retention_secs,
             exempt: false,
+            weight: 1,
         }
     }
 
@@ -188,6 +191,7 @@ mod tests {
             },
             retention_secs: 60,
             exempt: false,
+            weight: 1,
         }
     }
 
@@ -315,22 +319,24 @@ mod tests {
             }
         }
 
-        /// I1 for tenants (0.5.0), against the same kind of model: each admission
-        /// leaves its role within the role's limit and its tenant within the tenant's,
-        /// and a refusal happens only where one of them is full.
+        /// I1 for tenants (0.5.0) and weights (0.7.0), against the same kind of model:
+        /// each admission leaves its role within the role's limit and its tenant within
+        /// the tenant's, in units, and a refusal happens only where its weight does
+        /// not fit one of them.
         #[test]
         fn batch_never_admits_past_a_tenants_or_its_roles_limits(
-            reqs in proptest::collection::vec((0u32..2, proptest::option::of(0u128..3), 0i64..3, 0i64..5), 0..24),
+            reqs in proptest::collection::vec((0u32..2, proptest::option::of(0u128..3), 0i64..4, 0i64..7, 1i64..4), 0..24),
             start_role in proptest::collection::vec(0i64..3, 2),
             start_tenant in proptest::collection::vec(0i64..2, 6),
         ) {
-            let reqs: Vec<BatchRequest> = reqs.into_iter().map(|(role, tenant, ta, ra)| {
+            let reqs: Vec<BatchRequest> = reqs.into_iter().map(|(role, tenant, ta, ra, weight)| {
                 BatchRequest {
                     role,
                     tenant,
                     limits: Limits { max_active: ra, tenant_active: ta, ..Limits::default() },
                     retention_secs: 60,
                     exempt: false,
+                    weight,
                 }
             }).collect();
             let t_index = |role: u32, t: u128| (role as usize) * 3 + t as usize;
@@ -350,14 +356,14 @@ mod tests {
             for (r, d) in reqs.iter().zip(&ds) {
                 let rh = role_held[r.role as usize];
                 let th = r.tenant.map_or(0, |t| tenant_held[t_index(r.role, t)]);
-                let fits = |held: i64, limit: i64| limit == 0 || held < limit;
+                let fits = |held: i64, limit: i64| limit == 0 || held + r.weight <= limit;
                 let model = fits(rh, r.limits.max_active)
                     && (r.tenant.is_none() || fits(th, r.limits.tenant_active));
                 prop_assert_eq!(*d == Decision::Admit, model, "request {:?}, role {} tenant {}", r, rh, th);
                 if *d == Decision::Admit {
-                    role_held[r.role as usize] += 1;
+                    role_held[r.role as usize] += r.weight;
                     if let Some(t) = r.tenant {
-                        tenant_held[t_index(r.role, t)] += 1;
+                        tenant_held[t_index(r.role, t)] += r.weight;
                     }
                 }
             }

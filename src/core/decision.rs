@@ -89,6 +89,46 @@ pub struct Refusal {
     pub kind: RefusalKind,
     pub usage: Usage,
     pub limits: Limits,
+    /// The refused start's weight (0.7.0; 1 for an unweighted start).
+    pub weight: i64,
+}
+
+/// The most units one ticket may weigh (0.7.0).
+pub const MAX_WEIGHT: i64 = 1_000_000;
+
+impl Usage {
+    /// The counts as a start of `weight` units meets them (0.7.0): it fits an active
+    /// limit only where `weight` units are free below it, which is where a start of
+    /// weight 1 would fit with `weight - 1` more units taken. Retained counts are
+    /// tickets, not units: a ticket is one of them whatever its weight.
+    pub fn needing(self, weight: i64) -> Usage {
+        let more = weight.max(1) - 1;
+        Usage {
+            active: self.active.saturating_add(more),
+            db_active: self.db_active.saturating_add(more),
+            tenant_active: self.tenant_active.saturating_add(more),
+            ..self
+        }
+    }
+}
+
+/// The active limit that a start of `weight` units can never fit, however many tickets
+/// end (0.7.0): one below its weight, checked in `decide`'s order (the tenant's, the
+/// role's, the database's). None for an exempt start (I7) and where every one is
+/// unlimited or wide enough.
+pub fn never_fits(limits: Limits, weight: i64, exempt: bool) -> Option<RefusalKind> {
+    let below = |limit: i64| limit > 0 && limit < weight;
+    if exempt {
+        None
+    } else if below(limits.tenant_active) {
+        Some(RefusalKind::TenantActive)
+    } else if below(limits.max_active) {
+        Some(RefusalKind::Active)
+    } else if below(limits.max_db) {
+        Some(RefusalKind::Database)
+    } else {
+        None
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,9 +149,18 @@ fn at_limit(count: i64, limit: i64) -> bool {
 /// before retained for the same reason; the database's cap last, because other roles
 /// hold it.
 pub fn decide(limits: Limits, usage: Usage, exempt: bool) -> Decision {
+    decide_weighted(limits, usage, 1, exempt)
+}
+
+/// `decide` for a start of `weight` units (0.7.0): it is refused at an active limit
+/// unless `weight` units are free below it. The refusal reports `usage` as counted,
+/// without the start's own units.
+pub fn decide_weighted(limits: Limits, usage: Usage, weight: i64, exempt: bool) -> Decision {
     if exempt {
         return Decision::Admit;
     }
+    let counted = usage;
+    let usage = usage.needing(weight);
     let kind = if at_limit(usage.tenant_active, limits.tenant_active) {
         RefusalKind::TenantActive
     } else if at_limit(usage.tenant_retained, limits.tenant_retained) {
@@ -127,8 +176,9 @@ pub fn decide(limits: Limits, usage: Usage, exempt: bool) -> Decision {
     };
     Decision::Refuse(Refusal {
         kind,
-        usage,
+        usage: counted,
         limits,
+        weight,
     })
 }
 
@@ -138,10 +188,11 @@ pub fn decide(limits: Limits, usage: Usage, exempt: bool) -> Decision {
 /// limit is reached and no limit that `decide` checks before that one could be: a
 /// tenant's active limit (checked first), or the role's where the tenant has no
 /// retained limit.
-pub fn refuse_on_active(limits: Limits, usage: Usage) -> Option<Refusal> {
-    let kind = if at_limit(usage.tenant_active, limits.tenant_active) {
+pub fn refuse_on_active(limits: Limits, usage: Usage, weight: i64) -> Option<Refusal> {
+    let needed = usage.needing(weight);
+    let kind = if at_limit(needed.tenant_active, limits.tenant_active) {
         RefusalKind::TenantActive
-    } else if limits.tenant_retained == 0 && at_limit(usage.active, limits.max_active) {
+    } else if limits.tenant_retained == 0 && at_limit(needed.active, limits.max_active) {
         RefusalKind::Active
     } else {
         return None;
@@ -150,6 +201,7 @@ pub fn refuse_on_active(limits: Limits, usage: Usage) -> Option<Refusal> {
         kind,
         usage,
         limits,
+        weight,
     })
 }
 
@@ -170,7 +222,7 @@ mod tests {
         ) {
             let limits = Limits { max_active, max_retained, max_db, tenant_active, tenant_retained };
             let known = Usage { active, tenant_active: t_active, ..Usage::default() };
-            if let Some(r) = refuse_on_active(limits, known) {
+            if let Some(r) = refuse_on_active(limits, known, 1) {
                 let full = Usage {
                     retained: retained.max(active),
                     tenant_retained: t_retained.max(t_active),

@@ -182,6 +182,19 @@ pub enum QuotaError {
     },
     #[error("{0} must not be null")]
     NullArgument(&'static str),
+    /// 0.7.0: a weight below 1 or above 1,000,000 (core::weights).
+    #[error("invalid weight {value}")]
+    InvalidWeight { value: i64 },
+    /// 0.7.0: a start of a weight above an active limit that applies to it.
+    #[error("{}", .0.message())]
+    WeightNeverFits(super::weights::NeverFits),
+    /// 0.7.0: an idempotent repeat of a ticket with another weight.
+    #[error("idempotency key names ticket {ticket}, of weight {held}, not {asked}")]
+    WeightMismatch {
+        ticket: String,
+        held: i64,
+        asked: i64,
+    },
     /// quota.set_tenant_limits() with a limit below 0 or above 1,000,000 (0.7.0).
     #[error("invalid {what} {value}")]
     InvalidLimit { what: &'static str, value: i64 },
@@ -414,6 +427,22 @@ fn refusal_message(
         ),
         _ => format!("role \"{role}\""),
     };
+    // 0.7.0: a weighted start refused at an active limit, which may be below it.
+    let active_kind = matches!(
+        r.kind,
+        RefusalKind::Active | RefusalKind::Database | RefusalKind::TenantActive
+    );
+    if r.weight > 1 && active_kind {
+        let ahead = match r.usage.ahead {
+            0 => String::new(),
+            1 => " and 1 earlier start waiting for capacity".to_string(),
+            a => format!(" and {a} earlier starts waiting for capacity"),
+        };
+        return format!(
+            "{who} has {n} active units{ahead}: a start of weight {} does not fit the limit of {limit} {set_by}",
+            r.weight
+        );
+    }
     // A scope can hold more than a session's limit: sessions of one role may run with
     // different limits, and a superuser may have written tickets by hand. Below the
     // limit, the refusal is the doing of earlier starts still waiting in line, which
@@ -469,7 +498,10 @@ impl QuotaError {
                 Sqlstate::ObjectNotInPrerequisiteState
             }
             QuotaError::NullArgument(_) => Sqlstate::NullValueNotAllowed,
-            QuotaError::InvalidLimit { .. } => Sqlstate::InvalidParameterValue,
+            QuotaError::InvalidLimit { .. }
+            | QuotaError::InvalidWeight { .. }
+            | QuotaError::WeightMismatch { .. } => Sqlstate::InvalidParameterValue,
+            QuotaError::WeightNeverFits(_) => Sqlstate::ConfigurationLimitExceeded,
             QuotaError::UnknownRole(_) => Sqlstate::UndefinedObject,
             QuotaError::ForeignTenantLimits { .. } => Sqlstate::InsufficientPrivilege,
             QuotaError::InvalidOutcome(_) | QuotaError::UnknownTicket(_) => {
@@ -538,6 +570,10 @@ impl QuotaError {
                         count_of(r.usage.retained, r.limits.max_retained),
                     )
                 };
+                let counts = match super::weights::refusal_detail(r.weight) {
+                    Some(w) => format!("{counts} {w}"),
+                    None => counts,
+                };
                 Some(match r.usage.ahead {
                     0 => counts,
                     1 => format!(
@@ -578,6 +614,9 @@ impl QuotaError {
                 "Its lease ran out before it was renewed; it no longer counts as active."
                     .to_string(),
             ),
+            QuotaError::InvalidWeight { .. } => {
+                Some("A ticket weighs 1 to 1000000 units.".to_string())
+            }
             QuotaError::ForeignTicket { .. } => {
                 Some("The ticket belongs to another role.".to_string())
             }
@@ -724,6 +763,11 @@ impl QuotaError {
             ),
             QuotaError::InvalidLimit { .. } => Some(
                 "A limit is 0 (no limit) or more; NULL leaves the role's setting in force."
+                    .to_string(),
+            ),
+            QuotaError::WeightNeverFits(n) => Some(n.hint()),
+            QuotaError::WeightMismatch { .. } => Some(
+                "Repeat a start with the weight it was first made with, or use another idempotency key."
                     .to_string(),
             ),
             QuotaError::ForeignTenantLimits { .. } => Some(

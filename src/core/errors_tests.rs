@@ -18,6 +18,7 @@ fn refusal(kind: RefusalKind) -> Refusal {
             max_db: 9,
             ..Limits::default()
         },
+        weight: 1,
     }
 }
 
@@ -267,6 +268,7 @@ fn a_default_retained_limit_says_so_and_how_to_turn_it_off() {
                     max_retained: 10_000,
                     ..Limits::default()
                 },
+                weight: 1,
             },
             next_ageout: next.map(str::to_string),
             default_retained_for,
@@ -424,6 +426,7 @@ fn a_refusal_at_a_tenants_own_limit_names_set_tenant_limits() {
                 tenant_retained: 5,
                 ..Limits::default()
             },
+            weight: 1,
         },
         next_ageout: next.map(str::to_string),
         default_retained_for: None,

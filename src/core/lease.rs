@@ -44,20 +44,25 @@ pub fn shown_outcome<'a>(
 pub struct Lapsed {
     /// Ascending.
     expiries: Vec<i64>,
+    /// Their units (0.7.0: the sum of their weights).
+    units: i64,
 }
 
 impl Lapsed {
-    pub fn new(mut expiries: Vec<i64>) -> Lapsed {
+    /// From each lapsed ticket's expiry and weight.
+    pub fn new(lapsed: Vec<(i64, i64)>) -> Lapsed {
+        let units = lapsed.iter().map(|&(_, w)| w).sum();
+        let mut expiries: Vec<i64> = lapsed.into_iter().map(|(e, _)| e).collect();
         expiries.sort_unstable();
-        Lapsed { expiries }
+        Lapsed { expiries, units }
     }
 
-    /// How many: none of them is active.
+    /// Their units: none of them is active.
     pub fn expired(&self) -> i64 {
-        self.expiries.len() as i64
+        self.units
     }
 
-    /// How many expired before `cutoff`: not retained either.
+    /// How many (tickets, not units) expired before `cutoff`: not retained either.
     pub fn aged_out(&self, cutoff: i64) -> i64 {
         self.expiries.partition_point(|&e| e < cutoff) as i64
     }
@@ -246,8 +251,9 @@ mod tests {
 
     #[test]
     fn lapsed_tickets_age_out_by_their_expiry() {
-        let l = Lapsed::new(vec![30, 10, 20]);
-        assert_eq!(l.expired(), 3);
+        // Units for the active count, tickets for the retained one (0.7.0).
+        let l = Lapsed::new(vec![(30, 1), (10, 4), (20, 1)]);
+        assert_eq!(l.expired(), 6);
         assert_eq!(l.aged_out(20), 1);
         assert_eq!(l.aged_out(i64::MIN), 0);
         assert_eq!(l.oldest_retained(15), Some(20));

@@ -13,8 +13,12 @@ pub mod replication;
 pub mod stats;
 pub mod ticket;
 pub mod turns;
+pub mod weights;
 
-pub use decision::{decide, refuse_on_active, Decision, Limits, Refusal, RefusalKind, Usage};
+pub use decision::{
+    decide, decide_weighted, never_fits, refuse_on_active, Decision, Limits, Refusal, RefusalKind,
+    Usage, MAX_WEIGHT,
+};
 pub use errors::{JobFn, QuotaError, Sqlstate};
 pub use ticket::{
     check_key, check_label, check_tenant, parse_outcome, uuid_v7, Outcome, MAX_LABEL_CHARS,

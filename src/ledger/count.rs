@@ -5,24 +5,14 @@ use pgrx::pg_sys;
 
 use crate::ledger::rels::Rels;
 use crate::ledger::scan::{
-    attr, count, distinct_oids, rescans, scan, scan_index, ts_attr, Key, Latest,
+    attr, count, distinct_oids, rescans, scan, scan_index, ts_attr, weight_attr, Key, Latest,
 };
 use crate::ledger::{
     COL_ENDED_AT, COL_LEASE_UNTIL, COL_ROLE, SUMMARY_COL_FOLDED, SUMMARY_COL_TICKETS,
 };
 
-/// How many unfinished tickets `role` holds, counting at most `stop_at` of them.
-pub fn active(r: &Rels, snap: &Latest, role: pg_sys::Oid, stop_at: Option<i64>) -> i64 {
-    count(
-        r.ledger,
-        r.ledger_idx,
-        snap,
-        &[Key::OidEq(role), Key::IsNull],
-        stop_at,
-    )
-}
-
-/// How many unfinished tickets `role` holds, and the earliest end of their leases
+/// The units (0.7.0: the sum of their weights) of the unfinished tickets `role` holds,
+/// and the earliest end of their leases
 /// (i64::MAX where none ends; 0.6.0, for a scope counter's `earliest`), as `snap` sees
 /// them: a renew() not committed yet lowers the counter when it commits (finish.rs).
 pub fn active_and_earliest(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> (i64, i64) {
@@ -51,7 +41,7 @@ fn active_and_earliest_on(r: &Rels, index: pg_sys::Oid, snap: &Latest, keys: &[K
     let (mut n, mut earliest) = (0i64, i64::MAX);
     let v2 = r.v2();
     scan(r.ledger, index, snap, keys, |slot| {
-        n += 1;
+        n += weight_attr(slot);
         if v2 {
             if let Some(l) = ts_attr(slot, COL_LEASE_UNTIL) {
                 earliest = earliest.min(l);

@@ -155,7 +155,7 @@ pub(super) unsafe fn table_indexes(
     starts: bool,
 ) -> TableIndexes {
     let v2 = ncols >= NCOLS_V2;
-    let v5 = ncols == NCOLS_V5;
+    let v5 = ncols >= NCOLS_V5;
     let need =
         |found: Option<pg_sys::Oid>, cols: &str| found.unwrap_or_else(|| missing(name, cols));
     let key_predicate: &[(usize, bool)] = if key_partial {

@@ -8,7 +8,7 @@ use pgrx::pg_sys;
 use crate::ledger::count::in_both;
 use crate::ledger::rels::Rels;
 use crate::ledger::scan::{
-    attr, scan_any, scan_index, text_attr, text_datum, ts_attr, Key, Latest,
+    attr, scan_any, scan_index, text_attr, text_datum, ts_attr, weight_attr, Key, Latest,
 };
 use crate::ledger::{COL_ENDED_AT, COL_ID, COL_LEASE_UNTIL, COL_STARTED_AT, COL_TENANT, COL_TXID};
 
@@ -20,6 +20,8 @@ pub struct Keyed {
     pub lease_until: Option<pg_sys::TimestampTz>,
     /// Its tenant's text (0.5.0), None for the role itself.
     pub tenant: Option<Vec<u8>>,
+    /// Its weight (0.7.0; 1 before).
+    pub weight: i64,
 }
 
 /// The tickets of `role` with idempotency key `key` (a text datum) (0.2.0's schema
@@ -62,6 +64,7 @@ fn keyed(
                     } else {
                         None
                     },
+                    weight: weight_attr(slot),
                 });
             }
             true
@@ -71,8 +74,8 @@ fn keyed(
 
 /// The ticket of `role` (of its tenant `tenant`, 0.5.0) with idempotency key `key`
 /// (bytes in the server encoding) that is still retained for a caller whose retention
-/// starts at `cutoff`, if any. A key is a scope's: the same key under another tenant
-/// (or under the role itself) is another ticket's.
+/// starts at `cutoff`, if any, with its weight. A key is a scope's: the same key under
+/// another tenant (or under the role itself) is another ticket's.
 pub fn retained_with_key(
     rels: &Rels,
     snap: &Latest,
@@ -81,7 +84,7 @@ pub fn retained_with_key(
     key: &[u8],
     now: pg_sys::TimestampTz,
     cutoff: pg_sys::TimestampTz,
-) -> Option<[u8; 16]> {
+) -> Option<([u8; 16], i64)> {
     let datum = text_datum(key);
     // Sessions of one role may run with different retentions, so more than one ticket
     // with the key may be retained here: the newest is the one a retry should get.
@@ -90,7 +93,7 @@ pub fn retained_with_key(
         .filter(|k| k.tenant.as_deref() == tenant)
         .filter(|k| crate::core::lease::is_retained(k.ended_at, k.lease_until, now, cutoff))
         .max_by_key(|k| k.started_at)
-        .map(|k| k.id)
+        .map(|k| (k.id, k.weight))
 }
 
 /// A transaction still in progress, other than this one, that inserted a ticket of

@@ -11,7 +11,7 @@ use pgrx::pg_sys;
 use crate::core::lease::Lapsed;
 use crate::ledger::count::being_changed;
 use crate::ledger::rels::Rels;
-use crate::ledger::scan::{attr, scan, scan_index, ts_attr, Key, Latest};
+use crate::ledger::scan::{attr, scan, scan_index, ts_attr, weight_attr, Key, Latest};
 use crate::ledger::{COL_ENDED_AT, COL_LEASE_UNTIL, COL_ROLE};
 
 /// `role`'s unfinished tickets whose lease ran out by `now` (0.2.0's schema only):
@@ -69,7 +69,7 @@ fn lapsed_on(
         earliest = earliest.min(lease.unwrap_or(i64::MAX));
         let lease = lease.filter(|&l| l <= now);
         if lease.is_some() && !being_changed(slot) {
-            expiries.extend(lease);
+            expiries.extend(lease.map(|l| (l, weight_attr(slot))));
         }
         true
     });
@@ -131,14 +131,15 @@ pub fn tenant_lapsed(
     )
 }
 
-/// The database's active tickets, all roles together, counting at most `stop_at`
-/// (0.2.0's schema only): the unfinished rows whose lease has not run out.
+/// The database's active units (0.7.0: the sum of its active tickets' weights), all
+/// roles together, counting until at least `stop_at` (0.2.0's schema only): the
+/// unfinished rows whose lease has not run out.
 pub fn db_active(r: &Rels, snap: &Latest, now: pg_sys::TimestampTz, stop_at: i64) -> i64 {
     let mut n = 0;
     each_unended(r, snap, None, |slot| {
         let active = ts_attr(slot, COL_LEASE_UNTIL).is_none_or(|l| l > now) || being_changed(slot);
         if active {
-            n += 1;
+            n += weight_attr(slot);
         }
         n < stop_at
     });
@@ -199,7 +200,7 @@ pub fn next_expiry(
 pub struct Open {
     /// Every unfinished ticket.
     pub all: i64,
-    /// Those whose lease has not run out (or that have none).
+    /// The units (0.7.0) of those whose lease has not run out (or that have none).
     pub active: i64,
     /// Those whose lease ran out before `cutoff`: they count as ended at lease_until,
     /// so no longer as retained.
@@ -228,7 +229,9 @@ pub fn db_open(
             *open.by_role.entry(role.value() as u32).or_insert(0) += 1;
         }
         open.all += 1;
-        open.active += i64::from(lease_until.is_none_or(|l| l > now));
+        if lease_until.is_none_or(|l| l > now) {
+            open.active += weight_attr(slot);
+        }
         open.gone += i64::from(lease_until.is_some_and(|l| l < cutoff));
         true
     });

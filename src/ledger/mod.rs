@@ -30,10 +30,15 @@ pub const COL_PID: usize = 9;
 /// Columns added by 0.5.0 (sql/pg_quota--0.4.1--0.5.0.sql appends them).
 pub const COL_TENANT: usize = 10;
 pub const COL_TXID: usize = 11;
-/// The ledger's columns in the schemas of 0.1.x, of 0.2.0 to 0.4.x, and of 0.5.0.
+/// Added by 0.7.0 (sql/pg_quota--0.6.1--0.7.0.sql appends it to both tables): the
+/// ticket's weight, NULL for 1, so that a ticket of weight 1 costs no byte more.
+pub const COL_WEIGHT: usize = 12;
+/// The ledger's columns in the schemas of 0.1.x, of 0.2.0 to 0.4.x, of 0.5.0, and of
+/// 0.7.0.
 pub const NCOLS_V1: usize = 6;
 pub const NCOLS_V2: usize = 9;
 pub const NCOLS_V5: usize = 11;
+pub const NCOLS_V7: usize = 12;
 /// quota.summary's columns: role, tickets, and from 0.5.0 folded.
 pub const SUMMARY_COL_TICKETS: usize = 2;
 pub const SUMMARY_COL_FOLDED: usize = 3;

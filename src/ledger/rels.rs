@@ -15,7 +15,7 @@ use crate::core::QuotaError;
 use crate::error::raise;
 use crate::ledger::indexes::{find_index, missing, table_indexes};
 use crate::ledger::locks::Locks;
-use crate::ledger::{NCOLS_V1, NCOLS_V2, NCOLS_V5, SUMMARY_COL_FOLDED};
+use crate::ledger::{NCOLS_V1, NCOLS_V2, NCOLS_V5, NCOLS_V7, SUMMARY_COL_FOLDED};
 
 /// The OIDs of pg_quota's relations in this database, and the valid indexes that
 /// serve its scans. Indexes are chosen by what they index, not by name, so that
@@ -64,8 +64,8 @@ pub struct Rels {
     pub history_tenant_idx: pg_sys::Oid,
     pub history_txid_idx: pg_sys::Oid,
     /// The ledger's column count: NCOLS_V1 (0.1.x's schema, still in place until
-    /// ALTER EXTENSION pg_quota UPDATE), NCOLS_V2 (0.2.0 to 0.4.x) or NCOLS_V5 (0.5.0
-    /// on, both tables).
+    /// ALTER EXTENSION pg_quota UPDATE), NCOLS_V2 (0.2.0 to 0.4.x), NCOLS_V5 (0.5.0 to
+    /// 0.6.x, both tables) or NCOLS_V7 (0.7.0 on: weights).
     pub ncols: usize,
     pub summary: pg_sys::Oid,
     /// A valid btree index whose first column is the summary's role.
@@ -88,7 +88,12 @@ impl Rels {
 
     /// Whether the database has 0.5.0's schema (tenants, transactional starts).
     pub fn v5(&self) -> bool {
-        self.ncols == NCOLS_V5 && self.summary_ncols > SUMMARY_COL_FOLDED - 1
+        self.ncols >= NCOLS_V5 && self.summary_ncols > SUMMARY_COL_FOLDED - 1
+    }
+
+    /// Whether the database has 0.7.0's schema: tickets with weights.
+    pub fn v7(&self) -> bool {
+        self.ncols >= NCOLS_V7 && self.v5()
     }
 
     /// Whether the database has 0.6.0's schema: the ledger in two tables, quota.active
@@ -112,6 +117,16 @@ impl Rels {
             raise(QuotaError::NeedsUpdate {
                 feature,
                 needs: "0.5.0",
+            });
+        }
+    }
+
+    /// Raises the clear error of a 0.7.0 feature used on an older schema.
+    pub fn require_v7(&self, feature: &'static str) {
+        if !self.v7() {
+            raise(QuotaError::NeedsUpdate {
+                feature,
+                needs: "0.7.0",
             });
         }
     }
@@ -264,8 +279,9 @@ unsafe fn ledger_shape(l: pg_sys::Relation, name: &str) -> usize {
             ("pid", &[pg_sys::INT4OID]),
             ("tenant", &[pg_sys::TEXTOID]),
             ("txid", &[pg_sys::XID8OID]),
+            ("weight", &[pg_sys::INT4OID]),
         ],
-        &[NCOLS_V1, NCOLS_V2, NCOLS_V5],
+        &[NCOLS_V1, NCOLS_V2, NCOLS_V5, NCOLS_V7],
     )
 }
 

@@ -541,6 +541,21 @@ pub fn attr(slot: *mut pg_sys::TupleTableSlot, attno: i32) -> Option<pg_sys::Dat
     }
 }
 
+/// The weight of the ledger tuple in `slot` (0.7.0): its weight column, NULL for 1,
+/// and 1 where the table has no such column (an older schema). A value outside the
+/// range start() accepts (a superuser's SQL past the table's check) counts as the
+/// nearest bound, never as nothing or less.
+pub fn weight_attr(slot: *mut pg_sys::TupleTableSlot) -> i64 {
+    // SAFETY: the slot's descriptor is the scanned heap's.
+    let natts = unsafe { (*(*slot).tts_tupleDescriptor).natts } as usize;
+    if natts < crate::ledger::COL_WEIGHT {
+        return 1;
+    }
+    attr(slot, crate::ledger::COL_WEIGHT as i32).map_or(1, |d| {
+        i64::from(d.value() as i32).clamp(1, crate::core::MAX_WEIGHT)
+    })
+}
+
 /// A text datum (palloc'd) holding `bytes`, which are in the server encoding.
 pub fn text_datum(bytes: &[u8]) -> pg_sys::Datum {
     // SAFETY: copies the bytes; a label or key is far below the 1 GB text limit.

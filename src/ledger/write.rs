@@ -13,7 +13,8 @@ use crate::ledger::rels::Rels;
 use crate::ledger::scan::{attr, scan_open, text_datum, Key, Latest};
 use crate::ledger::{
     COL_ENDED_AT, COL_ID, COL_KEY, COL_LABEL, COL_LEASE_UNTIL, COL_OUTCOME, COL_PID, COL_ROLE,
-    COL_STARTED_AT, COL_TENANT, COL_TXID, NCOLS_V2, NCOLS_V5, SUMMARY_COL_FOLDED,
+    COL_STARTED_AT, COL_TENANT, COL_TXID, COL_WEIGHT, NCOLS_V2, NCOLS_V5, NCOLS_V7,
+    SUMMARY_COL_FOLDED,
 };
 
 /// Deletes the rows of `rel` that `keys` select on its index `index` and `wanted`
@@ -246,6 +247,8 @@ pub struct Admitted<'a> {
     pub tenant: Option<&'a [u8]>,
     /// For a transactional start, the full id of the transaction that charges it.
     pub txid: Option<u64>,
+    /// Its weight (0.7.0's schema; 1 before), stored as NULL where it is 1.
+    pub weight: i64,
 }
 
 /// Inserts the admitted tickets, all started at `now`. Labels, keys and tenants are
@@ -273,10 +276,13 @@ pub fn record(ledger: &OpenRel, ncols: usize, now: pg_sys::TimestampTz, admitted
             set(COL_KEY, text(a.key));
             set(COL_PID, Some(a.pid.into()));
         }
-        if ncols == NCOLS_V5 {
+        if ncols >= NCOLS_V5 {
             set(COL_TENANT, text(a.tenant));
             // xid8 is passed by value, as int8 is.
             set(COL_TXID, a.txid.map(pg_sys::Datum::from));
+        }
+        if ncols >= NCOLS_V7 && a.weight > 1 {
+            set(COL_WEIGHT, Some(pg_sys::Datum::from(a.weight as i32)));
         }
         ledger.insert(&mut values, &mut nulls);
     }

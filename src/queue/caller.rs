@@ -33,8 +33,9 @@ const MAX_WRITER_STARTS: u32 = 3;
 
 /// The writer's answer to one start.
 pub enum Answer {
-    /// The ticket (new, or the one the request's idempotency key already had).
-    Admitted([u8; 16]),
+    /// The ticket (new, or the one the request's idempotency key already had), and its
+    /// weight (0.7.0).
+    Admitted([u8; 16], i64),
     Refused(RefusalKind, Usage, Option<pg_sys::TimestampTz>),
 }
 
@@ -79,9 +80,9 @@ fn my_slot() -> &'static Slot {
     slot(me)
 }
 
-/// Fills this backend's slot with a request of this database, the current role and
-/// `tenant` (a key of scopes::tenant_key, 0 for none).
-fn prepare(tenant: u128, fill: impl FnOnce(&mut Request)) -> &'static Slot {
+/// Fills this backend's slot with a request of this database, the current role,
+/// `tenant` (a key of scopes::tenant_key, 0 for none) and `weight` (0.7.0).
+fn prepare(tenant: u128, weight: i64, fill: impl FnOnce(&mut Request)) -> &'static Slot {
     let slot = my_slot();
     reclaim(slot);
 
@@ -95,13 +96,14 @@ fn prepare(tenant: u128, fill: impl FnOnce(&mut Request)) -> &'static Slot {
     slot.role.store(u32::from(role), Ordering::Relaxed);
     slot.tenant[0].store(tenant as u64, Ordering::Relaxed);
     slot.tenant[1].store((tenant >> 64) as u64, Ordering::Relaxed);
+    slot.weight.store(weight as u32, Ordering::Relaxed);
     slot
 }
 
 /// Hands one start request to this database's writer, starting one (in line for a
 /// writer slot) if need be. The caller then calls `wait`.
-pub fn enqueue(tenant: u128, fill: impl FnOnce(&mut Request)) {
-    let slot = prepare(tenant, fill);
+pub fn enqueue(tenant: u128, weight: i64, fill: impl FnOnce(&mut Request)) {
+    let slot = prepare(tenant, weight, fill);
     // Callers publish under the table lock, so a writer deciding to leave
     // (exclusively) sees every request queued for it. The request is not published
     // before, so a cancel while waiting in line leaves nothing behind.
@@ -112,8 +114,8 @@ pub fn enqueue(tenant: u128, fill: impl FnOnce(&mut Request)) {
 /// Hands one start request to this database's writer if one runs; false (nothing
 /// handed over) if none does. For callers holding a lock that a wait in line must not
 /// be made under.
-pub fn enqueue_to_running(tenant: u128, fill: impl FnOnce(&mut Request)) -> bool {
-    let slot = prepare(tenant, fill);
+pub fn enqueue_to_running(tenant: u128, weight: i64, fill: impl FnOnce(&mut Request)) -> bool {
+    let slot = prepare(tenant, weight, fill);
     let _shared = TableLock::acquire_shared();
     match workers::writer_of(shmem::my_db()) {
         Some(i) => {
@@ -253,20 +255,37 @@ fn publish(slot: &Slot, idx: usize) {
     }
 }
 
-/// How many requests of `role` in this database are in the writer's hands (handed
-/// over and not yet answered), all of them and those of its tenant `tenant` (a key; 0:
-/// none asked). Callers hold the role's scope lock, so none of their scope can be added
-/// meanwhile; a read that races with a slot being reused only miscounts a request that
-/// is not of this scope, and the writer's own check is exact in any case.
-pub fn inflight(role: pg_sys::Oid, tenant: u128) -> (i64, i64) {
+/// The requests of `role` in this database in the writer's hands (handed over and not
+/// yet answered), all of them and those of its tenant `tenant` (a key; 0: none asked),
+/// in units and in tickets (0.7.0). Callers hold the role's scope lock, so none of their
+/// scope can be added meanwhile; a read that races with a slot being reused only
+/// miscounts a request that is not of this scope, and the writer's own check is exact
+/// in any case.
+pub fn inflight(role: pg_sys::Oid, tenant: u128) -> InFlight {
     let db = shmem::my_db();
-    slots()
+    let mut f = InFlight::default();
+    for s in slots()
         .iter()
         .filter(|s| in_writers_hands(s) && s.dboid() == db && s.role() == role)
-        .fold((0, 0), |(all, of_tenant), s| {
-            let mine = tenant != 0 && s.tenant() == tenant;
-            (all + 1, of_tenant + i64::from(mine))
-        })
+    {
+        let w = s.weight();
+        f.units += w;
+        f.tickets += 1;
+        if tenant != 0 && s.tenant() == tenant {
+            f.tenant_units += w;
+            f.tenant_tickets += 1;
+        }
+    }
+    f
+}
+
+/// A scope's requests in flight (see `inflight`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct InFlight {
+    pub units: i64,
+    pub tickets: i64,
+    pub tenant_units: i64,
+    pub tenant_tickets: i64,
 }
 
 /// Whether slot `s` holds a request handed over to a writer and not yet answered.
@@ -274,7 +293,7 @@ fn in_writers_hands(s: &Slot) -> bool {
     matches!(load_state(s), SLOT_PENDING | SLOT_CLAIMED)
 }
 
-/// How many requests of any role in this database are in the writer's hands: what
+/// The units of the requests of any role in this database in the writer's hands: what
 /// the database cap must count besides the committed tickets. Unlike `inflight`, no
 /// lock keeps other scopes from adding to it; the writer's check is the exact one.
 pub fn inflight_db() -> i64 {
@@ -282,7 +301,8 @@ pub fn inflight_db() -> i64 {
     slots()
         .iter()
         .filter(|s| in_writers_hands(s) && s.dboid() == db)
-        .count() as i64
+        .map(Slot::weight)
+        .sum()
 }
 
 /// Whether a request of `role` in this database with idempotency key `key` is in the
@@ -498,7 +518,7 @@ fn take_reply(slot: &'static Slot, admitted: impl FnOnce()) -> Answer {
     let answer = unsafe {
         let r = &*slot.reply.get();
         match r.kind {
-            REPLY_ADMITTED => Ok(Answer::Admitted(r.ticket)),
+            REPLY_ADMITTED => Ok(Answer::Admitted(r.ticket, r.weight)),
             REPLY_REFUSED => {
                 let kind = match r.refusal_kind {
                     1 => RefusalKind::Active,
@@ -528,7 +548,7 @@ fn take_reply(slot: &'static Slot, admitted: impl FnOnce()) -> Answer {
             _ => Err((0, String::new())),
         }
     };
-    if matches!(answer, Ok(Answer::Admitted(_)) | Err((-1, _))) {
+    if matches!(answer, Ok(Answer::Admitted(..)) | Err((-1, _))) {
         // Admitted (confirmed or not, the charge is counted): the start leaves the line
         // of waiters (waiters.rs) before the slot looks free, so that nobody counts it
         // both as an active ticket and as a start waiting ahead of them.

@@ -82,6 +82,8 @@ pub const ERROR_TEXT_BYTES: usize = 512;
 pub struct Reply {
     pub kind: u32,
     pub ticket: [u8; 16],
+    /// The admitted ticket's weight (0.7.0): a repeat's is its first start's.
+    pub weight: i64,
     /// For refusals: 1 = active limit, 2 = retained limit, 3 = database cap, 4 and 5
     /// = the tenant's active and retained limits (0.5.0).
     pub refusal_kind: u32,
@@ -112,6 +114,8 @@ pub struct Slot {
     /// The request's tenant key (scopes::tenant_key; 0 for none), low and high halves,
     /// written and read as `role` is.
     pub tenant: [AtomicU64; 2],
+    /// The request's weight (0.7.0), written and read as `role` is.
+    pub weight: AtomicU32,
     pub request: UnsafeCell<Request>,
     pub reply: UnsafeCell<Reply>,
     /// The owner's place in the line for writer slots (0: not in it); see
@@ -131,6 +135,11 @@ impl Slot {
     pub fn tenant(&self) -> u128 {
         u128::from(self.tenant[0].load(Ordering::Acquire))
             | (u128::from(self.tenant[1].load(Ordering::Acquire)) << 64)
+    }
+
+    /// The request's weight, at least 1 (a slot never written has 0).
+    pub fn weight(&self) -> i64 {
+        i64::from(self.weight.load(Ordering::Acquire).max(1))
     }
 }
 

@@ -8,11 +8,11 @@
 
 use pgrx::pg_sys;
 
-use super::{get, others_view, Counted, ScopeKey};
+use super::{get, others_view, Counted, Open, ScopeKey};
 use crate::core::lease::{earliest, Lapsed};
 use crate::core::{Limits, RefusalKind, Usage};
 use crate::ledger::count::{
-    active, active_and_earliest, expired, oldest_ended, rows, summary_rows, tenant_active,
+    active_and_earliest, expired, oldest_ended, rows, summary_rows, tenant_active,
     tenant_active_and_earliest, tenant_ended_since, tenant_oldest_ended,
 };
 use crate::ledger::leases::{lapsed, tenant_lapsed};
@@ -28,14 +28,14 @@ pub struct Tenant {
     pub text: pg_sys::Datum,
 }
 
-/// (active tickets, ledger rows, open charges) of `role`: the committed numbers from
+/// (active units, ledger rows, open charges) of `role`: the committed numbers from
 /// its scope counter, which is built from the ledger if missing or stale, or, where it
 /// has none (see `get`), counted from the ledger under a snapshot taken now; and its
 /// uncommitted transactional charges, read before either (see `get`), so a charge
 /// that commits meanwhile is counted at least once.
-pub fn role_counts(reader: &Reader, role: pg_sys::Oid) -> (i64, i64, i64) {
+pub fn role_counts(reader: &Reader, role: pg_sys::Oid) -> (i64, i64, Open) {
     let r = &reader.rels;
-    let mut open = 0;
+    let mut open = Open::default();
     let counted = reader.tags.and_then(|tags| {
         let has_numbers = || summary_rows(r, &others_view(), role, false).is_some();
         get(ScopeKey::role(role), tags, &mut open, has_numbers, |s| {
@@ -63,21 +63,21 @@ pub fn role_counts(reader: &Reader, role: pg_sys::Oid) -> (i64, i64, i64) {
         if rebuild {
             workers::request_summary_rebuild();
         }
-        (active(r, &own, role, None), rows)
+        (active_and_earliest(r, &own, role).0, rows)
     });
     (active, rows, open)
 }
 
-/// (committed active tickets, open charges) of tenant `t` of `role`: from its counter,
+/// (committed active units, open charges) of tenant `t` of `role`: from its counter,
 /// built from the ledger (its active tickets, never its history) if missing or stale,
 /// or counted from the ledger; open charges read first, as in `role_counts`.
-pub fn tenant_counts(reader: &Reader, role: pg_sys::Oid, t: Tenant) -> (i64, i64) {
+pub fn tenant_counts(reader: &Reader, role: pg_sys::Oid, t: Tenant) -> (i64, Open) {
     let r = &reader.rels;
     let key = ScopeKey {
         role,
         tenant: t.key,
     };
-    let mut open = 0;
+    let mut open = Open::default();
     let counted = reader.tags.and_then(|tags| {
         get(
             key,
@@ -98,7 +98,7 @@ pub fn tenant_counts(reader: &Reader, role: pg_sys::Oid, t: Tenant) -> (i64, i64
         open = super::open(key);
     }
     let active = counted.map_or_else(
-        || tenant_active(r, &others_view(), role, t.text, None),
+        || tenant_active_and_earliest(r, &others_view(), role, t.text).0,
         |(a, _)| a,
     );
     (active, open)
@@ -128,10 +128,10 @@ pub fn usage(
     if of_role {
         let (active, rows, open) = role_counts(reader, role);
         if limits.max_active > 0 {
-            u.active = active + open;
+            u.active = active + open.units;
         }
         if limits.max_retained > 0 {
-            u.retained = rows + open;
+            u.retained = rows + open.tickets;
         }
     }
     let of_tenant = tenant.filter(|_| limits.tenant_active > 0 || limits.tenant_retained > 0);
@@ -155,14 +155,15 @@ pub fn usage(
     let mut after = None;
     if let Some(t) = of_tenant {
         let (active, open) = tenant_counts(reader, role, t);
-        u.tenant_active = active + open;
+        u.tenant_active = active + open.units;
         if limits.tenant_retained > 0 {
             seen_before = Some(seen());
-            // A tenant's history is counted from the ledger (see `tenant_exact`).
+            // A tenant's history is counted from the ledger (see `tenant_exact`), in
+            // tickets.
             let snap = after.insert(others_view());
             u.tenant_retained = tenant_active(r, snap, role, t.text, None)
                 + tenant_ended_since(r, snap, role, t.text, cutoff)
-                + open;
+                + open.tickets;
         }
     }
     if fits(u) {
@@ -269,10 +270,10 @@ pub fn role_exact(
     let lapsed = seen.lapsed(key, now, || lapsed(r, &after, role, now));
     let retained = cutoffs
         .iter()
-        .map(|&c| rows + open - expired(r, &after, role, c) - lapsed.aged_out(c))
+        .map(|&c| rows + open.tickets - expired(r, &after, role, c) - lapsed.aged_out(c))
         .collect();
     Exact {
-        active: active + open - lapsed.expired(),
+        active: active + open.units - lapsed.expired(),
         retained,
         lapsed,
         after,
@@ -306,11 +307,12 @@ pub fn tenant_exact(
     let retained = cutoffs
         .iter()
         .map(|&c| {
-            unfinished + tenant_ended_since(r, &after, role, t.text, c) + open - lapsed.aged_out(c)
+            unfinished + tenant_ended_since(r, &after, role, t.text, c) + open.tickets
+                - lapsed.aged_out(c)
         })
         .collect();
     Exact {
-        active: active + open - lapsed.expired(),
+        active: active + open.units - lapsed.expired(),
         retained,
         lapsed,
         after,

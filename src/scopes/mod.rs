@@ -123,6 +123,8 @@ pub struct Counter {
     /// Uncommitted transactional charges of the scope (0.5.0): the counter is pinned
     /// while they are above 0.
     open: AtomicI64,
+    /// Their units (0.7.0: the sum of their weights).
+    open_units: AtomicI64,
     /// (0.6.0) No ticket `active` counts has a lease that ends before this (a
     /// TimestampTz; LEASE_UNKNOWN when nothing is known, LEASE_NONE when none ends): a
     /// refusal at the active limit needs no probe for lapsed leases while it is in the
@@ -144,9 +146,30 @@ pub struct Counter {
 }
 
 const _: () = assert!(
-    std::mem::size_of::<Counter>() == 104,
-    "USER_GUIDE.md gives 104 bytes"
+    std::mem::size_of::<Counter>() == 112,
+    "USER_GUIDE.md gives 112 bytes"
 );
+
+/// A scope's uncommitted transactional charges (0.5.0): how many (its retained counts
+/// take each once) and their units (0.7.0; its active counts take each's weight).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Open {
+    pub tickets: i64,
+    pub units: i64,
+}
+
+impl Open {
+    /// Read before the scope's committed numbers (see `get`): both fields before them,
+    /// in any order, since what moves them meanwhile is a charge taken (not while the
+    /// counters' lock is held, which every reader holds) or ended (a committed one is
+    /// applied to the numbers before it ends).
+    fn of(e: &Counter) -> Open {
+        Open {
+            tickets: e.open.load(Ordering::Acquire),
+            units: e.open_units.load(Ordering::Acquire),
+        }
+    }
+}
 
 /// `Counter::earliest` when nothing is known: every refusal probes.
 const LEASE_UNKNOWN: i64 = i64::MIN;
@@ -315,7 +338,7 @@ fn current(e: &Counter, tags: Tags) -> Option<(i64, i64)> {
 pub fn get(
     key: ScopeKey,
     tags: Tags,
-    open: &mut i64,
+    open: &mut Open,
     has_numbers: impl FnOnce() -> bool,
     count: impl FnOnce(&Latest) -> Option<Counted>,
 ) -> Option<(i64, i64)> {
@@ -324,7 +347,7 @@ pub fn get(
         let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
         match find(k) {
             Some(e) => {
-                *open = e.open.load(Ordering::Acquire);
+                *open = Open::of(e);
                 if let Some(v) = read(e, tags) {
                     return Some(v);
                 }
@@ -342,7 +365,7 @@ pub fn get(
         let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
         let (e, evicted) = match find(k) {
             Some(e) => {
-                *open = e.open.load(Ordering::Acquire);
+                *open = Open::of(e);
                 // Rebuilt by another backend since our shared look?
                 if let Some(v) = read(e, tags) {
                     return Some(v);
@@ -363,9 +386,9 @@ pub fn get(
 /// The uncommitted transactional charges of scope `key` (0 if it has no counter: a
 /// scope with any has one, pinned). Read it before the scope's committed numbers (see
 /// `get`).
-pub fn open(key: ScopeKey) -> i64 {
+pub fn open(key: ScopeKey) -> Open {
     let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
-    find(key.shared()).map_or(0, |e| e.open.load(Ordering::Acquire))
+    find(key.shared()).map_or(Open::default(), Open::of)
 }
 
 /// What a rebuild counts from the ledger: a scope's active tickets, its rows (a role's),
@@ -380,9 +403,9 @@ pub struct Counted {
 /// A live counter as a refusal reads it, without the ledger (0.6.0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Peeked {
-    /// Committed active tickets, and the uncommitted transactional charges.
+    /// Committed active units, and the uncommitted transactional charges.
     pub active: i64,
-    pub open: i64,
+    pub open: Open,
     /// No ticket of `active` has a lease that ends before this (see Counter::earliest).
     pub earliest: i64,
     /// A look at the scope's unended tickets for its counter's `earliest`, begun here:
@@ -412,7 +435,7 @@ pub struct Refresh {
 pub fn peek(key: ScopeKey, tags: Tags, now: pg_sys::TimestampTz) -> Option<Peeked> {
     let _s = Held::acquire(pg_sys::LWLockMode::LW_SHARED);
     let e = find(key.shared())?;
-    let open = e.open.load(Ordering::Acquire);
+    let open = Open::of(e);
     let (active, _) = current(e, tags)?;
     touch(e, secs(now));
     Some(Peeked {
@@ -452,16 +475,17 @@ pub fn refresh_earliest(key: ScopeKey, look: Refresh, earliest: i64) {
     }
 }
 
-/// A pinned counter: the entry that holds a scope's open charges, by its index.
+/// A pinned counter: the entry that holds a scope's open charges, by its index, and the
+/// units of the charge that pinned it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Pin(usize);
+pub struct Pin(usize, i64);
 
-/// Adds one open charge to scope `key`'s counter, giving the scope a counter if it has
+/// Adds one open charge of `weight` units to scope `key`'s counter, giving the scope a counter if it has
 /// none (it may take the entry of one read lately, never of a pinned one; it is built
 /// at its next read). None if every entry of its window is pinned: then nothing is
 /// charged. The caller holds the scope's lock (admission.rs), so no other backend adds
 /// to this scope meanwhile.
-pub fn pin(key: ScopeKey, tags: Option<Tags>) -> Option<Pin> {
+pub fn pin(key: ScopeKey, tags: Option<Tags>, weight: i64) -> Option<Pin> {
     let k = key.shared();
     let _x = Held::acquire(pg_sys::LWLockMode::LW_EXCLUSIVE);
     let e = match find(k) {
@@ -480,10 +504,11 @@ pub fn pin(key: ScopeKey, tags: Option<Tags>) -> Option<Pin> {
         }
     };
     e.open.fetch_add(1, Ordering::AcqRel);
+    e.open_units.fetch_add(weight, Ordering::AcqRel);
     let table = counters_table();
     let index =
         (e as *const Counter as usize - table.as_ptr() as usize) / std::mem::size_of::<Counter>();
-    Some(Pin(index))
+    Some(Pin(index, weight))
 }
 
 /// Takes one open charge off a pinned counter. Never raises: it runs at transaction
@@ -491,6 +516,7 @@ pub fn pin(key: ScopeKey, tags: Option<Tags>) -> Option<Pin> {
 /// charging backends' alone.
 pub fn unpin(p: Pin) {
     if let Some(e) = counters_table().get(p.0) {
+        e.open_units.fetch_sub(p.1, Ordering::AcqRel);
         e.open.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -593,6 +619,7 @@ fn claim(e: &Counter, key: (u32, u32, u128)) {
     e.version.fetch_add(1, Ordering::AcqRel);
     if !ours {
         e.open.store(0, Ordering::Relaxed);
+        e.open_units.store(0, Ordering::Relaxed);
     }
     e.db.store(key.0, Ordering::Relaxed);
     e.role.store(key.1, Ordering::Relaxed);

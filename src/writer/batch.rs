@@ -282,10 +282,12 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
     let roles: Vec<pg_sys::Oid> = batch.iter().map(|&i| queue::slot(i).role()).collect();
     let tenants: Vec<u128> = batch.iter().map(|&i| queue::slot(i).tenant()).collect();
+    let weights: Vec<i64> = batch.iter().map(|&i| queue::slot(i).weight()).collect();
     let breqs: Vec<BatchRequest> = requests
         .iter()
         .zip(roles.iter().zip(&tenants))
-        .map(|(r, (role, &tenant))| BatchRequest {
+        .zip(&weights)
+        .map(|((r, (role, &tenant)), &weight)| BatchRequest {
             role: u32::from(*role),
             tenant: (tenant != 0).then_some(tenant),
             limits: Limits {
@@ -297,6 +299,7 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
             },
             retention_secs: r.retention_secs,
             exempt: r.exempt,
+            weight,
         })
         .collect();
     // Each tenant's text, for the ledger.
@@ -310,7 +313,7 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
     // gets that ticket and is charged nothing; so does a request repeating a key
     // admitted earlier in this batch. Only the writer inserts, and it handles one
     // batch at a time, so eight sessions sending one key at once get one ticket.
-    let mut reused: Vec<Option<[u8; 16]>> = vec![None; batch.len()];
+    let mut reused: Vec<Option<([u8; 16], i64)>> = vec![None; batch.len()];
     if rels.v2() {
         for (k, req) in requests.iter().enumerate() {
             let Some(key) = req.key() else { continue };
@@ -367,7 +370,8 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
     }
 
     let mut admitted: Vec<Admitted> = Vec::new();
-    let mut pending: HashMap<ScopeKey, i64> = HashMap::new();
+    // Each scope's admissions in this batch: (units, tickets).
+    let mut pending: HashMap<ScopeKey, (i64, i64)> = HashMap::new();
     // The earliest lease end each scope's admissions bring (see scopes::Counter).
     let mut floors: HashMap<ScopeKey, i64> = HashMap::new();
     for (k, ((&i, req), breq)) in batch.iter().zip(&requests).zip(&breqs).enumerate() {
@@ -379,11 +383,13 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
             admitted
                 .iter()
                 .find(|a| a.role == role && a.tenant == req.tenant() && a.key == Some(key))
-                .map(|a| *a.id.as_bytes())
+                .map(|a| (*a.id.as_bytes(), a.weight))
         });
-        if let Some(id) = reused[k].or(repeated) {
+        if let Some((id, weight)) = reused[k].or(repeated) {
+            // The caller compares the weight with its own (admission::repeat_of).
             reply.kind = REPLY_ADMITTED;
             reply.ticket = id;
+            reply.weight = weight;
             reply.reused = true;
             continue;
         }
@@ -402,10 +408,13 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
                     pid: req.pid,
                     tenant: req.tenant(),
                     txid: None,
+                    weight: breq.weight,
                 });
                 let floor = lease_until.unwrap_or(crate::scopes::LEASE_NONE);
                 let mut count = |key: ScopeKey| {
-                    *pending.entry(key).or_default() += 1;
+                    let p = pending.entry(key).or_default();
+                    p.0 += breq.weight;
+                    p.1 += 1;
                     let f = floors.entry(key).or_insert(floor);
                     *f = (*f).min(floor);
                 };
@@ -415,6 +424,7 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
                 }
                 reply.kind = REPLY_ADMITTED;
                 reply.ticket = id;
+                reply.weight = breq.weight;
                 reply.reused = false;
             }
             Decision::Refuse(r) => {
@@ -435,11 +445,14 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
                     req.retention_secs,
                     r.kind,
                 );
-                let p = pending.get(&ScopeKey::role(role)).copied().unwrap_or(0);
+                let p = pending
+                    .get(&ScopeKey::role(role))
+                    .copied()
+                    .unwrap_or_default();
                 let pt = breq
                     .tenant
                     .and_then(|t| pending.get(&ScopeKey { role, tenant: t }).copied())
-                    .unwrap_or(0);
+                    .unwrap_or_default();
                 reply.kind = REPLY_REFUSED;
                 reply.refusal_kind = match r.kind {
                     RefusalKind::Active => 1,
@@ -448,10 +461,10 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
                     RefusalKind::TenantActive => 4,
                     RefusalKind::TenantRetained => 5,
                 };
-                reply.active = full.active + p;
-                reply.retained = full.retained + p;
-                reply.tenant_active = full.tenant_active + pt;
-                reply.tenant_retained = full.tenant_retained + pt;
+                reply.active = full.active + p.0;
+                reply.retained = full.retained + p.1;
+                reply.tenant_active = full.tenant_active + pt.0;
+                reply.tenant_retained = full.tenant_retained + pt.1;
                 reply.db_active = r.usage.db_active;
                 reply.next_ageout = next;
             }
@@ -479,12 +492,12 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
     let for_all = retention_floor();
     let mut delta: Vec<(pg_sys::Oid, i64)> = Vec::new();
     let mut changes = Vec::new();
-    for (&key, &n) in &pending {
+    for (&key, &(units, n)) in &pending {
         if key.is_tenant() {
-            // A tenant's counter keeps its active tickets only.
+            // A tenant's counter keeps its active units only.
             changes.push(Change {
                 key,
-                active: n,
+                active: units,
                 rows: 0,
                 lease_floor: floors[&key],
             });
@@ -498,7 +511,7 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
         delta.push((oid, n - purged.summarized));
         changes.push(Change {
             key,
-            active: n,
+            active: units,
             rows: n - purged.all,
             lease_floor: floors[&key],
         });

@@ -19,7 +19,7 @@ use pgrx::pg_sys;
 
 use crate::ledger::leases::each_unended;
 use crate::ledger::rels::{self, Reader, Tags};
-use crate::ledger::scan::{attr, text_attr, Latest};
+use crate::ledger::scan::{attr, text_attr, weight_attr, Latest};
 use crate::ledger::write::expired_version;
 use crate::ledger::write::Tables;
 use crate::ledger::{COL_ENDED_AT, COL_LEASE_UNTIL, COL_OUTCOME, COL_ROLE, COL_TENANT};
@@ -127,7 +127,8 @@ fn sweep_expired() {
     let walk_began = Instant::now();
     let max_due = if whole { MAX_DUE_WALKING } else { MAX_DUE };
     let snap = Latest::take();
-    let mut due: Vec<(pg_sys::ItemPointerData, ScopeKey, pg_sys::TimestampTz)> = Vec::new();
+    // (location, scope, lease end, weight) of each ticket to end.
+    let mut due: Vec<(pg_sys::ItemPointerData, ScopeKey, pg_sys::TimestampTz, i64)> = Vec::new();
     // The earliest lease still to come among the tickets the walk saw.
     let mut next = LEASE_NONE;
     let v5 = rels.v5();
@@ -145,7 +146,8 @@ fn sweep_expired() {
                 0
             };
             // SAFETY: the slot holds a visible ledger tuple.
-            due.push((unsafe { (*slot).tts_tid }, ScopeKey { role, tenant }, until));
+            let tid = unsafe { (*slot).tts_tid };
+            due.push((tid, ScopeKey { role, tenant }, until, weight_attr(slot)));
         }
         due.len() < max_due
     });
@@ -166,7 +168,7 @@ fn sweep_expired() {
     // quota.history (0.6.0) before any row lock: no lock wait while holding one.
     tables.history();
     let mut ended = Vec::new();
-    for (tid, key, until) in due {
+    for (tid, key, until, weight) in due {
         // A finish() or renew() of the ticket in an open transaction: leave it to a
         // later sweep rather than wait for that transaction.
         // Left for a later sweep, which the lease floor then calls for.
@@ -184,7 +186,7 @@ fn sweep_expired() {
             continue;
         };
         if tables.end(tid, tuple, &[COL_ENDED_AT, COL_OUTCOME]) == pg_sys::TM_Result::TM_Ok {
-            crate::scopes::add_change(&mut ended, key, -1, 0, None);
+            crate::scopes::add_change(&mut ended, key, -weight, 0, None);
         } else {
             left();
         }

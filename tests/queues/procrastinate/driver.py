@@ -49,7 +49,20 @@ async def setup(mode):
         if mode == "enqueue" and not NO_QUOTA:
             await c.execute(recipe.FINISH_TRIGGERS)
             await c.execute(recipe.claim_trigger(LEASE))
-        await c.execute("CREATE TABLE pq_running (key text, tenant text, pid int)")
+        await c.execute("CREATE TABLE pq_running (key text, tenant text, pid int, weight int)")
+        # Each tenant's limit in units: its plan's (claim: set with
+        # quota.set_tenant_limits() below), or the role's setting of 2 (enqueue).
+        await c.execute("CREATE TABLE pq_limits (tenant text PRIMARY KEY, plan text, lim int)")
+        for t in range(jobs.N_TENANTS):
+            tenant = f"t{t:02d}"
+            name, lim = jobs.plan_of(tenant) if mode == "claim" else ("default", 2)
+            await c.execute("INSERT INTO pq_limits VALUES (%s, %s, %s)", (tenant, name, lim))
+            if mode == "claim" and not NO_QUOTA:
+                # The guide's plan change, made as a signup: the application's record
+                # of the plan and the tenant's limits in one transaction.
+                async with c.transaction():
+                    await c.execute("UPDATE pq_limits SET plan = %s WHERE tenant = %s", (name, tenant))
+                    await c.execute("SELECT quota.set_tenant_limits(%s, max_active => %s)", (tenant, lim))
         await c.execute("CREATE TABLE pq_runs (key text, tenant text, ok bool, at timestamptz DEFAULT clock_timestamp())")
         await c.execute("CREATE TABLE pq_kills (key text, tenant text, pid int)")
         await c.execute("CREATE TABLE pq_reaped (key text, job_id bigint)")
@@ -65,7 +78,8 @@ async def worker(mode, concurrency):
                                                             renewed_at_claim=True)]
         else:
             middleware = [recipe.claim_ticket_middleware(
-                POOL, LEASE, tenant_of=lambda job: job.task_kwargs["tenant"], label_of=label_of)]
+                POOL, LEASE, tenant_of=lambda job: job.task_kwargs["tenant"], label_of=label_of,
+                weight_of=lambda job: job.task_kwargs.get("weight", 1))]
     async with app.open_async(POOL):
         await app.run_worker_async(
             concurrency=concurrency, worker_middleware=middleware,
@@ -88,11 +102,13 @@ async def produce(mode, conn, stats):
     while pending:
         refused = set()
         left = []
-        for key, tenant, fail, ms in pending:
+        for key, tenant, fail, ms, weight in pending:
             if tenant in refused:
-                left.append((key, tenant, fail, ms))
+                left.append((key, tenant, fail, ms, weight))
                 continue
             kw = dict(key=key, fail_times=fail, ms=ms)
+            if mode == "claim":
+                kw["weight"] = weight
             try:
                 if tenant in rb:
                     # An enqueue that rolls back (the caller's transaction fails after
@@ -118,7 +134,7 @@ async def produce(mode, conn, stats):
             except recipe.AtCapacity:
                 stats["refused_at_enqueue"] += 1
                 refused.add(tenant)
-                left.append((key, tenant, fail, ms))
+                left.append((key, tenant, fail, ms, weight))
         pending = left
         if pending:
             await asyncio.sleep(0.05)

@@ -30,23 +30,36 @@ class FlakyRetry(procrastinate.BaseRetryStrategy):
         return None
 
 
+# Customers on plans (0.7.0, the claim recipe): each tenant's plan and the number of
+# units it may run at once (quota.set_tenant_limits()), by its number modulo 3.
+PLANS = [("free", 1), ("pro", 2), ("enterprise", 3)]
+
+
+def plan_of(tenant):
+    """(plan, limit in units) of tenant 'tNN'."""
+    return PLANS[int(tenant[1:]) % len(PLANS)]
+
+
 def plan():
-    """The jobs: (key, tenant, fail_times, ms), in bursts of BURST jobs of one tenant
-    (so that, unadmitted, a tenant has many jobs claimable at once), and one enqueue
-    per tenant that rolls back."""
+    """The jobs: (key, tenant, fail_times, ms, weight), in bursts of BURST jobs of one
+    tenant (so that, unadmitted, a tenant has many jobs claimable at once), and one
+    enqueue per tenant that rolls back. Every fourth job of a tenant on a paying plan
+    weighs 2 units (a heavy job); the others 1. (The enqueue recipe ignores weights.)"""
     jobs = []
     for i in range(N_JOBS):
         fail = 2 if i % 23 == 5 else (1 if i % 7 == 3 else 0)
-        jobs.append((f"j{i:03d}", f"t{(i // BURST) % N_TENANTS:02d}", fail, 150 + (i * 37) % 200))
+        tenant = f"t{(i // BURST) % N_TENANTS:02d}"
+        weight = 2 if i % 4 == 1 and plan_of(tenant)[1] >= 2 else 1
+        jobs.append((f"j{i:03d}", tenant, fail, 150 + (i * 37) % 200, weight))
     rollbacks = [(f"r{t:02d}", f"t{t:02d}") for t in range(N_TENANTS)]
     return jobs, rollbacks
 
 
 @app.task(name="work", retry=recipe.QuotaRetry(inner=FlakyRetry(), capacity_delay=0.2))
-async def work(*, key, tenant, fail_times=0, ms=200, ticket=None):
+async def work(*, key, tenant, fail_times=0, ms=200, ticket=None, weight=1):
     async with POOL.connection() as c:
-        await c.execute("INSERT INTO pq_running (key, tenant, pid) VALUES (%s, %s, %s)",
-                        (key, tenant, os.getpid()))
+        await c.execute("INSERT INTO pq_running (key, tenant, pid, weight) VALUES (%s, %s, %s, %s)",
+                        (key, tenant, os.getpid(), weight))
     ok = False
     try:
         if key == VICTIM:

@@ -52,10 +52,11 @@ async def defer_with_ticket(conn, task, tenant, lease, label, **task_kwargs):
             tenant=tenant, ticket=str(ticket), **task_kwargs)
 
 
-async def _try_start(pool, label, lease, tenant):
+async def _try_start(pool, label, lease, tenant, weight=1):
     async with pool.connection() as c:
         cur = await c.execute(
-            "SELECT quota.try_start(%s, lease => %s::interval, tenant => %s)", (label, lease, tenant))
+            "SELECT quota.try_start(weight => %s, label => %s, lease => %s::interval, tenant => %s)",
+            (weight, label, lease, tenant))
         return (await cur.fetchone())[0]
 
 
@@ -152,15 +153,18 @@ def enqueued_ticket_middleware(pool, lease, queue_lease, label_of=lambda job: No
 
 
 # --- at claim -------------------------------------------------------------------------
-def claim_ticket_middleware(pool, lease, tenant_of, label_of=lambda job: None):
+def claim_ticket_middleware(pool, lease, tenant_of, label_of=lambda job: None,
+                            weight_of=lambda job: 1):
     """Worker middleware that admits each run of a job when the worker has claimed it:
-    a writer-committed try_start for the job's tenant (procrastinate claims in its own
-    transaction, procrastinate_fetch_job_v2, which is not ours to extend), finished when
-    the run ends whatever its end. Refused: AtCapacity, the job goes back to the queue
-    (QuotaRetry) without running."""
+    a writer-committed try_start for the job's tenant, of the job's weight (0.7.0: the
+    units it takes of its tenant's plan), as procrastinate claims in its own transaction
+    (procrastinate_fetch_job_v2), which is not ours to extend; finished when the run
+    ends whatever its end. Refused: AtCapacity, the job goes back to the queue
+    (QuotaRetry) without running. A weight above the tenant's limit can never run: its
+    try_start raises 53400, and the job fails (keep weights within the plans)."""
     async def middleware(call_next, context, worker):
         job = context.job
-        ticket = await _try_start(pool, label_of(job), lease, tenant_of(job))
+        ticket = await _try_start(pool, label_of(job), lease, tenant_of(job), weight_of(job))
         if ticket is None:
             raise AtCapacity(tenant_of(job))
         outcome = "failed"

@@ -105,6 +105,46 @@ ALTER TABLE quota.tenant_overrides ENABLE ALWAYS TRIGGER tenant_overrides_writte
 REVOKE ALL ON FUNCTION quota.set_tenant_limits(text, integer, integer, regrole) FROM PUBLIC;
 
 -- Weighted tickets.
+-- Locks first, all of them or none, as 0.6.0's update takes them (see
+-- pg_quota--0.5.2--0.6.0.sql): a reader of quota.usage locks the view, then the
+-- tables; a transaction that started or finished a ticket holds quota.active, and may
+-- then open quota.history or read a view. Each try takes the views (ALTER VIEW locks
+-- no relation beneath it), then the tables through quota.ledger (LOCK on a view locks
+-- the tables it reads, quota.active first, as the library opens them), with a short
+-- lock_timeout; a try that times out or meets a deadlock is rolled back, which lets go
+-- of what it took, and tried again with twice the timeout (at most 10 s). So the
+-- update never holds a lock that a start or a reader waits for while it waits itself.
+-- The session's own lock_timeout, where set, bounds the whole wait.
+DO $$
+DECLARE
+    saved pg_catalog.text := pg_catalog.current_setting('lock_timeout');
+    bound pg_catalog.interval := pg_catalog.current_setting('lock_timeout')::pg_catalog.interval;
+    began pg_catalog.timestamptz := pg_catalog.clock_timestamp();
+    try_ms pg_catalog.int4 := 100;
+BEGIN
+    LOOP
+        BEGIN
+            PERFORM pg_catalog.set_config('lock_timeout', try_ms::pg_catalog.text || 'ms', true);
+            ALTER VIEW quota.usage SET (security_barrier = true);
+            ALTER VIEW quota.tickets SET (security_barrier = true);
+            ALTER VIEW quota.tenant_usage SET (security_barrier = true);
+            LOCK TABLE quota.ledger IN ACCESS EXCLUSIVE MODE;
+            EXIT;
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+            IF bound OPERATOR(pg_catalog.>) '0'::pg_catalog.interval
+               AND (pg_catalog.clock_timestamp() OPERATOR(pg_catalog.-) began) OPERATOR(pg_catalog.>=) bound THEN
+                RAISE EXCEPTION 'could not lock quota.active, quota.history and the views that read them within lock_timeout (%)', saved
+                    USING ERRCODE = 'lock_not_available',
+                          HINT = 'Transactions that started, finished or renewed tickets, or that read the views, held them throughout. Run the update when they have ended, or with a longer lock_timeout.';
+            END IF;
+            IF try_ms OPERATOR(pg_catalog.<) 10000 THEN
+                try_ms := try_ms OPERATOR(pg_catalog.*) 2;
+            END IF;
+        END;
+    END LOOP;
+    PERFORM pg_catalog.set_config('lock_timeout', saved, true);
+END
+$$;
 ALTER TABLE quota.history ADD COLUMN weight integer;
 ALTER TABLE quota.history ADD CONSTRAINT history_weight_check
     CHECK (weight BETWEEN 1 AND 1000000) NOT VALID;

@@ -73,6 +73,60 @@ fn args<'a>(
     )
 }
 
+/// The plain function a weighted overload takes its privileges from (0.7.0): EXECUTE
+/// on `quota.<name>(text, interval, text, interval, text, boolean)` is required too,
+/// so that a DBA's REVOKE of the plain start() or try_start() (made before the update
+/// to 0.7.0, or in a dump of an older version restored here, where it names only the
+/// plain function) also holds for the weighted one, which the update creates with
+/// PUBLIC's EXECUTE. Its OID is looked up again after any invalidation; a missing
+/// function (none to narrow anything) lets the call through.
+fn require_plain_execute(name: &'static std::ffi::CStr) -> Result<(), QuotaError> {
+    thread_local! {
+        static PLAIN: std::cell::RefCell<std::collections::HashMap<&'static std::ffi::CStr, (u64, pg_sys::Oid)>> =
+            std::cell::RefCell::new(std::collections::HashMap::new());
+    }
+    // SAFETY: a plain read of backend state.
+    let counter = unsafe { pg_sys::SharedInvalidMessageCounter };
+    let cached = PLAIN.with_borrow(|m| m.get(name).copied());
+    let func = match cached {
+        Some((c, oid)) if c == counter => oid,
+        _ => {
+            let args = [
+                pg_sys::TEXTOID,
+                pg_sys::INTERVALOID,
+                pg_sys::TEXTOID,
+                pg_sys::INTERVALOID,
+                pg_sys::TEXTOID,
+                pg_sys::BOOLOID,
+            ];
+            // SAFETY: a qualified name list of palloc'd strings, and a catalog lookup
+            // that returns InvalidOid when nothing matches (missing_ok).
+            let oid = unsafe {
+                let mut list = pg_sys::lappend(
+                    std::ptr::null_mut(),
+                    pg_sys::makeString(pg_sys::pstrdup(c"quota".as_ptr())).cast(),
+                );
+                list = pg_sys::lappend(
+                    list,
+                    pg_sys::makeString(pg_sys::pstrdup(name.as_ptr())).cast(),
+                );
+                pg_sys::LookupFuncName(list, args.len() as i32, args.as_ptr(), true)
+            };
+            PLAIN.with_borrow_mut(|m| m.insert(name, (counter, oid)));
+            oid
+        }
+    };
+    // SAFETY: a plain read of backend state.
+    let role = unsafe { pg_sys::GetUserId() };
+    if func == pg_sys::InvalidOid || crate::compat::may_execute(func, role) {
+        Ok(())
+    } else {
+        Err(QuotaError::PlainNotExecutable {
+            function: name.to_string_lossy().into_owned(),
+        })
+    }
+}
+
 /// `args` with a weight (0.7.0), checked first: core::weights::check_weight.
 fn weighed<'a>(
     label: Option<&'a [u8]>,
@@ -257,6 +311,7 @@ fn start_v7(
     idempotency_key: Option<&[u8]>,
 ) -> pgrx::Uuid {
     boundary(|| {
+        require_plain_execute(c"start")?;
         raising(&weighed(
             label,
             lease,
@@ -298,6 +353,7 @@ fn try_start_v7(
     idempotency_key: Option<&[u8]>,
 ) -> Option<pgrx::Uuid> {
     boundary(|| {
+        require_plain_execute(c"try_start")?;
         refused_as_null(&weighed(
             label,
             lease,

@@ -414,3 +414,22 @@ pub fn guc_record(name: &std::ffi::CStr) -> *mut pg_sys::config_generic {
         }
     }
 }
+
+/// Whether `role` may EXECUTE function `func` (pg_proc_aclcheck through 15,
+/// object_aclcheck from 16).
+pub fn may_execute(func: pg_sys::Oid, role: pg_sys::Oid) -> bool {
+    #[cfg(feature = "pg15")]
+    // SAFETY: an ACL lookup through the syscache; a missing function raises ERROR.
+    let r = unsafe { pg_sys::pg_proc_aclcheck(func, role, pg_sys::ACL_EXECUTE as pg_sys::AclMode) };
+    #[cfg(not(feature = "pg15"))]
+    // SAFETY: as above; object_aclcheck replaced pg_proc_aclcheck in 16.
+    let r = unsafe {
+        pg_sys::object_aclcheck(
+            pg_sys::ProcedureRelationId,
+            func,
+            role,
+            pg_sys::ACL_EXECUTE as pg_sys::AclMode,
+        )
+    };
+    r == pg_sys::AclResult::ACLCHECK_OK
+}

@@ -349,16 +349,6 @@ pub fn start(
         own,
         tenant,
     };
-    // 0.7.0: a start heavier than an active limit that applies to it is refused at
-    // once, wait or not: no ticket that ends could make room for it. Counted as a
-    // refusal of that limit (no LOG line: the caller's own error says it all).
-    if let Some(kind) = crate::core::never_fits(caller.limits, args.weight, exempt) {
-        // SAFETY: plain clock read.
-        stats::refused(role, Counter::refused(kind), false, unsafe {
-            pg_sys::GetCurrentTimestamp()
-        });
-        return Err(caller.never_fits(kind));
-    }
     // The clock reading the first try decides on, taken after what may wait (the
     // policy's and the relations' lookups, which lock catalogs and pg_quota's tables
     // when a cache was invalidated): a lease that runs out meanwhile must not still
@@ -521,6 +511,7 @@ fn count_refusal(caller: &Caller, r: &Refused, now: pg_sys::TimestampTz) {
             caller.limits,
             suppressed,
             caller.tenant_limit_set(r.kind),
+            caller.args.weight,
         );
         // The server log only: the refused client gets its own error, and a tenant
         // with client_min_messages = log must not read other details from here.
@@ -624,6 +615,19 @@ fn attempt(
                 return Ok(Ok((id, true)));
             }
             repeat = true;
+        }
+    }
+    // 0.7.0: a start heavier than an active limit that applies to it is refused at
+    // once, wait or not: no ticket that ends could make room for it. Not a repeat of
+    // its key, answered above whatever the limits say now (a limit lowered since the
+    // first start must not make a retry look uncharged). Counted as a refusal of that
+    // limit (no LOG line: the caller's own error says it all).
+    if !repeat {
+        if let Some(kind) =
+            crate::core::never_fits(caller.limits, caller.args.weight, caller.exempt)
+        {
+            stats::refused(caller.role, Counter::refused(kind), false, now);
+            return Err(caller.never_fits(kind));
         }
     }
     // A length: the ticket's lease runs this long from when it really starts.

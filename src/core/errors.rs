@@ -188,6 +188,10 @@ pub enum QuotaError {
     /// 0.7.0: a start of a weight above an active limit that applies to it.
     #[error("{}", .0.message())]
     WeightNeverFits(super::weights::NeverFits),
+    /// 0.7.0: a weighted start() or try_start() by a role that may not execute the
+    /// plain one (api::require_plain_execute).
+    #[error("permission denied for function quota.{function}(text, interval, text, interval, text, boolean)")]
+    PlainNotExecutable { function: String },
     /// 0.7.0: an idempotent repeat of a ticket with another weight.
     #[error("idempotency key names ticket {ticket}, of weight {held}, not {asked}")]
     WeightMismatch {
@@ -490,7 +494,9 @@ impl QuotaError {
             QuotaError::LabelTooLong { .. }
             | QuotaError::KeyTooLong { .. }
             | QuotaError::TenantTooLong { .. } => Sqlstate::StringDataRightTruncation,
-            QuotaError::TransactionalNotAllowed { .. } => Sqlstate::InsufficientPrivilege,
+            QuotaError::TransactionalNotAllowed { .. } | QuotaError::PlainNotExecutable { .. } => {
+                Sqlstate::InsufficientPrivilege
+            }
             QuotaError::NoCounter => Sqlstate::InsufficientResources,
             QuotaError::KeyHeldUncommitted => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::InvalidInterval { .. } => Sqlstate::InvalidParameterValue,
@@ -766,6 +772,9 @@ impl QuotaError {
                     .to_string(),
             ),
             QuotaError::WeightNeverFits(n) => Some(n.hint()),
+            QuotaError::PlainNotExecutable { function } => Some(format!(
+                "The weighted quota.{function}(weight, …) takes the privileges of the plain one as well: grant EXECUTE on both, or revoke it on both."
+            )),
             QuotaError::WeightMismatch { .. } => Some(
                 "Repeat a start with the weight it was first made with, or use another idempotency key."
                     .to_string(),

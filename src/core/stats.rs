@@ -73,8 +73,10 @@ pub fn may_log(last_logged: i64, now: i64) -> bool {
 }
 
 /// The LOG line for a refusal, in the manner of log_lock_waits: who, where, which
-/// limit, and the counts; `suppressed` refusals of the same role and database were not
-/// logged since its previous line.
+/// limit, and the counts (active ones in units, 0.7.0), with the start's `weight` where
+/// it is above 1 and an active limit refused it; `suppressed` refusals of the same role
+/// and database were not logged since its previous line.
+#[allow(clippy::too_many_arguments)]
 pub fn refusal_log_line(
     role: &str,
     tenant: Option<&str>,
@@ -84,6 +86,7 @@ pub fn refusal_log_line(
     limits: Limits,
     suppressed: u64,
     tenant_limit_set: bool,
+    weight: i64,
 ) -> String {
     // 0.7.0: a tenant's own limit, set by quota.set_tenant_limits().
     let tenant_setting = |guc: &str, limit: i64| {
@@ -123,6 +126,10 @@ pub fn refusal_log_line(
     };
     let mut line =
         format!("pg_quota refused a start for role \"{role}\" in database \"{database}\": {what}");
+    let active = !matches!(kind, RefusalKind::Retained | RefusalKind::TenantRetained);
+    if weight > 1 && active {
+        line.push_str(&format!(", for a start of weight {weight}"));
+    }
     if suppressed > 0 {
         line.push_str(&format!(
             " ({suppressed} similar refusal{} {} not logged)",
@@ -276,7 +283,8 @@ impl Reader<'_> {
 /// together, counted without reading the ledger's history.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UsageTotals {
-    /// Active tickets: unfinished, lease not run out.
+    /// Active units (0.7.0: each active ticket counts its weight): unfinished tickets
+    /// whose lease has not run out.
     pub active: i64,
     /// Retained tickets at the caller's quota.retention, as quota.usage counts them.
     pub retained: i64,
@@ -287,15 +295,16 @@ pub struct UsageTotals {
 
 impl UsageTotals {
     /// From the ledger's rows (the summary's counts), those that no longer count as
-    /// retained at the caller's cutoff (`gone`), and the active ones. Every ledger row
-    /// is either retained or gone, so retained is the difference; the floor at `active`
-    /// only guards a summary that SQL-level writes left wrong until it is rebuilt (an
-    /// active ticket is always retained).
-    pub fn new(active: i64, ledger_rows: i64, gone: i64) -> UsageTotals {
+    /// retained at the caller's cutoff (`gone`), and the active tickets, as units and
+    /// as tickets. Every ledger row is either retained or gone, so retained is the
+    /// difference; the floor at the active tickets only guards a summary that
+    /// SQL-level writes left wrong until it is rebuilt (an active ticket is always
+    /// retained). Units are no floor: a ticket of weight 50 is one row.
+    pub fn new(active: i64, active_tickets: i64, ledger_rows: i64, gone: i64) -> UsageTotals {
         UsageTotals {
             active,
-            retained: ledger_rows.saturating_sub(gone).max(active),
-            ledger_rows: ledger_rows.max(active),
+            retained: ledger_rows.saturating_sub(gone).max(active_tickets),
+            ledger_rows: ledger_rows.max(active_tickets),
         }
     }
 }
@@ -400,16 +409,19 @@ mod tests {
     }
     #[test]
     fn usage_totals_retained_is_rows_less_gone() {
-        let t = UsageTotals::new(3, 1_000_000, 400_000);
+        let t = UsageTotals::new(3, 3, 1_000_000, 400_000);
         assert_eq!(
             (t.active, t.retained, t.ledger_rows),
             (3, 600_000, 1_000_000)
         );
         // A summary that undercounts (SQL-level writes, until it is rebuilt) never
         // reports fewer retained tickets or rows than the active ones.
-        let t = UsageTotals::new(5, 2, 0);
+        let t = UsageTotals::new(5, 5, 2, 0);
         assert_eq!((t.retained, t.ledger_rows), (5, 5));
-        assert_eq!(UsageTotals::new(0, 0, 0).retained, 0);
+        assert_eq!(UsageTotals::new(0, 0, 0, 0).retained, 0);
+        // 0.7.0: one active ticket of weight 50 among 3 rows is 50 units, 3 rows.
+        let t = UsageTotals::new(50, 1, 3, 0);
+        assert_eq!((t.active, t.retained, t.ledger_rows), (50, 3, 3));
     }
     use super::*;
 
@@ -533,7 +545,8 @@ mod tests {
                 usage,
                 limits,
                 0,
-                false
+                false,
+                1
             ),
             "pg_quota refused a start for role \"alice\" in database \"app\": tenant \"acme\" holds 2 of 2 active tickets (quota.max_active_per_tenant = 2)"
         );
@@ -547,20 +560,26 @@ mod tests {
                 usage,
                 limits,
                 0,
-                true
+                true,
+                1
             ),
             "pg_quota refused a start for role \"alice\" in database \"app\": tenant \"acme\" holds 2 of 2 active tickets (set for the tenant by quota.set_tenant_limits: 2)"
         );
         assert_eq!(
-            refusal_log_line("alice", None, "app", RefusalKind::Active, usage, limits, 0, false),
+            refusal_log_line("alice", None, "app", RefusalKind::Active, usage, limits, 0, false, 1),
             "pg_quota refused a start for role \"alice\" in database \"app\": 3 of 3 active tickets (quota.max_active_per_role = 3)"
         );
+        // 0.7.0: a weighted start, which may be refused below the limit.
         assert_eq!(
-            refusal_log_line("alice", None, "app", RefusalKind::Retained, usage, limits, 1, false),
+            refusal_log_line("alice", None, "app", RefusalKind::Active, Usage { active: 2, ..usage }, limits, 0, false, 2),
+            "pg_quota refused a start for role \"alice\" in database \"app\": 2 of 3 active tickets (quota.max_active_per_role = 3), for a start of weight 2"
+        );
+        assert_eq!(
+            refusal_log_line("alice", None, "app", RefusalKind::Retained, usage, limits, 1, false, 2),
             "pg_quota refused a start for role \"alice\" in database \"app\": 10 of 10 retained tickets (quota.max_retained_per_role = 10) (1 similar refusal was not logged)"
         );
         assert_eq!(
-            refusal_log_line("b", None, "d", RefusalKind::Database, usage, limits, 12, false),
+            refusal_log_line("b", None, "d", RefusalKind::Database, usage, limits, 12, false, 1),
             "pg_quota refused a start for role \"b\" in database \"d\": 4 of 4 active tickets in the database (quota.max_active_per_database = 4) (12 similar refusals were not logged)"
         );
     }

@@ -202,6 +202,8 @@ pub struct Open {
     pub all: i64,
     /// The units (0.7.0) of those whose lease has not run out (or that have none).
     pub active: i64,
+    /// How many tickets those are.
+    pub active_tickets: i64,
     /// Those whose lease ran out before `cutoff`: they count as ended at lease_until,
     /// so no longer as retained.
     pub gone: i64,
@@ -220,6 +222,7 @@ pub fn db_open(
     let mut open = Open {
         all: 0,
         active: 0,
+        active_tickets: 0,
         gone: 0,
         by_role: std::collections::HashMap::new(),
     };
@@ -231,6 +234,7 @@ pub fn db_open(
         open.all += 1;
         if lease_until.is_none_or(|l| l > now) {
             open.active += weight_attr(slot);
+            open.active_tickets += 1;
         }
         open.gone += i64::from(lease_until.is_some_and(|l| l < cutoff));
         true

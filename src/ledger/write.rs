@@ -281,7 +281,13 @@ pub fn record(ledger: &OpenRel, ncols: usize, now: pg_sys::TimestampTz, admitted
             // xid8 is passed by value, as int8 is.
             set(COL_TXID, a.txid.map(pg_sys::Datum::from));
         }
-        if ncols >= NCOLS_V7 && a.weight > 1 {
+        if a.weight > 1 {
+            // Admission refuses weights on an older schema (Rels::require_v7); one that
+            // went back meanwhile (DROP and CREATE EXTENSION at an older version) must
+            // not record the ticket as lighter than it was counted.
+            if ncols < NCOLS_V7 {
+                pgrx::error!("pg_quota: quota.active has no column weight; update the extension");
+            }
             set(COL_WEIGHT, Some(pg_sys::Datum::from(a.weight as i32)));
         }
         ledger.insert(&mut values, &mut nulls);

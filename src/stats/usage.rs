@@ -36,5 +36,10 @@ pub fn totals() -> UsageTotals {
         (role, r.rows - open, r.first_ended)
     });
     let ended_gone = db_ended_before(&rels, &snap, cutoff, ended);
-    UsageTotals::new(open.active, rows, open.gone + ended_gone)
+    UsageTotals::new(
+        open.active,
+        open.active_tickets,
+        rows,
+        open.gone + ended_gone,
+    )
 }

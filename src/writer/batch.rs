@@ -222,7 +222,8 @@ fn count_admitted(group: &[usize]) {
         let s = queue::slot(i);
         // SAFETY: the slot is CLAIMED by us, and its reply written by us.
         let r = unsafe { &*serve::reply(i) };
-        if r.kind == REPLY_ADMITTED {
+        // A repeat of another weight is refused by its caller (22023): no hit.
+        if r.kind == REPLY_ADMITTED && !(r.reused && r.weight != s.weight()) {
             let counter = if r.reused {
                 crate::core::stats::Counter::IdempotentHits
             } else {

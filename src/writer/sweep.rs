@@ -36,8 +36,8 @@ const MAX_DUE: usize = 1024;
 const MAX_DUE_WALKING: usize = 4 * MAX_DUE;
 
 thread_local! {
-    /// Scopes whose tickets the last expiry sweep ended, and how many each.
-    static SWEPT: std::cell::RefCell<Vec<crate::scopes::Change>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The roles whose tickets the last expiry sweep ended, and how many each.
+    static SWEPT: std::cell::RefCell<Vec<(pg_sys::Oid, u64)>> = const { std::cell::RefCell::new(Vec::new()) };
     /// This writer's lease floor (see the module's comment), for `sweep_expired`.
     static FLOOR: Cell<Option<&'static AtomicI64>> = const { Cell::new(None) };
     /// When the last walk of all of quota.active began, and the tags of pg_quota's
@@ -72,20 +72,11 @@ pub fn sweep_expired_and_wake(floor: &'static AtomicI64) -> Option<std::time::Du
         return walked;
     }
     crate::scopes::invalidate(&OVERFLOWED.with_borrow_mut(std::mem::take));
-    for crate::scopes::Change {
-        key, active: ended, ..
-    } in swept
-    {
-        // Statistics and waiters are per role: a tenant's count is its role's too.
-        if key.is_tenant() {
-            continue;
-        }
-        crate::stats::add(
-            key.role,
-            crate::core::stats::Counter::Expired,
-            ended.unsigned_abs(),
-        );
-        crate::waiters::wake(shmem::my_db(), key.role);
+    // Statistics and waiters are per role (a tenant's tickets are its role's too), and
+    // quota.stats counts tickets, whatever their weight.
+    for (role, tickets) in swept {
+        crate::stats::add(role, crate::core::stats::Counter::Expired, tickets);
+        crate::waiters::wake(shmem::my_db(), role);
     }
     walked
 }
@@ -168,6 +159,8 @@ fn sweep_expired() {
     // quota.history (0.6.0) before any row lock: no lock wait while holding one.
     tables.history();
     let mut ended = Vec::new();
+    // The tickets ended, by role (quota.stats counts tickets; `ended` has units).
+    let mut tickets: Vec<(pg_sys::Oid, u64)> = Vec::new();
     for (tid, key, until, weight) in due {
         // A finish() or renew() of the ticket in an open transaction: leave it to a
         // later sweep rather than wait for that transaction.
@@ -187,6 +180,10 @@ fn sweep_expired() {
         };
         if tables.end(tid, tuple, &[COL_ENDED_AT, COL_OUTCOME]) == pg_sys::TM_Result::TM_Ok {
             crate::scopes::add_change(&mut ended, key, -weight, 0, None);
+            match tickets.iter_mut().find(|(r, _)| *r == key.role) {
+                Some((_, n)) => *n += 1,
+                None => tickets.push((key.role, 1)),
+            }
         } else {
             left();
         }
@@ -197,7 +194,7 @@ fn sweep_expired() {
     let overflow = crate::scopes::publish(&ended);
     // The counters of roles that did not fit are rebuilt from the ledger instead.
     OVERFLOWED.with_borrow_mut(|o| *o = overflow);
-    SWEPT.with_borrow_mut(|s| *s = ended);
+    SWEPT.with_borrow_mut(|s| *s = tickets);
 }
 
 thread_local! {

@@ -63,6 +63,20 @@ SELECT label, weight FROM quota.tickets WHERE ended_at IS NULL ORDER BY started_
 SELECT quota.finish(id) FROM quota.tickets WHERE ended_at IS NULL;
 DEALLOCATE ALL;
 
+-- The weighted overloads take the plain ones' privileges as well: a DBA's REVOKE of
+-- the plain start() (made before the update, or restored from an older dump, where it
+-- names only the plain function) holds for start(weight => …) too.
+RESET ROLE;
+REVOKE EXECUTE ON FUNCTION quota.start(text, interval, text, interval, text, boolean) FROM PUBLIC;
+SET ROLE w_app;
+SELECT quota.start(weight => 1);
+\echo :LAST_ERROR_SQLSTATE
+SELECT quota.try_start(weight => 1) IS NOT NULL AS try_start_still_allowed;
+RESET ROLE;
+GRANT EXECUTE ON FUNCTION quota.start(text, interval, text, interval, text, boolean) TO PUBLIC;
+SET ROLE w_app;
+SELECT quota.finish(id) FROM quota.tickets WHERE role = 'w_app'::regrole AND ended_at IS NULL;
+
 -- Bad weights: 22023, and 22004 for NULL.
 SELECT quota.start(weight => 0);
 \echo :LAST_ERROR_SQLSTATE
@@ -132,6 +146,20 @@ SELECT quota.start(weight => 5, idempotency_key => 'job-1') IS NOT NULL;
 \set VERBOSITY default
 SELECT active FROM quota.usage WHERE role = 'w_app'::regrole;
 SELECT quota.finish(:'first');
+-- A retry of a start whose limit was lowered below its weight since gets its ticket,
+-- not "can never fit": the first start charged it, and the retry must say so. A new
+-- start of that weight is refused at once.
+SELECT quota.start(weight => 8, idempotency_key => 'job-2') AS second \gset
+RESET ROLE;
+ALTER ROLE w_app SET quota.max_active_per_role = 5;
+SET ROLE w_app;
+SELECT quota.start(weight => 8, idempotency_key => 'job-2') = :'second' AS retry_after_lowering;
+SELECT quota.start(weight => 8, idempotency_key => 'job-3');
+\echo :LAST_ERROR_SQLSTATE
+RESET ROLE;
+ALTER ROLE w_app SET quota.max_active_per_role = 10;
+SET ROLE w_app;
+SELECT quota.finish(:'second');
 
 -- A tenant's limit counts units too: 4 for each tenant of w_app.
 RESET ROLE;

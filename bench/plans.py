@@ -30,6 +30,7 @@ import subprocess
 import sys
 
 from held_snapshot import HeldSnapshot
+from pgclient import psql_runner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")
@@ -51,14 +52,7 @@ ROUNDS = 1 if ARGS.quick else 3
 OVERRIDES = 100_000
 
 
-def psql(sql, user="postgres", db=None):
-    out = subprocess.run(
-        [os.path.join(ARGS.pgbin, "psql"), "-X", "-At", "-v", "ON_ERROR_STOP=1",
-         "-h", ARGS.host, "-p", ARGS.port, "-U", user, "-d", db or ARGS.db, "-c", sql],
-        capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"psql failed: {sql}\n{out.stderr}")
-    return out.stdout.strip()
+psql = psql_runner(ARGS.pgbin, ARGS.host, ARGS.port, ARGS.db)
 
 
 def pgbench(script, role, clients, protocol, per_statement=False, defines=()):

@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import held_snapshot
+from pgclient import psql_runner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")
@@ -77,12 +78,7 @@ MANY_ROLES_DB = "bench_roles"
 MANY_ROLES_AT = [1, MANY_ROLES // 2, MANY_ROLES]
 
 
-def psql(sql, user="postgres", db=None):
-    out = subprocess.run(
-        [os.path.join(ARGS.pgbin, "psql"), "-X", "-At", "-v", "ON_ERROR_STOP=1",
-         "-h", ARGS.host, "-p", ARGS.port, "-U", user, "-d", db or ARGS.db, "-c", sql],
-        check=True, capture_output=True, text=True)
-    return out.stdout.strip()
+psql = psql_runner(ARGS.pgbin, ARGS.host, ARGS.port, ARGS.db)
 
 
 def read_latencies(logdir, tag):

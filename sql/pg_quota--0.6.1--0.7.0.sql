@@ -112,19 +112,32 @@ REVOKE ALL ON FUNCTION quota.set_tenant_limits(text, integer, integer, regrole) 
 -- no relation beneath it), then the tables through quota.ledger (LOCK on a view locks
 -- the tables it reads, quota.active first, as the library opens them), with a short
 -- lock_timeout; a try that times out or meets a deadlock is rolled back, which lets go
--- of what it took, and tried again with twice the timeout (at most 10 s). So the
--- update never holds a lock that a start or a reader waits for while it waits itself.
--- The session's own lock_timeout, where set, bounds the whole wait.
+-- of what it took, and tried again with twice the timeout, up to half of
+-- deadlock_timeout: PostgreSQL looks for a deadlock once per lock wait, that long after
+-- it began, so a longer try could hold the views past its one check while a ticket's
+-- holder came to wait for them, and that holder, not the update, would get the 40P01.
+-- Short tries also keep starts and finishes, which queue behind the update's request
+-- for the tables, well within their own bounded wait (5 s). So the update holds the
+-- views only for one such try while it waits for the tables. The session's own
+-- lock_timeout, where set, bounds the whole wait; no try runs past it.
 DO $$
 DECLARE
     saved pg_catalog.text := pg_catalog.current_setting('lock_timeout');
     bound pg_catalog.interval := pg_catalog.current_setting('lock_timeout')::pg_catalog.interval;
     began pg_catalog.timestamptz := pg_catalog.clock_timestamp();
-    try_ms pg_catalog.int4 := 100;
+    try_ms pg_catalog.int4 := 10;
+    most_ms pg_catalog.int4 := GREATEST(10, (pg_catalog.date_part('epoch',
+        pg_catalog.current_setting('deadlock_timeout')::pg_catalog.interval) OPERATOR(pg_catalog.*) 500)::pg_catalog.int4);
+    left_ms pg_catalog.int4;
 BEGIN
     LOOP
         BEGIN
-            PERFORM pg_catalog.set_config('lock_timeout', try_ms::pg_catalog.text || 'ms', true);
+            left_ms := try_ms;
+            IF bound OPERATOR(pg_catalog.>) '0'::pg_catalog.interval THEN
+                left_ms := LEAST(try_ms, GREATEST(1, pg_catalog.ceil(pg_catalog.date_part('epoch',
+                    bound OPERATOR(pg_catalog.-) (pg_catalog.clock_timestamp() OPERATOR(pg_catalog.-) began)) OPERATOR(pg_catalog.*) 1000)::pg_catalog.int4));
+            END IF;
+            PERFORM pg_catalog.set_config('lock_timeout', left_ms::pg_catalog.text || 'ms', true);
             ALTER VIEW quota.usage SET (security_barrier = true);
             ALTER VIEW quota.tickets SET (security_barrier = true);
             ALTER VIEW quota.tenant_usage SET (security_barrier = true);
@@ -137,9 +150,7 @@ BEGIN
                     USING ERRCODE = 'lock_not_available',
                           HINT = 'Transactions that started, finished or renewed tickets, or that read the views, held them throughout. Run the update when they have ended, or with a longer lock_timeout.';
             END IF;
-            IF try_ms OPERATOR(pg_catalog.<) 10000 THEN
-                try_ms := try_ms OPERATOR(pg_catalog.*) 2;
-            END IF;
+            try_ms := LEAST(try_ms OPERATOR(pg_catalog.*) 2, most_ms);
         END;
     END LOOP;
     PERFORM pg_catalog.set_config('lock_timeout', saved, true);

@@ -78,43 +78,35 @@ fn args<'a>(
 /// so that a DBA's REVOKE of the plain start() or try_start() (made before the update
 /// to 0.7.0, or in a dump of an older version restored here, where it names only the
 /// plain function) also holds for the weighted one, which the update creates with
-/// PUBLIC's EXECUTE. Its OID is looked up again after any invalidation; a missing
-/// function (none to narrow anything) lets the call through.
+/// PUBLIC's EXECUTE. Looked up on every call through the syscache, by schema OID
+/// (get_namespace_oid checks no USAGE, as the rest of the library finds schema quota:
+/// a role that reaches start() through a view or a column default may lack it); a
+/// missing function (none to narrow anything) lets the call through.
 fn require_plain_execute(name: &'static std::ffi::CStr) -> Result<(), QuotaError> {
-    thread_local! {
-        static PLAIN: std::cell::RefCell<std::collections::HashMap<&'static std::ffi::CStr, (u64, pg_sys::Oid)>> =
-            std::cell::RefCell::new(std::collections::HashMap::new());
-    }
-    // SAFETY: a plain read of backend state.
-    let counter = unsafe { pg_sys::SharedInvalidMessageCounter };
-    let cached = PLAIN.with_borrow(|m| m.get(name).copied());
-    let func = match cached {
-        Some((c, oid)) if c == counter => oid,
-        _ => {
-            let args = [
-                pg_sys::TEXTOID,
-                pg_sys::INTERVALOID,
-                pg_sys::TEXTOID,
-                pg_sys::INTERVALOID,
-                pg_sys::TEXTOID,
-                pg_sys::BOOLOID,
-            ];
-            // SAFETY: a qualified name list of palloc'd strings, and a catalog lookup
-            // that returns InvalidOid when nothing matches (missing_ok).
-            let oid = unsafe {
-                let mut list = pg_sys::lappend(
-                    std::ptr::null_mut(),
-                    pg_sys::makeString(pg_sys::pstrdup(c"quota".as_ptr())).cast(),
-                );
-                list = pg_sys::lappend(
-                    list,
-                    pg_sys::makeString(pg_sys::pstrdup(name.as_ptr())).cast(),
-                );
-                pg_sys::LookupFuncName(list, args.len() as i32, args.as_ptr(), true)
-            };
-            PLAIN.with_borrow_mut(|m| m.insert(name, (counter, oid)));
-            oid
+    let args = [
+        pg_sys::TEXTOID,
+        pg_sys::INTERVALOID,
+        pg_sys::TEXTOID,
+        pg_sys::INTERVALOID,
+        pg_sys::TEXTOID,
+        pg_sys::BOOLOID,
+    ];
+    // SAFETY: catalog lookups that return InvalidOid for a missing schema or function;
+    // the oidvector is palloc'd in the current memory context.
+    let func = unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"quota".as_ptr(), true);
+        if nsp == pg_sys::InvalidOid {
+            return Ok(());
         }
+        let types = pg_sys::buildoidvector(args.as_ptr(), args.len() as i32);
+        pg_sys::GetSysCacheOid(
+            pg_sys::SysCacheIdentifier::PROCNAMEARGSNSP as i32,
+            pg_sys::Anum_pg_proc_oid as pg_sys::AttrNumber,
+            pg_sys::Datum::from(name.as_ptr()),
+            pg_sys::Datum::from(types),
+            pg_sys::Datum::from(nsp),
+            pg_sys::Datum::from(0),
+        )
     };
     // SAFETY: a plain read of backend state.
     let role = unsafe { pg_sys::GetUserId() };

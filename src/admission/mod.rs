@@ -622,12 +622,21 @@ fn attempt(
     // its key, answered above whatever the limits say now (a limit lowered since the
     // first start must not make a retry look uncharged). Counted as a refusal of that
     // limit (no LOG line: the caller's own error says it all).
+    // Nor a start whose key a request in the writer's hands has (its first start, whose
+    // answer its client may have lost): the paths below send it to the writer, which
+    // answers it as a repeat once that request commits.
     if !repeat {
         if let Some(kind) =
             crate::core::never_fits(caller.limits, caller.args.weight, caller.exempt)
         {
-            stats::refused(caller.role, Counter::refused(kind), false, now);
-            return Err(caller.never_fits(kind));
+            let in_flight = caller
+                .args
+                .key
+                .is_some_and(|k| queue::in_flight_with_key(caller.role, caller.tenant_key(), k));
+            if !in_flight {
+                stats::refused(caller.role, Counter::refused(kind), false, now);
+                return Err(caller.never_fits(kind));
+            }
         }
     }
     // A length: the ticket's lease runs this long from when it really starts.

@@ -285,8 +285,14 @@ pub fn record(ledger: &OpenRel, ncols: usize, now: pg_sys::TimestampTz, admitted
             // Admission refuses weights on an older schema (Rels::require_v7); one that
             // went back meanwhile (DROP and CREATE EXTENSION at an older version) must
             // not record the ticket as lighter than it was counted.
+            // Class 22, so that the writer fails this request alone (its group is
+            // split, see writer/batch.rs).
             if ncols < NCOLS_V7 {
-                pgrx::error!("pg_quota: quota.active has no column weight; update the extension");
+                pgrx::ereport!(
+                    ERROR,
+                    PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+                    "pg_quota: quota.active has no column weight; run ALTER EXTENSION pg_quota UPDATE"
+                );
             }
             set(COL_WEIGHT, Some(pg_sys::Datum::from(a.weight as i32)));
         }

@@ -160,7 +160,7 @@ fn sweep_expired() {
     tables.history();
     let mut ended = Vec::new();
     // The tickets ended, by role (quota.stats counts tickets; `ended` has units).
-    let mut tickets: Vec<(pg_sys::Oid, u64)> = Vec::new();
+    let mut tickets: std::collections::HashMap<pg_sys::Oid, u64> = Default::default();
     for (tid, key, until, weight) in due {
         // A finish() or renew() of the ticket in an open transaction: leave it to a
         // later sweep rather than wait for that transaction.
@@ -180,10 +180,7 @@ fn sweep_expired() {
         };
         if tables.end(tid, tuple, &[COL_ENDED_AT, COL_OUTCOME]) == pg_sys::TM_Result::TM_Ok {
             crate::scopes::add_change(&mut ended, key, -weight, 0, None);
-            match tickets.iter_mut().find(|(r, _)| *r == key.role) {
-                Some((_, n)) => *n += 1,
-                None => tickets.push((key.role, 1)),
-            }
+            *tickets.entry(key.role).or_default() += 1;
         } else {
             left();
         }
@@ -194,7 +191,7 @@ fn sweep_expired() {
     let overflow = crate::scopes::publish(&ended);
     // The counters of roles that did not fit are rebuilt from the ledger instead.
     OVERFLOWED.with_borrow_mut(|o| *o = overflow);
-    SWEPT.with_borrow_mut(|s| *s = tickets);
+    SWEPT.with_borrow_mut(|s| *s = tickets.into_iter().collect());
 }
 
 thread_local! {

@@ -36,6 +36,7 @@ for i in $(seq 1 8); do
     open_session "c$i" ww
     say "c$i" "SELECT 'admitted:' || (quota.start('waiting-$i', tenant => 'c', wait => '120 s') IS NOT NULL);"
     for _ in $(seq 1 200); do [ "$(in_line)" -ge $((i + 1)) ] && break; sleep 0.05; done
+    check "c$i is asleep in line behind the heavy start" test "$(in_line)" -ge $((i + 1))
   fi
 done
 expect_eq "every light start that did not wait was refused while the heavy one waited" 8 "$refused"

@@ -35,21 +35,23 @@ class QuotaRetry(procrastinate.BaseRetryStrategy):
 
 
 # --- at enqueue -----------------------------------------------------------------------
-async def defer_with_ticket(conn, task, tenant, lease, label, **task_kwargs):
-    """Defers `task` for `tenant` with a transactional ticket, in ONE transaction of
-    `conn` (an autocommit psycopg.AsyncConnection): the charge and the job's row commit
-    or roll back together. Returns the job id; raises AtCapacity (nothing enqueued,
-    nothing charged) when the tenant is at its limit. Call it inside your own
-    `async with conn.transaction():` to defer with the rest of your writes."""
+async def defer_with_ticket(conn, task, tenant, lease, label, weight=1, **task_kwargs):
+    """Defers `task` for `tenant` with a transactional ticket of `weight` units (0.7.0),
+    in ONE transaction of `conn` (an autocommit psycopg.AsyncConnection): the charge and
+    the job's row commit or roll back together. The job carries its ticket and its
+    weight (task kwargs `ticket`, `weight`). Returns the job id; raises AtCapacity
+    (nothing enqueued, nothing charged) when the tenant is at its limit. Call it inside
+    your own `async with conn.transaction():` to defer with the rest of your writes."""
     async with conn.transaction():
         cur = await conn.execute(
-            "SELECT quota.try_start(%s, lease => %s::interval, tenant => %s, transactional => true)",
-            (label, lease, tenant))
+            "SELECT quota.try_start(weight => %s, label => %s, lease => %s::interval, tenant => %s,"
+            " transactional => true)",
+            (weight, label, lease, tenant))
         ticket = (await cur.fetchone())[0]
         if ticket is None:
             raise AtCapacity(tenant)
         return await task.configure(connection=conn).defer_async(
-            tenant=tenant, ticket=str(ticket), **task_kwargs)
+            tenant=tenant, ticket=str(ticket), weight=weight, **task_kwargs)
 
 
 async def _try_start(pool, label, lease, tenant, weight=1):
@@ -110,7 +112,8 @@ CREATE TRIGGER quota_job_claimed BEFORE UPDATE OF status ON procrastinate_jobs F
 
 
 def enqueued_ticket_middleware(pool, lease, queue_lease, label_of=lambda job: None,
-                               renewed_at_claim=False):
+                               renewed_at_claim=False,
+                               weight_of=lambda job: job.task_kwargs.get("weight", 1)):
     """Worker middleware for jobs deferred with defer_with_ticket, whose tickets the
     FINISH_TRIGGERS finish when procrastinate ends the job (succeeded, failed for good,
     cancelled or aborted). The job's ticket (task kwarg `ticket`) is renewed to `lease`
@@ -119,8 +122,9 @@ def enqueued_ticket_middleware(pool, lease, queue_lease, label_of=lambda job: No
     to `queue_lease` (as at enqueue) when the job goes back to the queue for a retry.
     If the ticket has ended by the time a run starts (its worker was killed and the
     lease gave the slot back; the job waited past its lease), the run takes a
-    writer-committed slot for its tenant instead, which this middleware finishes when
-    the run ends; none free: AtCapacity (retry later).
+    writer-committed slot for its tenant instead, of the job's weight (0.7.0: the one
+    it was enqueued with), which this middleware finishes when the run ends; none
+    free: AtCapacity (retry later).
     """
     async def middleware(call_next, context, worker):
         job = context.job
@@ -129,7 +133,7 @@ def enqueued_ticket_middleware(pool, lease, queue_lease, label_of=lambda job: No
         if own is not None and (renewed_at_claim or await _renew(pool, own, lease)):
             ticket = own
         else:
-            ticket = await _try_start(pool, label_of(job), lease, tenant)
+            ticket = await _try_start(pool, label_of(job), lease, tenant, weight_of(job))
             if ticket is None:
                 raise AtCapacity(tenant)
         outcome = "failed"

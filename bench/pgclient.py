@@ -1,0 +1,19 @@
+"""The psql helper the bench drivers share (bench/run.py, bench/ledger.py, bench/plans.py).
+Standard library only."""
+import os
+import subprocess
+
+
+def psql_runner(pgbin, host, port, default_db):
+    """A function psql(sql, user='postgres', db=None) that runs one statement through
+    psql -At against the bench server and returns its output, stripped; a failure ends
+    the run with psql's error."""
+    def psql(sql, user="postgres", db=None):
+        out = subprocess.run(
+            [os.path.join(pgbin, "psql"), "-X", "-At", "-v", "ON_ERROR_STOP=1",
+             "-h", host, "-p", str(port), "-U", user, "-d", db or default_db, "-c", sql],
+            capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"psql failed: {sql}\n{out.stderr}")
+        return out.stdout.strip()
+    return psql

@@ -129,7 +129,7 @@ fn weighed<'a>(
     transactional: Option<bool>,
     weight: Option<i32>,
 ) -> Result<StartArgs<'a>, QuotaError> {
-    let weight = crate::core::weights::check_weight(weight)?;
+    let weight = crate::core::ticket::check_weight(weight)?;
     Ok(StartArgs {
         label,
         key: idempotency_key,

@@ -2,6 +2,7 @@
 //! PostgreSQL's style: lowercase messages, numbers in DETAIL, the fix in HINT.
 
 use super::decision::{Refusal, RefusalKind};
+use super::refusals::{count_of, refusal_message};
 
 /// The SQLSTATEs pg_quota uses, each from PostgreSQL's table of error codes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -369,123 +370,6 @@ pub enum QuotaError {
 
 /// The table of the tenants' own limits (0.7.0), as errors name it.
 const OVERRIDES_TABLE: &str = "quota.tenant_overrides";
-
-fn tickets(n: i64) -> &'static str {
-    if n == 1 {
-        "ticket"
-    } else {
-        "tickets"
-    }
-}
-
-fn refusal_message(
-    role: &str,
-    tenant: Option<&str>,
-    database: &str,
-    r: &Refusal,
-    tenant_limit_set: bool,
-) -> String {
-    let (n, what, limit, guc) = match r.kind {
-        RefusalKind::Active => (
-            r.usage.active,
-            "active",
-            r.limits.max_active,
-            "quota.max_active_per_role",
-        ),
-        RefusalKind::Retained => (
-            r.usage.retained,
-            "retained",
-            r.limits.max_retained,
-            "quota.max_retained_per_role",
-        ),
-        RefusalKind::Database => (
-            r.usage.db_active,
-            "active",
-            r.limits.max_db,
-            "quota.max_active_per_database",
-        ),
-        RefusalKind::TenantActive => (
-            r.usage.tenant_active,
-            "active",
-            r.limits.tenant_active,
-            "quota.max_active_per_tenant",
-        ),
-        RefusalKind::TenantRetained => (
-            r.usage.tenant_retained,
-            "retained",
-            r.limits.tenant_retained,
-            "quota.max_retained_per_tenant",
-        ),
-    };
-    // 0.7.0: a tenant's own limit, set by quota.set_tenant_limits().
-    let set_by = if tenant_limit_set && r.kind.is_tenant() {
-        "set for the tenant by quota.set_tenant_limits".to_string()
-    } else {
-        format!("set by {guc}")
-    };
-    let who = match r.kind {
-        RefusalKind::Database => format!("database \"{database}\""),
-        RefusalKind::TenantActive | RefusalKind::TenantRetained => format!(
-            "tenant \"{}\" of role \"{role}\"",
-            tenant.unwrap_or_default()
-        ),
-        _ => format!("role \"{role}\""),
-    };
-    // 0.7.0: a weighted start refused at an active limit, which may be below it.
-    let active_kind = matches!(
-        r.kind,
-        RefusalKind::Active | RefusalKind::Database | RefusalKind::TenantActive
-    );
-    if r.weight > 1 && active_kind {
-        let ahead = match r.usage.ahead {
-            0 => String::new(),
-            1 => " and 1 earlier start waiting for capacity".to_string(),
-            a => format!(" and {a} earlier starts waiting for capacity"),
-        };
-        return format!(
-            "{who} has {n} active units{ahead}: a start of weight {} does not fit the limit of {limit} {set_by}",
-            r.weight
-        );
-    }
-    // A scope can hold more than a session's limit: sessions of one role may run with
-    // different limits, and a superuser may have written tickets by hand. Below the
-    // limit, the refusal is the doing of earlier starts still waiting in line, which
-    // take the next free slots; they are not tickets, so they are named apart.
-    let tail = if n > limit {
-        format!("more than the limit of {limit} {set_by}")
-    } else if n == limit || r.usage.ahead == 0 {
-        format!("the limit {set_by}")
-    } else {
-        let a = r.usage.ahead;
-        format!(
-            "and {a} earlier {} waiting for capacity, which fill the limit of {limit} {set_by}",
-            if a == 1 { "start" } else { "starts" }
-        )
-    };
-    let sep = if n < limit && r.usage.ahead > 0 {
-        " "
-    } else {
-        ", "
-    };
-    format!("{who} has {n} {what} {}{sep}{tail}", tickets(n))
-}
-
-/// "3 of 5", "3 of unlimited", or, for a count above its limit, "3, over the limit of 2".
-fn count_of(n: i64, limit: i64) -> String {
-    if limit > 0 && n > limit {
-        format!("{n}, over the limit of {limit}")
-    } else {
-        format!("{n} of {}", limit_text(limit))
-    }
-}
-
-fn limit_text(limit: i64) -> String {
-    if limit == 0 {
-        "unlimited".to_string()
-    } else {
-        limit.to_string()
-    }
-}
 
 impl QuotaError {
     pub fn sqlstate(&self) -> Sqlstate {

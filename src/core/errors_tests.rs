@@ -527,3 +527,87 @@ fn the_tenant_limits_table_has_its_own_trigger_texts() {
     };
     assert!(ledger.detail().unwrap().contains("below SQL"));
 }
+
+#[test]
+fn a_start_that_never_fits_says_why_and_what_to_do() {
+    let e = QuotaError::WeightNeverFits(crate::core::weights::NeverFits {
+        kind: RefusalKind::TenantActive,
+        weight: 8,
+        limit: 5,
+        who: "tenant \"acme\" of role \"app\"".into(),
+        tenant_limit_set: true,
+    });
+    assert_eq!(e.sqlstate(), Sqlstate::ConfigurationLimitExceeded);
+    assert_eq!(
+        e.to_string(),
+        "a start of weight 8 can never fit the limit of 5 active units set for the tenant by quota.set_tenant_limits for tenant \"acme\" of role \"app\""
+    );
+    let hint = e.hint().unwrap();
+    assert!(hint.starts_with("Waiting does not help"), "{hint}");
+    assert!(hint.contains("at most 5 units"), "{hint}");
+    assert!(hint.contains("quota.set_tenant_limits()"), "{hint}");
+    let role = QuotaError::WeightNeverFits(crate::core::weights::NeverFits {
+        kind: RefusalKind::Database,
+        weight: 3,
+        limit: 2,
+        who: "database \"jobs\"".into(),
+        tenant_limit_set: false,
+    });
+    assert!(role
+        .to_string()
+        .contains("set by quota.max_active_per_database"));
+    assert!(role.hint().unwrap().contains("ask a superuser"));
+}
+
+#[test]
+fn a_weighted_refusal_counts_units() {
+    use crate::core::decision::{decide_weighted, Decision, Limits, Usage};
+    let limits = Limits {
+        max_active: 10,
+        ..Limits::default()
+    };
+    let usage = Usage {
+        active: 8,
+        ..Usage::default()
+    };
+    assert_eq!(decide_weighted(limits, usage, 2, false), Decision::Admit);
+    let Decision::Refuse(r) = decide_weighted(limits, usage, 3, false) else {
+        panic!("8 + 3 > 10 admitted");
+    };
+    assert_eq!(
+        r.usage.active, 8,
+        "the counts as counted, without the start"
+    );
+    let e = QuotaError::Refused {
+        role: "app".into(),
+        tenant: None,
+        database: "jobs".into(),
+        refusal: r,
+        next_ageout: None,
+        default_retained_for: None,
+        tenant_limit_set: false,
+    };
+    assert_eq!(
+        e.to_string(),
+        "role \"app\" has 8 active units: a start of weight 3 does not fit the limit of 10 set by quota.max_active_per_role"
+    );
+    assert!(e.detail().unwrap().ends_with(
+        "This start weighs 3 units; active counts are units, a ticket counting its weight."
+    ));
+    assert_eq!(decide_weighted(limits, usage, 3, true), Decision::Admit);
+}
+
+#[test]
+fn a_repeat_with_another_weight_is_refused() {
+    let e = QuotaError::WeightMismatch {
+        ticket: "t".into(),
+        held: 3,
+        asked: 5,
+    };
+    assert_eq!(e.sqlstate(), Sqlstate::InvalidParameterValue);
+    assert_eq!(
+        e.to_string(),
+        "idempotency key names ticket t, of weight 3, not 5"
+    );
+    assert!(e.hint().is_some());
+}

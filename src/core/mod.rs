@@ -9,6 +9,7 @@ pub mod errors;
 pub mod job_trigger;
 pub mod lease;
 pub mod policy;
+pub mod refusals;
 pub mod replication;
 pub mod stats;
 pub mod ticket;

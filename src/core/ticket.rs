@@ -62,6 +62,17 @@ pub fn check_tenant(chars: usize, bytes: usize) -> Result<(), QuotaError> {
     })
 }
 
+/// Checks a start's `weight`: NULL raises 22004, a weight below 1 or above MAX_WEIGHT
+/// 22023.
+pub fn check_weight(weight: Option<i32>) -> Result<i64, QuotaError> {
+    let w = i64::from(weight.ok_or(QuotaError::NullArgument("weight"))?);
+    if (1..=super::decision::MAX_WEIGHT).contains(&w) {
+        Ok(w)
+    } else {
+        Err(QuotaError::InvalidWeight { value: w })
+    }
+}
+
 /// How a ticket ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
@@ -190,6 +201,27 @@ fn successor(p: [u8; 16]) -> [u8; 16] {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_weight_is_1_to_a_million() {
+        assert_eq!(check_weight(Some(1)), Ok(1));
+        assert_eq!(check_weight(Some(1_000_000)), Ok(1_000_000));
+        for bad in [0, -1, 1_000_001, i32::MIN, i32::MAX] {
+            let e = check_weight(Some(bad)).unwrap_err();
+            assert_eq!(
+                e.sqlstate(),
+                crate::core::errors::Sqlstate::InvalidParameterValue,
+                "{bad}"
+            );
+            assert_eq!(e.to_string(), format!("invalid weight {bad}"));
+        }
+        let e = check_weight(None).unwrap_err();
+        assert_eq!(
+            e.sqlstate(),
+            crate::core::errors::Sqlstate::NullValueNotAllowed
+        );
+        assert_eq!(e.to_string(), "weight must not be null");
+    }
+
     use super::*;
 
     #[test]

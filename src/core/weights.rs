@@ -1,21 +1,9 @@
-//! Weighted tickets (0.7.0): the check of a start's weight, and the texts of the errors
-//! that only weights raise (their variants are in errors.rs). A ticket of weight n
+//! Weighted tickets (0.7.0): the texts of the errors that only weights raise (their
+//! variants are in errors.rs; a weight's check is core::ticket::check_weight). A ticket of weight n
 //! counts n units against every active limit that applies to it (its tenant's, its
 //! role's, the database's); its retained limits count it once, as every ticket.
 
-use super::decision::{RefusalKind, MAX_WEIGHT};
-use super::errors::QuotaError;
-
-/// Checks a start's `weight`: NULL raises 22004, a weight below 1 or above MAX_WEIGHT
-/// 22023.
-pub fn check_weight(weight: Option<i32>) -> Result<i64, QuotaError> {
-    let w = i64::from(weight.ok_or(QuotaError::NullArgument("weight"))?);
-    if (1..=MAX_WEIGHT).contains(&w) {
-        Ok(w)
-    } else {
-        Err(QuotaError::InvalidWeight { value: w })
-    }
-}
+use super::decision::RefusalKind;
 
 /// What a start that can never fit names (see decision::never_fits).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -75,90 +63,7 @@ pub fn refusal_detail(weight: i64) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::errors::Sqlstate;
-
-    #[test]
-    fn a_weight_is_1_to_a_million() {
-        assert_eq!(check_weight(Some(1)), Ok(1));
-        assert_eq!(check_weight(Some(1_000_000)), Ok(1_000_000));
-        for bad in [0, -1, 1_000_001, i32::MIN, i32::MAX] {
-            let e = check_weight(Some(bad)).unwrap_err();
-            assert_eq!(e.sqlstate(), Sqlstate::InvalidParameterValue, "{bad}");
-            assert_eq!(e.to_string(), format!("invalid weight {bad}"));
-        }
-        let e = check_weight(None).unwrap_err();
-        assert_eq!(e.sqlstate(), Sqlstate::NullValueNotAllowed);
-        assert_eq!(e.to_string(), "weight must not be null");
-    }
-
-    #[test]
-    fn a_start_that_never_fits_says_why_and_what_to_do() {
-        let e = QuotaError::WeightNeverFits(NeverFits {
-            kind: RefusalKind::TenantActive,
-            weight: 8,
-            limit: 5,
-            who: "tenant \"acme\" of role \"app\"".into(),
-            tenant_limit_set: true,
-        });
-        assert_eq!(e.sqlstate(), Sqlstate::ConfigurationLimitExceeded);
-        assert_eq!(
-            e.to_string(),
-            "a start of weight 8 can never fit the limit of 5 active units set for the tenant by quota.set_tenant_limits for tenant \"acme\" of role \"app\""
-        );
-        let hint = e.hint().unwrap();
-        assert!(hint.starts_with("Waiting does not help"), "{hint}");
-        assert!(hint.contains("at most 5 units"), "{hint}");
-        assert!(hint.contains("quota.set_tenant_limits()"), "{hint}");
-        let role = QuotaError::WeightNeverFits(NeverFits {
-            kind: RefusalKind::Database,
-            weight: 3,
-            limit: 2,
-            who: "database \"jobs\"".into(),
-            tenant_limit_set: false,
-        });
-        assert!(role
-            .to_string()
-            .contains("set by quota.max_active_per_database"));
-        assert!(role.hint().unwrap().contains("ask a superuser"));
-    }
-
-    #[test]
-    fn a_weighted_refusal_counts_units() {
-        use crate::core::decision::{decide_weighted, Decision, Limits, Usage};
-        let limits = Limits {
-            max_active: 10,
-            ..Limits::default()
-        };
-        let usage = Usage {
-            active: 8,
-            ..Usage::default()
-        };
-        assert_eq!(decide_weighted(limits, usage, 2, false), Decision::Admit);
-        let Decision::Refuse(r) = decide_weighted(limits, usage, 3, false) else {
-            panic!("8 + 3 > 10 admitted");
-        };
-        assert_eq!(
-            r.usage.active, 8,
-            "the counts as counted, without the start"
-        );
-        let e = QuotaError::Refused {
-            role: "app".into(),
-            tenant: None,
-            database: "jobs".into(),
-            refusal: r,
-            next_ageout: None,
-            default_retained_for: None,
-            tenant_limit_set: false,
-        };
-        assert_eq!(
-            e.to_string(),
-            "role \"app\" has 8 active units: a start of weight 3 does not fit the limit of 10 set by quota.max_active_per_role"
-        );
-        assert!(e.detail().unwrap().ends_with(
-            "This start weighs 3 units; active counts are units, a ticket counting its weight."
-        ));
-        assert_eq!(decide_weighted(limits, usage, 3, true), Decision::Admit);
-    }
+    use crate::core::decision::MAX_WEIGHT;
 
     #[test]
     fn a_weight_above_a_limit_never_fits() {
@@ -182,20 +87,5 @@ mod tests {
         assert_eq!(never_fits(no_tenant, 7, false), Some(RefusalKind::Database));
         assert_eq!(never_fits(no_tenant, 11, false), Some(RefusalKind::Active));
         assert_eq!(never_fits(Limits::default(), MAX_WEIGHT, false), None);
-    }
-
-    #[test]
-    fn a_repeat_with_another_weight_is_refused() {
-        let e = QuotaError::WeightMismatch {
-            ticket: "t".into(),
-            held: 3,
-            asked: 5,
-        };
-        assert_eq!(e.sqlstate(), Sqlstate::InvalidParameterValue);
-        assert_eq!(
-            e.to_string(),
-            "idempotency key names ticket t, of weight 3, not 5"
-        );
-        assert!(e.hint().is_some());
     }
 }

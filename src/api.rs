@@ -119,7 +119,7 @@ fn require_plain_execute(name: &'static std::ffi::CStr) -> Result<(), QuotaError
     }
 }
 
-/// `args` with a weight (0.7.0), checked first: core::weights::check_weight.
+/// `args` with a weight (0.7.0), checked first: core::ticket::check_weight.
 fn weighed<'a>(
     label: Option<&'a [u8]>,
     lease: Option<Interval>,

@@ -1,7 +1,8 @@
 //! Weighted tickets (0.7.0): the texts of the errors that only weights raise (their
-//! variants are in errors.rs; a weight's check is core::ticket::check_weight). A ticket of weight n
-//! counts n units against every active limit that applies to it (its tenant's, its
-//! role's, the database's); its retained limits count it once, as every ticket.
+//! variants are in errors.rs; a weight's check is core::ticket::check_weight). A
+//! ticket of weight n counts n units against every active limit that applies to it
+//! (its tenant's, its role's, the database's); its retained limits count it once, as
+//! every ticket.
 
 use super::decision::RefusalKind;
 

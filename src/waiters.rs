@@ -266,6 +266,19 @@ pub struct Ahead {
     pub db_units: i64,
 }
 
+impl Ahead {
+    /// What these starts take of the next free units (core::Pending).
+    pub fn pending(&self) -> crate::core::Pending {
+        crate::core::Pending {
+            role_units: self.role_units,
+            role_tickets: self.of_role,
+            tenant_units: self.tenant_units,
+            tenant_tickets: self.of_tenant,
+            db_units: self.db_units,
+        }
+    }
+}
+
 /// Leaves the line without having been admitted (0.7.0): the later waiters of its
 /// tenant move up one turn each, so that a tenant whose waiters give up does not keep
 /// the turns they held (1,000 waiters of which 999 time out leave one waiter at the

@@ -214,12 +214,8 @@ fn ahead_of(kind: RefusalKind, ahead: Ahead) -> i64 {
 /// units in the active counts, each once in the retained ones.
 fn with_ahead(u: Usage, a: Ahead) -> Usage {
     Usage {
-        active: u.active + a.role_units,
-        retained: u.retained + a.of_role,
-        db_active: u.db_active + a.db_units,
-        tenant_active: u.tenant_active + a.tenant_units,
-        tenant_retained: u.tenant_retained + a.of_tenant,
         ahead: a.of_role + a.of_db,
+        ..u.with_pending(a.pending())
     }
 }
 
@@ -405,13 +401,11 @@ pub(crate) fn under_lock<T>(
             return take(&reader).map(Ok);
         }
         // In units for the active counts, each request once for the retained ones.
-        let with_inflight = |u: Usage| Usage {
-            active: u.active + inflight.units,
-            retained: u.retained + inflight.tickets,
-            db_active: u.db_active + inflight_db,
-            tenant_active: u.tenant_active + inflight.tenant_units,
-            tenant_retained: u.tenant_retained + inflight.tenant_tickets,
-            ahead: u.ahead,
+        let with_inflight = |u: Usage| {
+            u.with_pending(crate::core::Pending {
+                db_units: inflight_db,
+                ..inflight
+            })
         };
         let decide = |u: Usage| decide_weighted(limits, u, weight, false);
         // An upper bound that admits with everything in flight admits exactly.

@@ -94,26 +94,13 @@ impl Caller<'_> {
 
     /// The error of a start that can never fit the active limit of `kind` (0.7.0).
     fn never_fits(&self, kind: RefusalKind) -> QuotaError {
-        let role = role_name(self.role);
-        let (who, limit) = match kind {
-            RefusalKind::TenantActive => (
-                format!(
-                    "tenant \"{}\" of role \"{role}\"",
-                    self.args.tenant.map(server_text).unwrap_or_default()
-                ),
-                self.limits.tenant_active,
-            ),
-            RefusalKind::Database => (
-                format!("database \"{}\"", database_name(shmem::my_db())),
-                self.limits.max_db,
-            ),
-            _ => (format!("role \"{role}\""), self.limits.max_active),
-        };
         QuotaError::WeightNeverFits(crate::core::weights::NeverFits {
             kind,
             weight: self.args.weight,
-            limit,
-            who,
+            limit: self.limits.of(kind),
+            role: role_name(self.role),
+            tenant: self.args.tenant.map(server_text),
+            database: database_name(shmem::my_db()),
             tenant_limit_set: self.tenant_limit_set(kind),
         })
     }

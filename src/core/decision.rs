@@ -81,6 +81,24 @@ impl RefusalKind {
             RefusalKind::TenantActive | RefusalKind::TenantRetained
         )
     }
+
+    /// Whether the refusal is an active limit's, which counts units (0.7.0).
+    pub fn is_active(self) -> bool {
+        !matches!(self, RefusalKind::Retained | RefusalKind::TenantRetained)
+    }
+}
+
+impl Limits {
+    /// The limit a refusal of `kind` is at.
+    pub fn of(self, kind: RefusalKind) -> i64 {
+        match kind {
+            RefusalKind::Active => self.max_active,
+            RefusalKind::Retained => self.max_retained,
+            RefusalKind::Database => self.max_db,
+            RefusalKind::TenantActive => self.tenant_active,
+            RefusalKind::TenantRetained => self.tenant_retained,
+        }
+    }
 }
 
 /// Why a start was refused, with the numbers the error report needs.
@@ -93,10 +111,34 @@ pub struct Refusal {
     pub weight: i64,
 }
 
+/// Starts that are no tickets yet but take a scope's next units (0.7.0): those waiting
+/// ahead of a start, or in the writer's hands. Their units count in the active counts,
+/// each start once in the retained ones, as their tickets will.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pending {
+    pub role_units: i64,
+    pub role_tickets: i64,
+    pub tenant_units: i64,
+    pub tenant_tickets: i64,
+    pub db_units: i64,
+}
+
 /// The most units one ticket may weigh (0.7.0).
 pub const MAX_WEIGHT: i64 = 1_000_000;
 
 impl Usage {
+    /// The counts with `p` added, as if those starts were tickets already.
+    pub fn with_pending(self, p: Pending) -> Usage {
+        Usage {
+            active: self.active + p.role_units,
+            retained: self.retained + p.role_tickets,
+            db_active: self.db_active + p.db_units,
+            tenant_active: self.tenant_active + p.tenant_units,
+            tenant_retained: self.tenant_retained + p.tenant_tickets,
+            ahead: self.ahead,
+        }
+    }
+
     /// The counts as a start of `weight` units meets them (0.7.0): it fits an active
     /// limit only where `weight` units are free below it, which is where a start of
     /// weight 1 would fit with `weight - 1` more units taken. Retained counts are

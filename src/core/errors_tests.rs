@@ -534,7 +534,9 @@ fn a_start_that_never_fits_says_why_and_what_to_do() {
         kind: RefusalKind::TenantActive,
         weight: 8,
         limit: 5,
-        who: "tenant \"acme\" of role \"app\"".into(),
+        role: "app".into(),
+        tenant: Some("acme".into()),
+        database: "jobs".into(),
         tenant_limit_set: true,
     });
     assert_eq!(e.sqlstate(), Sqlstate::ConfigurationLimitExceeded);
@@ -550,7 +552,9 @@ fn a_start_that_never_fits_says_why_and_what_to_do() {
         kind: RefusalKind::Database,
         weight: 3,
         limit: 2,
-        who: "database \"jobs\"".into(),
+        role: "app".into(),
+        tenant: None,
+        database: "jobs".into(),
         tenant_limit_set: false,
     });
     assert!(role

@@ -17,8 +17,8 @@ pub mod turns;
 pub mod weights;
 
 pub use decision::{
-    decide, decide_weighted, never_fits, refuse_on_active, Decision, Limits, Refusal, RefusalKind,
-    Usage, MAX_WEIGHT,
+    decide, decide_weighted, never_fits, refuse_on_active, Decision, Limits, Pending, Refusal,
+    RefusalKind, Usage, MAX_WEIGHT,
 };
 pub use errors::{JobFn, QuotaError, Sqlstate};
 pub use ticket::{

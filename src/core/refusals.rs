@@ -4,6 +4,39 @@
 
 use super::decision::{Refusal, RefusalKind};
 
+/// Whose limit one of `kind` is: the role's, its tenant's, or the database's.
+pub(super) fn holder(
+    kind: RefusalKind,
+    role: &str,
+    tenant: Option<&str>,
+    database: &str,
+) -> String {
+    match kind {
+        RefusalKind::Database => format!("database \"{database}\""),
+        RefusalKind::TenantActive | RefusalKind::TenantRetained => format!(
+            "tenant \"{}\" of role \"{role}\"",
+            tenant.unwrap_or_default()
+        ),
+        _ => format!("role \"{role}\""),
+    }
+}
+
+/// Where a limit of `kind` comes from: "set by" its setting, or (0.7.0) "set for the
+/// tenant by quota.set_tenant_limits" where the tenant has its own.
+pub(super) fn set_by(kind: RefusalKind, tenant_limit_set: bool) -> String {
+    if tenant_limit_set && kind.is_tenant() {
+        return "set for the tenant by quota.set_tenant_limits".to_string();
+    }
+    let guc = match kind {
+        RefusalKind::Active => "quota.max_active_per_role",
+        RefusalKind::Retained => "quota.max_retained_per_role",
+        RefusalKind::Database => "quota.max_active_per_database",
+        RefusalKind::TenantActive => "quota.max_active_per_tenant",
+        RefusalKind::TenantRetained => "quota.max_retained_per_tenant",
+    };
+    format!("set by {guc}")
+}
+
 fn tickets(n: i64) -> &'static str {
     if n == 1 {
         "ticket"
@@ -19,58 +52,23 @@ pub(super) fn refusal_message(
     r: &Refusal,
     tenant_limit_set: bool,
 ) -> String {
-    let (n, what, limit, guc) = match r.kind {
-        RefusalKind::Active => (
-            r.usage.active,
-            "active",
-            r.limits.max_active,
-            "quota.max_active_per_role",
-        ),
-        RefusalKind::Retained => (
-            r.usage.retained,
-            "retained",
-            r.limits.max_retained,
-            "quota.max_retained_per_role",
-        ),
-        RefusalKind::Database => (
-            r.usage.db_active,
-            "active",
-            r.limits.max_db,
-            "quota.max_active_per_database",
-        ),
-        RefusalKind::TenantActive => (
-            r.usage.tenant_active,
-            "active",
-            r.limits.tenant_active,
-            "quota.max_active_per_tenant",
-        ),
-        RefusalKind::TenantRetained => (
-            r.usage.tenant_retained,
-            "retained",
-            r.limits.tenant_retained,
-            "quota.max_retained_per_tenant",
-        ),
+    let n = match r.kind {
+        RefusalKind::Active => r.usage.active,
+        RefusalKind::Retained => r.usage.retained,
+        RefusalKind::Database => r.usage.db_active,
+        RefusalKind::TenantActive => r.usage.tenant_active,
+        RefusalKind::TenantRetained => r.usage.tenant_retained,
     };
-    // 0.7.0: a tenant's own limit, set by quota.set_tenant_limits().
-    let set_by = if tenant_limit_set && r.kind.is_tenant() {
-        "set for the tenant by quota.set_tenant_limits".to_string()
+    let what = if r.kind.is_active() {
+        "active"
     } else {
-        format!("set by {guc}")
+        "retained"
     };
-    let who = match r.kind {
-        RefusalKind::Database => format!("database \"{database}\""),
-        RefusalKind::TenantActive | RefusalKind::TenantRetained => format!(
-            "tenant \"{}\" of role \"{role}\"",
-            tenant.unwrap_or_default()
-        ),
-        _ => format!("role \"{role}\""),
-    };
+    let limit = r.limits.of(r.kind);
+    let set_by = set_by(r.kind, tenant_limit_set);
+    let who = holder(r.kind, role, tenant, database);
     // 0.7.0: a weighted start refused at an active limit, which may be below it.
-    let active_kind = matches!(
-        r.kind,
-        RefusalKind::Active | RefusalKind::Database | RefusalKind::TenantActive
-    );
-    if r.weight > 1 && active_kind {
+    if r.weight > 1 && r.kind.is_active() {
         let ahead = match r.usage.ahead {
             0 => String::new(),
             1 => " and 1 earlier start waiting for capacity".to_string(),

@@ -126,8 +126,7 @@ pub fn refusal_log_line(
     };
     let mut line =
         format!("pg_quota refused a start for role \"{role}\" in database \"{database}\": {what}");
-    let active = !matches!(kind, RefusalKind::Retained | RefusalKind::TenantRetained);
-    if weight > 1 && active {
+    if weight > 1 && kind.is_active() {
         line.push_str(&format!(", for a start of weight {weight}"));
     }
     if suppressed > 0 {

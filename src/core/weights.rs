@@ -5,6 +5,7 @@
 //! every ticket.
 
 use super::decision::RefusalKind;
+use super::refusals::{holder, set_by};
 
 /// What a start that can never fit names (see decision::never_fits).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -12,31 +13,27 @@ pub struct NeverFits {
     pub kind: RefusalKind,
     pub weight: i64,
     pub limit: i64,
-    /// "role \"app\"", "tenant \"acme\" of role \"app\"" or "database \"jobs\"".
-    pub who: String,
+    /// Whose limit it is, named as a refusal names it (core::refusals::holder).
+    pub role: String,
+    pub tenant: Option<String>,
+    pub database: String,
     /// Where the limit comes from: the setting, or quota.set_tenant_limits().
     pub tenant_limit_set: bool,
 }
 
 impl NeverFits {
-    fn source(&self) -> &'static str {
-        match self.kind {
-            RefusalKind::TenantActive if self.tenant_limit_set => {
-                "set for the tenant by quota.set_tenant_limits"
-            }
-            RefusalKind::TenantActive => "set by quota.max_active_per_tenant",
-            RefusalKind::Database => "set by quota.max_active_per_database",
-            _ => "set by quota.max_active_per_role",
-        }
-    }
-
     pub fn message(&self) -> String {
         format!(
             "a start of weight {} can never fit the limit of {} active units {} for {}",
             self.weight,
             self.limit,
-            self.source(),
-            self.who
+            set_by(self.kind, self.tenant_limit_set),
+            holder(
+                self.kind,
+                &self.role,
+                self.tenant.as_deref(),
+                &self.database
+            )
         )
     }
 

@@ -13,7 +13,7 @@ use pgrx::prelude::*;
 use super::*;
 use crate::catalog::database_name;
 use crate::compat::{self, nap};
-use crate::core::{QuotaError, RefusalKind, Usage};
+use crate::core::{Pending, QuotaError, RefusalKind, Usage};
 use crate::error::raise;
 use crate::gucs;
 use crate::workers::{self, TableLock, WriterState};
@@ -261,31 +261,22 @@ fn publish(slot: &Slot, idx: usize) {
 /// scope can be added meanwhile; a read that races with a slot being reused only
 /// miscounts a request that is not of this scope, and the writer's own check is exact
 /// in any case.
-pub fn inflight(role: pg_sys::Oid, tenant: u128) -> InFlight {
+pub fn inflight(role: pg_sys::Oid, tenant: u128) -> Pending {
     let db = shmem::my_db();
-    let mut f = InFlight::default();
+    let mut f = Pending::default();
     for s in slots()
         .iter()
         .filter(|s| in_writers_hands(s) && s.dboid() == db && s.role() == role)
     {
         let w = s.weight();
-        f.units += w;
-        f.tickets += 1;
+        f.role_units += w;
+        f.role_tickets += 1;
         if tenant != 0 && s.tenant() == tenant {
             f.tenant_units += w;
             f.tenant_tickets += 1;
         }
     }
     f
-}
-
-/// A scope's requests in flight (see `inflight`).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct InFlight {
-    pub units: i64,
-    pub tickets: i64,
-    pub tenant_units: i64,
-    pub tenant_tickets: i64,
 }
 
 /// Whether slot `s` holds a request handed over to a writer and not yet answered.

@@ -15,13 +15,16 @@
 --   ledger's tables (the library refuses any other trigger on it).
 --
 -- 0.7.0 also weighs tickets: start(weight => n) and try_start(weight => n) charge n
--- units against the active limits. That needs:
+-- units against the active and the retained limits. That needs:
 --
 -- - a column weight on quota.active and quota.history (NULL for 1, so no existing row
 --   changes, and ADD COLUMN rewrites nothing), with a check that is NOT VALID (no scan
 --   of the tables under their ACCESS EXCLUSIVE lock; new rows are checked);
 -- - quota.ledger, quota.usage and quota.tenant_usage redefined to carry it: the views'
---   active columns sum weights; quota.tickets gains a column weight at its end;
+--   active and retained columns sum weights; quota.tickets gains a column weight at
+--   its end;
+-- - nothing for quota.summary: its tickets column counts units from 0.7.0 on (the
+--   library adds each ticket's weight), and every ticket it counts so far weighs 1;
 -- - start() and try_start() overloads whose first argument, weight, has no default:
 --   the existing functions stay as they are, so that a view, a column default or a
 --   function that calls them keeps working, and every existing call resolves as
@@ -190,7 +193,7 @@ WITH params AS (
 SELECT t.role                                                        AS role,
        COALESCE(pg_catalog.sum(t.weight) FILTER (WHERE t.ended_at IS NULL), 0)
                                                                      AS active,
-       pg_catalog.count(*)                                           AS retained,
+       pg_catalog.sum(t.weight)                                      AS retained,
        (pg_catalog.min(t.ended_at) OPERATOR(pg_catalog.+) t.retention) AS next_ageout
   FROM tickets t
  WHERE t.ended_at IS NULL
@@ -237,7 +240,7 @@ SELECT t.role                                                        AS role,
        t.tenant                                                      AS tenant,
        COALESCE(pg_catalog.sum(t.weight) FILTER (WHERE t.ended_at IS NULL), 0)
                                                                      AS active,
-       pg_catalog.count(*)                                           AS retained,
+       pg_catalog.sum(t.weight)                                      AS retained,
        (pg_catalog.min(t.ended_at) OPERATOR(pg_catalog.+) t.retention) AS next_ageout
   FROM tickets t
  WHERE t.ended_at IS NULL

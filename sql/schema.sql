@@ -77,7 +77,8 @@ CREATE INDEX history_tenant_idx ON quota.history (role, tenant, ended_at, lease_
 CREATE INDEX history_txid_idx ON quota.history (role, txid) WHERE txid IS NOT NULL;
 
 -- One row per role: how many ledger rows (in quota.active and quota.history together)
--- it has. Kept by the writer in the same transaction as each insert and purge, so
+-- it has, in units from 0.7.0 (each row counts its ticket's weight, as the retained
+-- limits do; before, every ticket weighed 1). Kept by the writer in the same transaction as each insert and purge, so
 -- admission never scans a role's history. A role without a row has its rows counted
 -- from the ledger instead.
 -- From 0.5.0: a transactional start commits its ticket in the caller's transaction,
@@ -307,7 +308,7 @@ WITH params AS (
 SELECT t.role                                                        AS role,
        COALESCE(pg_catalog.sum(t.weight) FILTER (WHERE t.ended_at IS NULL), 0)
                                                                      AS active,
-       pg_catalog.count(*)                                           AS retained,
+       pg_catalog.sum(t.weight)                                      AS retained,
        (pg_catalog.min(t.ended_at) OPERATOR(pg_catalog.+) t.retention) AS next_ageout
   FROM tickets t
  WHERE t.ended_at IS NULL
@@ -366,7 +367,7 @@ SELECT t.role                                                        AS role,
        t.tenant                                                      AS tenant,
        COALESCE(pg_catalog.sum(t.weight) FILTER (WHERE t.ended_at IS NULL), 0)
                                                                      AS active,
-       pg_catalog.count(*)                                           AS retained,
+       pg_catalog.sum(t.weight)                                      AS retained,
        (pg_catalog.min(t.ended_at) OPERATOR(pg_catalog.+) t.retention) AS next_ageout
   FROM tickets t
  WHERE t.ended_at IS NULL

@@ -187,7 +187,7 @@ unsafe extern "C-unwind" fn xact_event(
                         role: c.role,
                         tenant: c.tenant,
                     };
-                    scopes::add_change(&mut changes, key, c.weight, 1, c.lease_until);
+                    scopes::add_change(&mut changes, key, c.weight, c.weight, c.lease_until);
                 }
                 *overflow = scopes::publish(&changes);
             }

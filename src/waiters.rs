@@ -251,8 +251,8 @@ fn tenant_of(w: &Waiter) -> u128 {
 }
 
 /// The starts waiting ahead of a newcomer, as its admission counts them: how many (a
-/// retained count takes each once, and a refusal names them) and their units (0.7.0;
-/// an active count takes each's weight).
+/// refusal names them) and their units (0.7.0: the active and retained counts take
+/// each one's weight).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Ahead {
     /// Of its role: they take its role's next free slots.
@@ -271,9 +271,7 @@ impl Ahead {
     pub fn pending(&self) -> crate::core::Pending {
         crate::core::Pending {
             role_units: self.role_units,
-            role_tickets: self.of_role,
             tenant_units: self.tenant_units,
-            tenant_tickets: self.of_tenant,
             db_units: self.db_units,
         }
     }

@@ -95,16 +95,16 @@ pub fn db_cap(requests: &[BatchRequest]) -> Option<i64> {
         .max()
 }
 
-/// Decides every request in order. Each admission adds its weight's active units and
-/// one retained ticket to its role's counts (for every retention), so later requests
+/// Decides every request in order. Each admission adds its weight's units to its role's
+/// active and retained counts (for every retention; 0.7.0), so later requests
 /// of the same role in the batch count it, whatever their own settings; and its units
 /// to the database's count (`db_active`, the committed count of every role), which every
 /// later request limited by `quota.max_active_per_database` counts, whatever its role.
 /// Exempt (superuser) requests are always admitted, and their tickets count towards
 /// the database's total too.
 ///
-/// A request with a tenant also counts that tenant's tickets (`tenants`), and its
-/// admission adds one to them as to its role's; an admission without a tenant adds to
+/// A request with a tenant also counts that tenant's units (`tenants`), and its
+/// admission adds to them as to its role's; an admission without a tenant adds to
 /// its role only.
 pub fn decide_batch(
     requests: &[BatchRequest],
@@ -124,7 +124,7 @@ pub fn decide_batch(
     let bump = |c: &mut Counted, units: i64| {
         c.active += units;
         for (_, n) in c.retained.iter_mut() {
-            *n += 1;
+            *n += units;
         }
     };
     requests
@@ -287,15 +287,16 @@ mod tests {
 
     proptest! {
         /// I1 against an independent model: replaying the decisions on a plain list
-        /// of tickets, no admitted request ever finds its role at or above its own
-        /// limits, whatever mix of limits and retentions the batch carries.
+        /// of tickets, no admitted request ever takes its role past its own limits,
+        /// active or retained, whatever mix of limits, retentions and weights (0.7.0:
+        /// units in both counts) the batch carries.
         #[test]
         fn batch_never_admits_past_any_requests_limits(
-            reqs in proptest::collection::vec((0u32..3, 0i64..4, 0i64..5, 0i64..3), 0..24),
+            reqs in proptest::collection::vec((0u32..3, 0i64..4, 0i64..5, 0i64..3, 1i64..4), 0..24),
             start_active in proptest::collection::vec(0i64..4, 3),
         ) {
             let reqs: Vec<BatchRequest> = reqs.into_iter()
-                .map(|(role, a, r, ret)| req(role, a, r, ret * 100))
+                .map(|(role, a, r, ret, weight)| BatchRequest { weight, ..req(role, a, r, ret * 100) })
                 .collect();
             // Committed state: `start_active[role]` active tickets, nothing ended, so
             // every retention sees them as retained.
@@ -310,11 +311,11 @@ mod tests {
             let mut held = start_active.clone();
             for (r, d) in reqs.iter().zip(&ds) {
                 let h = held[r.role as usize];
-                let fits = |limit: i64| limit == 0 || h < limit;
+                let fits = |limit: i64| limit == 0 || h + r.weight <= limit;
                 let model = fits(r.limits.max_active) && fits(r.limits.max_retained);
                 prop_assert_eq!(*d == Decision::Admit, model, "request {:?} with {} held", r, h);
                 if *d == Decision::Admit {
-                    held[r.role as usize] += 1;
+                    held[r.role as usize] += r.weight;
                 }
             }
         }

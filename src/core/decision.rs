@@ -112,14 +112,12 @@ pub struct Refusal {
 }
 
 /// Starts that are no tickets yet but take a scope's next units (0.7.0): those waiting
-/// ahead of a start, or in the writer's hands. Their units count in the active counts,
-/// each start once in the retained ones, as their tickets will.
+/// ahead of a start, or in the writer's hands. Their units count in the active and the
+/// retained counts, as their tickets will.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Pending {
     pub role_units: i64,
-    pub role_tickets: i64,
     pub tenant_units: i64,
-    pub tenant_tickets: i64,
     pub db_units: i64,
 }
 
@@ -131,41 +129,47 @@ impl Usage {
     pub fn with_pending(self, p: Pending) -> Usage {
         Usage {
             active: self.active + p.role_units,
-            retained: self.retained + p.role_tickets,
+            retained: self.retained + p.role_units,
             db_active: self.db_active + p.db_units,
             tenant_active: self.tenant_active + p.tenant_units,
-            tenant_retained: self.tenant_retained + p.tenant_tickets,
+            tenant_retained: self.tenant_retained + p.tenant_units,
             ahead: self.ahead,
         }
     }
 
-    /// The counts as a start of `weight` units meets them (0.7.0): it fits an active
-    /// limit only where `weight` units are free below it, which is where a start of
-    /// weight 1 would fit with `weight - 1` more units taken. Retained counts are
-    /// tickets, not units: a ticket is one of them whatever its weight.
+    /// The counts as a start of `weight` units meets them (0.7.0): it fits a limit
+    /// only where `weight` units are free below it, which is where a start of weight 1
+    /// would fit with `weight - 1` more units taken. Active and retained counts are
+    /// both units: a ticket counts its weight in each.
     pub fn needing(self, weight: i64) -> Usage {
         let more = weight.max(1) - 1;
         Usage {
             active: self.active.saturating_add(more),
+            retained: self.retained.saturating_add(more),
             db_active: self.db_active.saturating_add(more),
             tenant_active: self.tenant_active.saturating_add(more),
-            ..self
+            tenant_retained: self.tenant_retained.saturating_add(more),
+            ahead: self.ahead,
         }
     }
 }
 
-/// The active limit that a start of `weight` units can never fit, however many tickets
-/// end (0.7.0): one below its weight, checked in `decide`'s order (the tenant's, the
-/// role's, the database's). None for an exempt start (I7) and where every one is
-/// unlimited or wide enough.
+/// The limit that a start of `weight` units can never fit, however many tickets end or
+/// age out (0.7.0): one below its weight, checked in `decide`'s order (the tenant's
+/// active and retained, the role's, the database's). None for an exempt start (I7)
+/// and where every one is unlimited or wide enough.
 pub fn never_fits(limits: Limits, weight: i64, exempt: bool) -> Option<RefusalKind> {
     let below = |limit: i64| limit > 0 && limit < weight;
     if exempt {
         None
     } else if below(limits.tenant_active) {
         Some(RefusalKind::TenantActive)
+    } else if below(limits.tenant_retained) {
+        Some(RefusalKind::TenantRetained)
     } else if below(limits.max_active) {
         Some(RefusalKind::Active)
+    } else if below(limits.max_retained) {
+        Some(RefusalKind::Retained)
     } else if below(limits.max_db) {
         Some(RefusalKind::Database)
     } else {

@@ -596,9 +596,65 @@ fn a_weighted_refusal_counts_units() {
         "role \"app\" has 8 active units: a start of weight 3 does not fit the limit of 10 set by quota.max_active_per_role"
     );
     assert!(e.detail().unwrap().ends_with(
-        "This start weighs 3 units; active counts are units, a ticket counting its weight."
+        "This start weighs 3 units; active and retained counts are units, a ticket counting its weight."
     ));
     assert_eq!(decide_weighted(limits, usage, 3, true), Decision::Admit);
+}
+
+#[test]
+fn a_weighted_start_is_refused_at_a_retained_limit_by_units() {
+    use crate::core::decision::{decide_weighted, Decision, RefusalKind};
+    let limits = Limits {
+        max_retained: 10,
+        tenant_retained: 6,
+        ..Limits::default()
+    };
+    let usage = Usage {
+        retained: 7,
+        tenant_retained: 3,
+        ..Usage::default()
+    };
+    assert_eq!(decide_weighted(limits, usage, 3, false), Decision::Admit);
+    let Decision::Refuse(r) = decide_weighted(limits, usage, 4, false) else {
+        panic!("3 + 4 > 6 admitted");
+    };
+    assert_eq!(r.kind, RefusalKind::TenantRetained);
+    let role_only = Limits {
+        tenant_retained: 0,
+        ..limits
+    };
+    let Decision::Refuse(r) = decide_weighted(role_only, usage, 4, false) else {
+        panic!("7 + 4 > 10 admitted");
+    };
+    let e = QuotaError::Refused {
+        role: "app".into(),
+        tenant: None,
+        database: "jobs".into(),
+        refusal: r,
+        next_ageout: None,
+        default_retained_for: None,
+        tenant_limit_set: false,
+    };
+    assert_eq!(
+        e.to_string(),
+        "role \"app\" has 7 retained units: a start of weight 4 does not fit the limit of 10 set by quota.max_retained_per_role"
+    );
+    let never = crate::core::weights::NeverFits {
+        kind: RefusalKind::Retained,
+        weight: 12,
+        limit: 10,
+        role: "app".into(),
+        tenant: None,
+        database: "jobs".into(),
+        tenant_limit_set: false,
+    };
+    assert_eq!(
+        never.message(),
+        "a start of weight 12 can never fit the limit of 10 retained units set by quota.max_retained_per_role for role \"app\""
+    );
+    assert!(never
+        .hint()
+        .starts_with("Waiting does not help: even with nothing else retained, 12 units"));
 }
 
 #[test]

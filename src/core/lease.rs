@@ -42,8 +42,8 @@ pub fn shown_outcome<'a>(
 /// still sees them until the ledger writer's sweep writes them down.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Lapsed {
-    /// Ascending.
-    expiries: Vec<i64>,
+    /// Each one's expiry, ascending, and weight (0.7.0).
+    expiries: Vec<(i64, i64)>,
     /// Their units (0.7.0: the sum of their weights).
     units: i64,
 }
@@ -52,7 +52,7 @@ impl Lapsed {
     /// From each lapsed ticket's expiry and weight.
     pub fn new(lapsed: Vec<(i64, i64)>) -> Lapsed {
         let units = lapsed.iter().map(|&(_, w)| w).sum();
-        let mut expiries: Vec<i64> = lapsed.into_iter().map(|(e, _)| e).collect();
+        let mut expiries = lapsed;
         expiries.sort_unstable();
         Lapsed { expiries, units }
     }
@@ -62,16 +62,23 @@ impl Lapsed {
         self.units
     }
 
-    /// How many (tickets, not units) expired before `cutoff`: not retained either.
+    /// The units of those that expired before `cutoff`: not retained either.
     pub fn aged_out(&self, cutoff: i64) -> i64 {
-        self.expiries.partition_point(|&e| e < cutoff) as i64
+        self.expiries[..self.first_retained(cutoff)]
+            .iter()
+            .map(|&(_, w)| w)
+            .sum()
     }
 
     /// The earliest expiry at or after `cutoff`: when the oldest retained one ages out.
     pub fn oldest_retained(&self, cutoff: i64) -> Option<i64> {
         self.expiries
-            .get(self.expiries.partition_point(|&e| e < cutoff))
-            .copied()
+            .get(self.first_retained(cutoff))
+            .map(|&(e, _)| e)
+    }
+
+    fn first_retained(&self, cutoff: i64) -> usize {
+        self.expiries.partition_point(|&(e, _)| e < cutoff)
     }
 }
 
@@ -251,10 +258,11 @@ mod tests {
 
     #[test]
     fn lapsed_tickets_age_out_by_their_expiry() {
-        // Units for the active count, tickets for the retained one (0.7.0).
+        // Units for the active count and for the retained one (0.7.0).
         let l = Lapsed::new(vec![(30, 1), (10, 4), (20, 1)]);
         assert_eq!(l.expired(), 6);
-        assert_eq!(l.aged_out(20), 1);
+        assert_eq!(l.aged_out(20), 4);
+        assert_eq!(l.aged_out(21), 5);
         assert_eq!(l.aged_out(i64::MIN), 0);
         assert_eq!(l.oldest_retained(15), Some(20));
         assert_eq!(l.oldest_retained(31), None);

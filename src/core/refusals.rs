@@ -67,15 +67,15 @@ pub(super) fn refusal_message(
     let limit = r.limits.of(r.kind);
     let set_by = set_by(r.kind, tenant_limit_set);
     let who = holder(r.kind, role, tenant, database);
-    // 0.7.0: a weighted start refused at an active limit, which may be below it.
-    if r.weight > 1 && r.kind.is_active() {
+    // 0.7.0: a weighted start refused at a limit, which may be below it.
+    if r.weight > 1 {
         let ahead = match r.usage.ahead {
             0 => String::new(),
             1 => " and 1 earlier start waiting for capacity".to_string(),
             a => format!(" and {a} earlier starts waiting for capacity"),
         };
         return format!(
-            "{who} has {n} active units{ahead}: a start of weight {} does not fit the limit of {limit} {set_by}",
+            "{who} has {n} {what} units{ahead}: a start of weight {} does not fit the limit of {limit} {set_by}",
             r.weight
         );
     }

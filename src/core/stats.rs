@@ -285,32 +285,35 @@ pub struct UsageTotals {
     /// Active units (0.7.0: each active ticket counts its weight): unfinished tickets
     /// whose lease has not run out.
     pub active: i64,
-    /// Retained tickets at the caller's quota.retention, as quota.usage counts them.
+    /// Retained units at the caller's quota.retention, as quota.usage counts them
+    /// (0.7.0: each retained ticket counts its weight).
     pub retained: i64,
-    /// The ledger's rows: the retained tickets and the history the writer has not
-    /// purged yet (kept for a longer retention of another session, or not reached).
+    /// The units of the ledger's rows: the retained tickets and the history the writer
+    /// has not purged yet (kept for a longer retention of another session, or not
+    /// reached); with tickets of weight 1 only, the rows.
     pub ledger_rows: i64,
 }
 
 impl UsageTotals {
-    /// From the ledger's rows (the summary's counts), those that no longer count as
-    /// retained at the caller's cutoff (`gone`), and the active tickets, as units and
-    /// as tickets. Every ledger row is either retained or gone, so retained is the
-    /// difference; the floor at the active tickets only guards a summary that
-    /// SQL-level writes left wrong until it is rebuilt (an active ticket is always
-    /// retained). Units are no floor: a ticket of weight 50 is one row.
-    pub fn new(active: i64, active_tickets: i64, ledger_rows: i64, gone: i64) -> UsageTotals {
+    /// From the active units, the units of the ledger's rows (the summary's counts),
+    /// and those that no longer count as retained at the caller's cutoff (`gone`).
+    /// Every ledger row is either retained or gone, so retained is the difference; the
+    /// floor at the active units only guards a summary that SQL-level writes left
+    /// wrong until it is rebuilt (an active ticket is always retained).
+    pub fn new(active: i64, ledger_rows: i64, gone: i64) -> UsageTotals {
         UsageTotals {
             active,
-            retained: ledger_rows.saturating_sub(gone).max(active_tickets),
-            ledger_rows: ledger_rows.max(active_tickets),
+            retained: ledger_rows.saturating_sub(gone).max(active),
+            ledger_rows: ledger_rows.max(active),
         }
     }
 }
 
-/// How many of `total` items lie before a cutoff, from two counters that each stop at
-/// a limit: `before(limit)` counts those before it and `since(limit)` those at or after
-/// it, each returning at most `limit`. Both sides are counted up to the same limit,
+/// The units of the `total` units (0.7.0: items weigh one or more) that lie before a
+/// cutoff, from two counters that each stop at a limit of items: `before(limit)` counts
+/// the items before it and `since(limit)` those at or after it, each reading at most
+/// `limit` items and returning how many it read and their units. A side that reads
+/// fewer than `limit` items has counted all of them. Both sides are counted up to the same limit,
 /// `first` at first, which grows fourfold until one side comes out below it, so the
 /// work is a small multiple of the smaller side (or of `first`), however large the
 /// other (quota.usage_totals: a role's tickets ended before the caller's retention, or
@@ -319,18 +322,18 @@ impl UsageTotals {
 pub fn smaller_side(
     total: i64,
     first: i64,
-    mut before: impl FnMut(i64) -> i64,
-    mut since: impl FnMut(i64) -> i64,
+    mut before: impl FnMut(i64) -> (i64, i64),
+    mut since: impl FnMut(i64) -> (i64, i64),
 ) -> i64 {
     let mut limit = first.max(1);
     loop {
-        let b = before(limit);
+        let (b, b_units) = before(limit);
         if b < limit {
-            return b;
+            return b_units;
         }
-        let s = since(limit);
+        let (s, s_units) = since(limit);
         if s < limit {
-            return total.saturating_sub(s).max(0);
+            return total.saturating_sub(s_units).max(0);
         }
         limit = limit.saturating_mul(4);
     }
@@ -338,13 +341,47 @@ pub fn smaller_side(
 
 #[cfg(test)]
 mod tests {
+    /// `smaller_side` over items of one unit each.
+    fn ss(
+        total: i64,
+        first: i64,
+        mut before: impl FnMut(i64) -> i64,
+        mut since: impl FnMut(i64) -> i64,
+    ) -> i64 {
+        super::smaller_side(
+            total,
+            first,
+            |l| {
+                let n = before(l);
+                (n, n)
+            },
+            |l| {
+                let n = since(l);
+                (n, n)
+            },
+        )
+    }
+
+    #[test]
+    fn smaller_side_counts_units() {
+        // 3 items of 5 units before, 40 of 1 since: the units before, from either side.
+        let before = |l: i64| (3.min(l), 5 * 3.min(l));
+        let since = |l: i64| (40.min(l), 40.min(l));
+        assert_eq!(super::smaller_side(55, 2, before, since), 15);
+        assert_eq!(super::smaller_side(55, 4, before, since), 15);
+        // 40 items of 2 units before, 1 of 7 since: total less the side since.
+        let before = |l: i64| (40.min(l), 2 * 40.min(l));
+        let since = |l: i64| (1.min(l), 7 * 1.min(l));
+        assert_eq!(super::smaller_side(87, 4, before, since), 80);
+    }
+
     #[test]
     fn smaller_side_counts_the_smaller_side_only() {
         // 10 before, 1,000,000 since: the answer comes from the small side, and the
         // large one is never counted past the first limit.
         let mut read = 0i64;
         let total = 1_000_010;
-        let n = smaller_side(
+        let n = ss(
             total,
             1024,
             |limit| {
@@ -357,7 +394,7 @@ mod tests {
         // 1,000,000 before, 10 since: both sides read once up to 1024, then the small one
         // answers.
         let (mut b_read, mut s_read) = (0i64, 0i64);
-        let n = smaller_side(
+        let n = ss(
             total,
             1024,
             |limit| {
@@ -383,44 +420,42 @@ mod tests {
                 n.min(limit)
             }
         };
-        let n = smaller_side(before + since, 1024, side(before), side(since));
+        let n = ss(before + since, 1024, side(before), side(since));
         assert_eq!(n, before);
         assert!(reads.get() < 4 * before, "{} entries read", reads.get());
         // Exactly at a limit is not below it: both sides go on.
-        assert_eq!(
-            smaller_side(2048, 1024, |l| 1024.min(l), |l| 1024.min(l)),
-            1024
-        );
+        assert_eq!(ss(2048, 1024, |l| 1024.min(l), |l| 1024.min(l)), 1024);
         // From a small first limit (a role at a time): 200 before and none since reads
         // 16 and 0, not the 200; 5 before reads 5.
         reads.set(0);
-        assert_eq!(smaller_side(200, 16, side(200), side(0)), 200);
+        assert_eq!(ss(200, 16, side(200), side(0)), 200);
         assert_eq!(reads.get(), 16);
         reads.set(0);
-        assert_eq!(smaller_side(30, 16, side(5), side(25)), 5);
+        assert_eq!(ss(30, 16, side(5), side(25)), 5);
         assert_eq!(reads.get(), 5);
         // The side since is the smaller and over the first limit: the side before is
         // read up to the limit that fits it, so about 8 times it, besides the first
         // limit's 32 (monitoring_scale.sh bounds its reads so).
         reads.set(0);
-        assert_eq!(smaller_side(1020, 16, side(1000), side(20)), 1000);
+        assert_eq!(ss(1020, 16, side(1000), side(20)), 1000);
         assert!(reads.get() <= 32 + 8 * 20, "{} entries read", reads.get());
     }
     #[test]
     fn usage_totals_retained_is_rows_less_gone() {
-        let t = UsageTotals::new(3, 3, 1_000_000, 400_000);
+        let t = UsageTotals::new(3, 1_000_000, 400_000);
         assert_eq!(
             (t.active, t.retained, t.ledger_rows),
             (3, 600_000, 1_000_000)
         );
         // A summary that undercounts (SQL-level writes, until it is rebuilt) never
-        // reports fewer retained tickets or rows than the active ones.
-        let t = UsageTotals::new(5, 5, 2, 0);
+        // reports fewer retained units or rows than the active ones.
+        let t = UsageTotals::new(5, 2, 0);
         assert_eq!((t.retained, t.ledger_rows), (5, 5));
-        assert_eq!(UsageTotals::new(0, 0, 0, 0).retained, 0);
-        // 0.7.0: one active ticket of weight 50 among 3 rows is 50 units, 3 rows.
-        let t = UsageTotals::new(50, 1, 3, 0);
-        assert_eq!((t.active, t.retained, t.ledger_rows), (50, 3, 3));
+        assert_eq!(UsageTotals::new(0, 0, 0).retained, 0);
+        // 0.7.0: one active ticket of weight 50 and 2 ended ones of weight 1: 52 units
+        // retained, 50 of them active.
+        let t = UsageTotals::new(50, 52, 0);
+        assert_eq!((t.active, t.retained, t.ledger_rows), (50, 52, 52));
     }
     use super::*;
 

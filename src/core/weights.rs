@@ -1,8 +1,7 @@
 //! Weighted tickets (0.7.0): the texts of the errors that only weights raise (their
 //! variants are in errors.rs; a weight's check is core::ticket::check_weight). A
-//! ticket of weight n counts n units against every active limit that applies to it
-//! (its tenant's, its role's, the database's); its retained limits count it once, as
-//! every ticket.
+//! ticket of weight n counts n units against every limit that applies to it (its
+//! tenant's and its role's, active and retained, and the database's).
 
 use super::decision::RefusalKind;
 use super::refusals::{holder, set_by};
@@ -24,9 +23,10 @@ pub struct NeverFits {
 impl NeverFits {
     pub fn message(&self) -> String {
         format!(
-            "a start of weight {} can never fit the limit of {} active units {} for {}",
+            "a start of weight {} can never fit the limit of {} {} units {} for {}",
             self.weight,
             self.limit,
+            self.what(),
             set_by(self.kind, self.tenant_limit_set),
             holder(
                 self.kind,
@@ -37,16 +37,27 @@ impl NeverFits {
         )
     }
 
+    /// "active" or "retained", as the limit counts.
+    fn what(&self) -> &'static str {
+        if self.kind.is_active() {
+            "active"
+        } else {
+            "retained"
+        }
+    }
+
     pub fn hint(&self) -> String {
         let raise = match self.kind {
-            RefusalKind::TenantActive if self.tenant_limit_set => {
+            RefusalKind::TenantActive | RefusalKind::TenantRetained if self.tenant_limit_set => {
                 "raise the tenant's own limit with quota.set_tenant_limits()"
             }
             _ => "ask a superuser to raise the limit",
         };
         format!(
-            "Waiting does not help: even with nothing else active, {} units are more than the limit. Split the work into starts of at most {} units, or {raise}.",
-            self.weight, self.limit
+            "Waiting does not help: even with nothing else {}, {} units are more than the limit. Split the work into starts of at most {} units, or {raise}.",
+            self.what(),
+            self.weight,
+            self.limit
         )
     }
 }
@@ -54,7 +65,7 @@ impl NeverFits {
 /// The DETAIL sentence a refusal of a weighted start adds.
 pub fn refusal_detail(weight: i64) -> Option<String> {
     (weight > 1).then(|| {
-        format!("This start weighs {weight} units; active counts are units, a ticket counting its weight.")
+        format!("This start weighs {weight} units; active and retained counts are units, a ticket counting its weight.")
     })
 }
 
@@ -85,5 +96,29 @@ mod tests {
         assert_eq!(never_fits(no_tenant, 7, false), Some(RefusalKind::Database));
         assert_eq!(never_fits(no_tenant, 11, false), Some(RefusalKind::Active));
         assert_eq!(never_fits(Limits::default(), MAX_WEIGHT, false), None);
+        // Retained limits count units too: checked in decide's order.
+        let retained = Limits {
+            max_retained: 8,
+            tenant_retained: 6,
+            ..limits
+        };
+        assert_eq!(
+            never_fits(retained, 5, false),
+            Some(RefusalKind::TenantActive)
+        );
+        let retained = Limits {
+            tenant_active: 0,
+            ..retained
+        };
+        assert_eq!(
+            never_fits(retained, 7, false),
+            Some(RefusalKind::TenantRetained)
+        );
+        let role_only = Limits {
+            tenant_retained: 0,
+            ..retained
+        };
+        assert_eq!(never_fits(role_only, 9, false), Some(RefusalKind::Retained));
+        assert_eq!(never_fits(role_only, 8, false), Some(RefusalKind::Database));
     }
 }

@@ -5,7 +5,7 @@ use pgrx::pg_sys;
 
 use crate::ledger::rels::Rels;
 use crate::ledger::scan::{
-    attr, count, distinct_oids, rescans, scan, scan_index, ts_attr, weight_attr, Key, Latest,
+    attr, distinct_oids, rescans, scan, scan_index, ts_attr, units, weight_attr, Key, Latest,
 };
 use crate::ledger::{
     COL_ENDED_AT, COL_LEASE_UNTIL, COL_ROLE, SUMMARY_COL_FOLDED, SUMMARY_COL_TICKETS,
@@ -52,7 +52,8 @@ fn active_and_earliest_on(r: &Rels, index: pg_sys::Oid, snap: &Latest, keys: &[K
     (n, earliest)
 }
 
-/// How many ledger rows `role` has: from its summary row (plus its transactional
+/// The units of `role`'s ledger rows (0.7.0: a row counts its ticket's weight; the
+/// summary row's `tickets` are units too): from its summary row (plus its transactional
 /// tickets not folded into it yet, 0.5.0), or, where SQL-level writes to the ledger
 /// made the summary forget it (see sql/schema.sql), by counting, if `count_if_missing`
 /// (None otherwise); and whether that count was long enough that the writer should give
@@ -74,19 +75,18 @@ pub fn rows(
     }
 }
 
-/// How many of `role`'s transactional tickets (0.5.0) have a txid of at least `from`:
+/// The units of `role`'s transactional tickets (0.5.0) that have a txid of at least `from`:
 /// those its summary row does not count yet (see sql/schema.sql, quota.summary).
 pub fn unfolded(r: &Rels, snap: &Latest, role: pg_sys::Oid, from: u64) -> i64 {
     if !r.v5() {
         return 0;
     }
     in_both(r, |heap, idx| {
-        count_index(
+        units_index(
             heap,
             idx.txid,
             snap,
             &[Key::OidEq(role), Key::Xid8AtLeast(from)],
-            None,
         )
     })
 }
@@ -122,21 +122,17 @@ pub fn in_both(r: &Rels, mut f: impl FnMut(pg_sys::Oid, &Idx) -> i64) -> i64 {
     n
 }
 
-/// `count`, holding a read lock on `index` for the scan (see scan::scan_index): a
-/// Reader locks the first table's common indexes, not quota.history's.
-fn count_index(
-    heap: pg_sys::Oid,
-    index: pg_sys::Oid,
-    snap: &Latest,
-    keys: &[Key],
-    stop_at: Option<i64>,
-) -> i64 {
+/// `units`, holding a read lock on `index` for the scan (see scan::scan_index): a
+/// Reader locks the first table's common indexes, not quota.history's. Every count of
+/// a scope's retained tickets is a count of units (0.7.0): a ticket counts its weight
+/// against retained limits as against active ones.
+fn units_index(heap: pg_sys::Oid, index: pg_sys::Oid, snap: &Latest, keys: &[Key]) -> i64 {
     let mut locks = crate::ledger::locks::Locks::new();
     locks.take(index, pg_sys::AccessShareLock);
-    count(heap, index, snap, keys, stop_at)
+    units(heap, index, snap, keys)
 }
 
-/// How many of `role`'s transactional tickets have a txid from `from` up to, not
+/// The units of `role`'s transactional tickets that have a txid from `from` up to, not
 /// including, `to` (0.5.2): what a fold moves into its summary row. 0.5.1 counted
 /// everything from `from` on twice and took the difference, walking every ticket
 /// committed since the horizon on each pass while the horizon crept, and every ticket
@@ -146,12 +142,11 @@ pub fn unfolded_below(r: &Rels, snap: &Latest, role: pg_sys::Oid, from: u64, to:
         return 0;
     }
     in_both(r, |heap, idx| {
-        count_index(
+        units_index(
             heap,
             idx.txid,
             snap,
             &[Key::OidEq(role), Key::Xid8AtLeast(from), Key::Xid8Below(to)],
-            None,
         )
     })
 }
@@ -160,15 +155,15 @@ pub fn unfolded_below(r: &Rels, snap: &Latest, role: pg_sys::Oid, from: u64, to:
 /// issued yet, `next` being its next full transaction id read after `snap` was taken
 /// (0.5.2): tickets restored from a dump of a cluster further on (or written so by a
 /// superuser's SQL). Every transaction `snap` sees committed has an id below `next`, so
-/// none of them is this cluster's own. Their tables and locations, lowest txid first
-/// in each table.
+/// none of them is this cluster's own. Their tables, locations and weights (0.7.0),
+/// lowest txid first in each table.
 pub fn foreign(
     r: &Rels,
     snap: &Latest,
     role: pg_sys::Oid,
     next: u64,
     at_most: usize,
-) -> Vec<(pg_sys::Oid, pg_sys::ItemPointerData)> {
+) -> Vec<(pg_sys::Oid, pg_sys::ItemPointerData, i64)> {
     let mut out = Vec::new();
     if !r.v5() || at_most == 0 {
         return out;
@@ -182,7 +177,7 @@ pub fn foreign(
                 &[Key::OidEq(role), Key::Xid8AtLeast(next)],
                 |slot| {
                     // SAFETY: the slot holds a visible ledger tuple.
-                    out.push((heap, unsafe { (*slot).tts_tid }));
+                    out.push((heap, unsafe { (*slot).tts_tid }, weight_attr(slot)));
                     out.len() < at_most
                 },
             );
@@ -335,21 +330,20 @@ pub fn remember_summary_at(file: u32, role: pg_sys::Oid, tid: pg_sys::ItemPointe
     });
 }
 
-/// How many ledger rows `role` has (in both tables), counted one by one.
+/// The units of `role`'s ledger rows (in both tables), counted one by one.
 pub fn ledger_rows(r: &Rels, snap: &Latest, role: pg_sys::Oid) -> i64 {
     in_both(r, |heap, idx| {
-        count_index(heap, idx.role, snap, &[Key::OidEq(role)], None)
+        units_index(heap, idx.role, snap, &[Key::OidEq(role)])
     })
 }
 
-/// How many of `role`'s ended tickets are past `cutoff`.
+/// The units of `role`'s ended tickets that are past `cutoff`.
 pub fn expired(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::TimestampTz) -> i64 {
-    count_index(
+    units_index(
         r.history,
         r.history_idx,
         snap,
         &[Key::OidEq(role), Key::TsLess(cutoff)],
-        None,
     )
 }
 
@@ -408,28 +402,21 @@ pub fn being_changed(slot: *mut pg_sys::TupleTableSlot) -> bool {
     }
 }
 
-/// How many unfinished tickets tenant `tenant` (a text datum) of `role` holds (0.5.0),
-/// counting at most `stop_at` of them.
-pub fn tenant_active(
-    r: &Rels,
-    snap: &Latest,
-    role: pg_sys::Oid,
-    tenant: pg_sys::Datum,
-    stop_at: Option<i64>,
-) -> i64 {
+/// The units (0.7.0) of the unfinished tickets that tenant `tenant` (a text datum) of
+/// `role` holds (0.5.0), lapsed leases included: what its retained count starts from.
+pub fn tenant_unended(r: &Rels, snap: &Latest, role: pg_sys::Oid, tenant: pg_sys::Datum) -> i64 {
     if !r.v5() {
         return 0;
     }
-    count(
+    units(
         r.ledger,
         r.ledger_tenant_idx,
         snap,
         &[Key::OidEq(role), Key::TextEq(tenant), Key::IsNull],
-        stop_at,
     )
 }
 
-/// How many of tenant `tenant`'s tickets ended at or after `cutoff`.
+/// The units of tenant `tenant`'s tickets that ended at or after `cutoff`.
 pub fn tenant_ended_since(
     r: &Rels,
     snap: &Latest,
@@ -440,7 +427,7 @@ pub fn tenant_ended_since(
     if !r.v5() {
         return 0;
     }
-    count_index(
+    units_index(
         r.history,
         r.history_tenant_idx,
         snap,
@@ -449,7 +436,6 @@ pub fn tenant_ended_since(
             Key::TextEq(tenant),
             Key::TsAtLeast(cutoff),
         ],
-        None,
     )
 }
 
@@ -665,7 +651,7 @@ pub fn db_ended_before(
                     let scan = &scan;
                     move |limit: i64| {
                         scan.borrow_mut()
-                            .count(&[Key::OidEq(role), key], Some(limit))
+                            .count_units(&[Key::OidEq(role), key], Some(limit))
                     }
                 };
                 before += crate::core::stats::smaller_side(

@@ -196,14 +196,11 @@ pub fn next_expiry(
 }
 
 /// The database's unfinished tickets (0.5.1, for quota.usage_totals), sorted as
-/// quota.usage sorts them at `now` for a caller whose retention starts at `cutoff`.
+/// quota.usage sorts them at `now` for a caller whose retention starts at `cutoff`, in
+/// units (0.7.0: each counts its weight).
 pub struct Open {
-    /// Every unfinished ticket.
-    pub all: i64,
-    /// The units (0.7.0) of those whose lease has not run out (or that have none).
+    /// Those whose lease has not run out (or that have none).
     pub active: i64,
-    /// How many tickets those are.
-    pub active_tickets: i64,
     /// Those whose lease ran out before `cutoff`: they count as ended at lease_until,
     /// so no longer as retained.
     pub gone: i64,
@@ -220,23 +217,22 @@ pub fn db_open(
     cutoff: pg_sys::TimestampTz,
 ) -> Open {
     let mut open = Open {
-        all: 0,
         active: 0,
-        active_tickets: 0,
         gone: 0,
         by_role: std::collections::HashMap::new(),
     };
     each_unended(r, snap, None, |slot| {
         let lease_until = ts_attr(slot, COL_LEASE_UNTIL);
+        let weight = weight_attr(slot);
         if let Some(role) = attr(slot, COL_ROLE as i32) {
-            *open.by_role.entry(role.value() as u32).or_insert(0) += 1;
+            *open.by_role.entry(role.value() as u32).or_insert(0) += weight;
         }
-        open.all += 1;
         if lease_until.is_none_or(|l| l > now) {
-            open.active += weight_attr(slot);
-            open.active_tickets += 1;
+            open.active += weight;
         }
-        open.gone += i64::from(lease_until.is_some_and(|l| l < cutoff));
+        if lease_until.is_some_and(|l| l < cutoff) {
+            open.gone += weight;
+        }
         true
     });
     open

@@ -300,14 +300,16 @@ impl Rescan<'_> {
         }
     }
 
-    /// How many rows `keys` select, counting up to `stop_at`.
-    pub fn count(&mut self, keys: &[Key], stop_at: Option<i64>) -> i64 {
-        let mut n = 0i64;
-        self.run(keys, |_| {
+    /// How many ledger rows `keys` select, reading up to `stop_at` of them, and their
+    /// units (0.7.0: the sum of their weights).
+    pub fn count_units(&mut self, keys: &[Key], stop_at: Option<i64>) -> (i64, i64) {
+        let (mut n, mut units) = (0i64, 0i64);
+        self.run(keys, |slot| {
             n += 1;
+            units += weight_attr(slot);
             stop_at.is_none_or(|s| n < s)
         });
-        n
+        (n, units)
     }
 }
 
@@ -515,17 +517,13 @@ pub fn scan_any(
     }
 }
 
-pub fn count(
-    heap: pg_sys::Oid,
-    index: pg_sys::Oid,
-    snap: &Latest,
-    keys: &[Key],
-    stop_at: Option<i64>,
-) -> i64 {
+/// The units (0.7.0: the sum of their weights, see `weight_attr`) of the ledger rows
+/// that `keys` select.
+pub fn units(heap: pg_sys::Oid, index: pg_sys::Oid, snap: &Latest, keys: &[Key]) -> i64 {
     let mut n = 0i64;
-    scan(heap, index, snap, keys, |_| {
-        n += 1;
-        stop_at.is_none_or(|s| n < s)
+    scan(heap, index, snap, keys, |slot| {
+        n += weight_attr(slot);
+        true
     });
     n
 }

@@ -10,7 +10,7 @@ use crate::core::uuid_v7;
 use crate::ledger::count::{ledger_rows, remember_summary_at, summary_row, summary_rows, unfolded};
 use crate::ledger::heap::OpenRel;
 use crate::ledger::rels::Rels;
-use crate::ledger::scan::{attr, scan_open, text_datum, Key, Latest};
+use crate::ledger::scan::{attr, scan_open, text_datum, weight_attr, Key, Latest};
 use crate::ledger::{
     COL_ENDED_AT, COL_ID, COL_KEY, COL_LABEL, COL_LEASE_UNTIL, COL_OUTCOME, COL_PID, COL_ROLE,
     COL_STARTED_AT, COL_TENANT, COL_TXID, COL_WEIGHT, NCOLS_V2, NCOLS_V5, NCOLS_V7,
@@ -27,36 +27,38 @@ pub fn delete_where(
     keys: &[Key],
     wanted: impl Fn(*mut pg_sys::TupleTableSlot) -> bool,
 ) -> i64 {
-    delete_counting(rel, index, keys, |slot| wanted(slot).then_some(false)).0
+    delete_counting(rel, index, keys, |slot| wanted(slot).then_some((false, 1))).0
 }
 
-/// `delete_where`, where `class` says of each row whether to delete it (Some) and
-/// whether to count it apart (Some(true)). Returns how many it deleted, and how many of
-/// those it counted apart.
+/// `delete_where`, where `class` says of each row whether to delete it (Some), whether
+/// to count it apart and what it weighs (Some((true, w))). Returns the weights of the
+/// rows it deleted, and of those it counted apart.
 pub fn delete_counting(
     rel: &OpenRel,
     index: pg_sys::Oid,
     keys: &[Key],
-    class: impl Fn(*mut pg_sys::TupleTableSlot) -> Option<bool>,
+    class: impl Fn(*mut pg_sys::TupleTableSlot) -> Option<(bool, i64)>,
 ) -> (i64, i64) {
     // SAFETY: makes our earlier writes in this transaction visible to the snapshot.
     unsafe { pg_sys::CommandCounterIncrement() };
     let snap = Latest::take();
     let mut tids = Vec::new();
     scan_open(rel.heap, rel.index(index), &snap, keys, |slot| {
-        if let Some(apart) = class(slot) {
+        if let Some((apart, weight)) = class(slot) {
             // SAFETY: the slot holds a visible tuple of `rel`.
-            tids.push((unsafe { (*slot).tts_tid }, apart));
+            tids.push((unsafe { (*slot).tts_tid }, apart, weight));
         }
         true
     });
     drop(snap);
     let (mut n, mut apart_n) = (0, 0);
-    for (tid, apart) in tids {
+    for (tid, apart, weight) in tids {
         match rel.delete(tid) {
             pg_sys::TM_Result::TM_Ok => {
-                n += 1;
-                apart_n += i64::from(apart);
+                n += weight;
+                if apart {
+                    apart_n += weight;
+                }
             }
             // Changed or deleted meanwhile (a superuser's SQL, say): leave it; a
             // later purge sees its new version.
@@ -199,9 +201,9 @@ impl Tables {
     }
 }
 
-/// How many rows a purge deleted: all of them, and those its role's summary row
-/// counted (every writer-committed ticket, and the transactional ones below its
-/// `folded`).
+/// The units (0.7.0) of the rows a purge deleted: all of them, and those its role's
+/// summary row counted (every writer-committed ticket, and the transactional ones below
+/// its `folded`).
 pub struct Purged {
     pub all: i64,
     pub summarized: i64,
@@ -229,7 +231,7 @@ pub fn purge_before(
             } else {
                 None
             };
-            Some(txid.is_none_or(|t| t < folded))
+            Some((txid.is_none_or(|t| t < folded), weight_attr(slot)))
         },
     );
     Purged { all, summarized }

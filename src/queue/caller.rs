@@ -257,7 +257,7 @@ fn publish(slot: &Slot, idx: usize) {
 
 /// The requests of `role` in this database in the writer's hands (handed over and not
 /// yet answered), all of them and those of its tenant `tenant` (a key; 0: none asked),
-/// in units and in tickets (0.7.0). Callers hold the role's scope lock, so none of their
+/// in units (0.7.0). Callers hold the role's scope lock, so none of their
 /// scope can be added meanwhile; a read that races with a slot being reused only
 /// miscounts a request that is not of this scope, and the writer's own check is exact
 /// in any case.
@@ -270,10 +270,8 @@ pub fn inflight(role: pg_sys::Oid, tenant: u128) -> Pending {
     {
         let w = s.weight();
         f.role_units += w;
-        f.role_tickets += 1;
         if tenant != 0 && s.tenant() == tenant {
             f.tenant_units += w;
-            f.tenant_tickets += 1;
         }
     }
     f

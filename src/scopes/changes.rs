@@ -33,8 +33,9 @@ impl Change {
 }
 
 /// Adds to `changes` (one per scope, as `publish` takes them) what one ticket of scope
-/// `key` changes: `active` active tickets and `rows` rows of its role, and the same
-/// active tickets of its tenant if it has one (a tenant has no rows of its own); a
+/// `key` changes: `active` active units and `rows` units of its role's rows (0.7.0:
+/// units, as both counts are), and the same active units of its tenant if it has one
+/// (a tenant has no rows of its own); a
 /// ticket whose lease ends at `lease` (added, or renewed) lowers their `earliest`.
 pub fn add_change(
     changes: &mut Vec<Change>,

@@ -12,8 +12,8 @@ use super::{get, others_view, Counted, Open, ScopeKey};
 use crate::core::lease::{earliest, Lapsed};
 use crate::core::{Limits, RefusalKind, Usage};
 use crate::ledger::count::{
-    active_and_earliest, expired, oldest_ended, rows, summary_rows, tenant_active,
-    tenant_active_and_earliest, tenant_ended_since, tenant_oldest_ended,
+    active_and_earliest, expired, oldest_ended, rows, summary_rows, tenant_active_and_earliest,
+    tenant_ended_since, tenant_oldest_ended, tenant_unended,
 };
 use crate::ledger::leases::{lapsed, tenant_lapsed};
 use crate::ledger::rels::Reader;
@@ -131,7 +131,7 @@ pub fn usage(
             u.active = active + open.units;
         }
         if limits.max_retained > 0 {
-            u.retained = rows + open.tickets;
+            u.retained = rows + open.units;
         }
     }
     let of_tenant = tenant.filter(|_| limits.tenant_active > 0 || limits.tenant_retained > 0);
@@ -159,11 +159,11 @@ pub fn usage(
         if limits.tenant_retained > 0 {
             seen_before = Some(seen());
             // A tenant's history is counted from the ledger (see `tenant_exact`), in
-            // tickets.
+            // units.
             let snap = after.insert(others_view());
-            u.tenant_retained = tenant_active(r, snap, role, t.text, None)
+            u.tenant_retained = tenant_unended(r, snap, role, t.text)
                 + tenant_ended_since(r, snap, role, t.text, cutoff)
-                + open.tickets;
+                + open.units;
         }
     }
     if fits(u) {
@@ -270,7 +270,7 @@ pub fn role_exact(
     let lapsed = seen.lapsed(key, now, || lapsed(r, &after, role, now));
     let retained = cutoffs
         .iter()
-        .map(|&c| rows + open.tickets - expired(r, &after, role, c) - lapsed.aged_out(c))
+        .map(|&c| rows + open.units - expired(r, &after, role, c) - lapsed.aged_out(c))
         .collect();
     Exact {
         active: active + open.units - lapsed.expired(),
@@ -302,12 +302,12 @@ pub fn tenant_exact(
     let unfinished = if cutoffs.is_empty() {
         0
     } else {
-        tenant_active(r, &after, role, t.text, None)
+        tenant_unended(r, &after, role, t.text)
     };
     let retained = cutoffs
         .iter()
         .map(|&c| {
-            unfinished + tenant_ended_since(r, &after, role, t.text, c) + open.tickets
+            unfinished + tenant_ended_since(r, &after, role, t.text, c) + open.units
                 - lapsed.aged_out(c)
         })
         .collect();

@@ -117,8 +117,9 @@ pub struct Counter {
     /// The tenant key, low and high halves (0 for a role's counter).
     tenant: [AtomicU64; 2],
     active: AtomicI64,
-    /// Ledger rows of a role (summary row plus unfolded transactional tickets); not
-    /// kept for a tenant (counts.rs counts a tenant's retained tickets from the ledger).
+    /// The units of a role's ledger rows (summary row plus unfolded transactional
+    /// tickets; 0.7.0: units, each row counting its ticket's weight); not kept for a
+    /// tenant (counts.rs counts a tenant's retained units from the ledger).
     rows: AtomicI64,
     /// Uncommitted transactional charges of the scope (0.5.0): the counter is pinned
     /// while they are above 0.
@@ -150,22 +151,20 @@ const _: () = assert!(
     "USER_GUIDE.md gives 112 bytes"
 );
 
-/// A scope's uncommitted transactional charges (0.5.0): how many (its retained counts
-/// take each once) and their units (0.7.0; its active counts take each's weight).
+/// A scope's uncommitted transactional charges (0.5.0): their units (0.7.0; its active
+/// and retained counts take each one's weight).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Open {
-    pub tickets: i64,
     pub units: i64,
 }
 
 impl Open {
-    /// Read before the scope's committed numbers (see `get`): both fields before them,
-    /// in any order, since what moves them meanwhile is a charge taken (not while the
-    /// counters' lock is held, which every reader holds) or ended (a committed one is
-    /// applied to the numbers before it ends).
+    /// Read before the scope's committed numbers (see `get`), since what moves it
+    /// meanwhile is a charge taken (not while the counters' lock is held, which every
+    /// reader holds) or ended (a committed one is applied to the numbers before it
+    /// ends).
     fn of(e: &Counter) -> Open {
         Open {
-            tickets: e.open.load(Ordering::Acquire),
             units: e.open_units.load(Ordering::Acquire),
         }
     }

@@ -36,10 +36,5 @@ pub fn totals() -> UsageTotals {
         (role, r.rows - open, r.first_ended)
     });
     let ended_gone = db_ended_before(&rels, &snap, cutoff, ended);
-    UsageTotals::new(
-        open.active,
-        open.active_tickets,
-        rows,
-        open.gone + ended_gone,
-    )
+    UsageTotals::new(open.active, rows, open.gone + ended_gone)
 }

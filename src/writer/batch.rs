@@ -371,8 +371,9 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
     }
 
     let mut admitted: Vec<Admitted> = Vec::new();
-    // Each scope's admissions in this batch: (units, tickets).
-    let mut pending: HashMap<ScopeKey, (i64, i64)> = HashMap::new();
+    // Each scope's admissions in this batch, in units (0.7.0: active and retained
+    // counts both take a ticket's weight).
+    let mut pending: HashMap<ScopeKey, i64> = HashMap::new();
     // The earliest lease end each scope's admissions bring (see scopes::Counter).
     let mut floors: HashMap<ScopeKey, i64> = HashMap::new();
     for (k, ((&i, req), breq)) in batch.iter().zip(&requests).zip(&breqs).enumerate() {
@@ -413,9 +414,7 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
                 });
                 let floor = lease_until.unwrap_or(crate::scopes::LEASE_NONE);
                 let mut count = |key: ScopeKey| {
-                    let p = pending.entry(key).or_default();
-                    p.0 += breq.weight;
-                    p.1 += 1;
+                    *pending.entry(key).or_default() += breq.weight;
                     let f = floors.entry(key).or_insert(floor);
                     *f = (*f).min(floor);
                 };
@@ -462,10 +461,10 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
                     RefusalKind::TenantActive => 4,
                     RefusalKind::TenantRetained => 5,
                 };
-                reply.active = full.active + p.0;
-                reply.retained = full.retained + p.1;
-                reply.tenant_active = full.tenant_active + pt.0;
-                reply.tenant_retained = full.tenant_retained + pt.1;
+                reply.active = full.active + p;
+                reply.retained = full.retained + p;
+                reply.tenant_active = full.tenant_active + pt;
+                reply.tenant_retained = full.tenant_retained + pt;
                 reply.db_active = r.usage.db_active;
                 reply.next_ageout = next;
             }
@@ -493,7 +492,7 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
     let for_all = retention_floor();
     let mut delta: Vec<(pg_sys::Oid, i64)> = Vec::new();
     let mut changes = Vec::new();
-    for (&key, &(units, n)) in &pending {
+    for (&key, &units) in &pending {
         if key.is_tenant() {
             // A tenant's counter keeps its active units only.
             changes.push(Change {
@@ -509,11 +508,11 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
             .max(for_all)
             .max(configured_retention(oid));
         let purged = purge_before(&rels, &tables, oid, cutoff(now, keep));
-        delta.push((oid, n - purged.summarized));
+        delta.push((oid, units - purged.summarized));
         changes.push(Change {
             key,
             active: units,
-            rows: n - purged.all,
+            rows: units - purged.all,
             lease_floor: floors[&key],
         });
     }

@@ -132,7 +132,7 @@ fn fold() {
 /// `snap`; see ledger::count::foreign) a txid below every fold, at most `left` of them,
 /// and takes those from `left`. A ticket a finish() or renew() is changing right now
 /// is left for a later pass: the writer never waits for a caller's transaction.
-/// Returns how many it adopted.
+/// Returns the units (0.7.0) of those it adopted.
 fn adopt(
     rels: &Rels,
     tables: &Tables,
@@ -142,7 +142,7 @@ fn adopt(
     left: &mut usize,
 ) -> i64 {
     let mut adopted = 0;
-    for (relid, tid) in foreign(rels, snap, role, next, *left) {
+    for (relid, tid, weight) in foreign(rels, snap, role, next, *left) {
         *left -= 1;
         // Changed in place, in whichever table it is.
         let ledger = tables.by_oid(relid);
@@ -153,7 +153,7 @@ fn adopt(
             continue;
         };
         if ledger.update(tid, tuple, &[COL_TXID]) == pg_sys::TM_Result::TM_Ok {
-            adopted += 1;
+            adopted += weight;
         }
     }
     adopted

@@ -1,6 +1,6 @@
 -- 0.7.0: weighted tickets. start(weight => n) and try_start(weight => n) charge n
--- units against every active limit that applies (the tenant's, the role's, the
--- database cap); retained limits count each ticket once.
+-- units against every limit that applies (the tenant's and the role's, active and
+-- retained, and the database cap).
 CREATE ROLE w_app;
 ALTER ROLE w_app SET quota.max_active_per_role = 10;
 ALTER ROLE w_app SET quota.max_retained_per_role = 0;
@@ -97,8 +97,8 @@ SELECT quota.start(weight => 3);
 \set VERBOSITY default
 SELECT quota.try_start(weight => 2, label => 'light') IS NOT NULL AS two_more;
 SELECT quota.try_start() IS NULL AS even_one_refused;
--- The views count units where they count active tickets, tickets where they count
--- retained ones; quota.tickets shows each ticket's weight.
+-- The views count units, active and retained; quota.tickets shows each ticket's
+-- weight.
 SELECT active, retained FROM quota.usage WHERE role = 'w_app'::regrole;
 SELECT label, weight FROM quota.tickets WHERE role = 'w_app'::regrole AND ended_at IS NULL
  ORDER BY weight;
@@ -229,6 +229,75 @@ $$;
 RESET ROLE;
 SELECT active = :cap AS totals_count_units FROM quota.usage_totals();
 RESET quota.max_active_per_database;
+
+-- Retained limits count units too: an ended ticket keeps its weight's units until it
+-- ages out, and a start fits only where its weight's units are free.
+SELECT retained AS retained_before, ledger_rows AS rows_before FROM quota.usage_totals() \gset
+CREATE ROLE w_ret;
+ALTER ROLE w_ret SET quota.max_active_per_role = 0;
+ALTER ROLE w_ret SET quota.max_retained_per_role = 10;
+ALTER ROLE w_ret SET quota.max_retained_per_tenant = 6;
+ALTER ROLE w_ret SET quota.allow_transactional = on;
+SET ROLE w_ret;
+SELECT quota.finish(quota.start(weight => 4)) AS ended_4;
+SELECT quota.try_start(weight => 5) IS NOT NULL AS five_more;
+SELECT quota.try_start(weight => 2) IS NULL AS two_refused_at_9_of_10;
+SELECT quota.try_start() IS NOT NULL AS one_fits;
+SELECT quota.try_start() IS NULL AS full;
+DO $$
+BEGIN
+    PERFORM quota.start(weight => 2);
+EXCEPTION WHEN configuration_limit_exceeded THEN
+    RAISE NOTICE '%', SQLERRM;
+END
+$$;
+-- Above the retained limit: it can never fit.
+DO $$
+BEGIN
+    PERFORM quota.start(weight => 11, wait => '1 hour');
+EXCEPTION WHEN configuration_limit_exceeded THEN
+    RAISE NOTICE '%', SQLERRM;
+END
+$$;
+SELECT active, retained FROM quota.usage WHERE role = 'w_ret'::regrole;
+-- A rolled-back transactional start gives its retained units back.
+RESET ROLE;
+ALTER ROLE w_ret SET quota.max_retained_per_role = 20;
+SET ROLE w_ret;
+BEGIN;
+SELECT quota.start(weight => 9, transactional => true) IS NOT NULL AS txn_9;
+SELECT quota.try_start(weight => 2) IS NULL AS refused_at_19_of_20;
+ROLLBACK;
+SELECT quota.try_start(weight => 9) IS NOT NULL AS nine_after_rollback;
+RESET ROLE;
+ALTER ROLE w_ret SET quota.max_retained_per_role = 0;
+SET ROLE w_ret;
+-- A tenant's retained limit, the setting's and its own.
+SELECT quota.finish(quota.start(weight => 3, tenant => 'acme')) AS acme_ended_3;
+SELECT quota.try_start(weight => 4, tenant => 'acme') IS NULL AS acme_4_refused;
+SELECT quota.try_start(weight => 3, tenant => 'acme') IS NOT NULL AS acme_3_fits;
+SELECT tenant, active, retained FROM quota.tenant_usage
+ WHERE role = 'w_ret'::regrole ORDER BY tenant;
+RESET ROLE;
+SELECT quota.set_tenant_limits('small', max_retained => 4, role => 'w_ret');
+SET ROLE w_ret;
+DO $$
+BEGIN
+    PERFORM quota.start(weight => 5, tenant => 'small');
+EXCEPTION WHEN configuration_limit_exceeded THEN
+    RAISE NOTICE '%', SQLERRM;
+END
+$$;
+SELECT quota.try_start(weight => 4, tenant => 'small') IS NOT NULL AS small_4_fits;
+RESET ROLE;
+SELECT role::text, retained FROM quota.usage WHERE role = 'w_ret'::regrole;
+-- quota.usage_totals() counts the same units (its retained and ledger_rows).
+SELECT retained - :retained_before AS totals_retained, ledger_rows - :rows_before AS totals_rows
+  FROM quota.usage_totals();
+DELETE FROM quota.ledger WHERE role = 'w_ret'::regrole;
+SELECT quota.set_tenant_limits('small', role => 'w_ret');
+ALTER ROLE w_ret RESET ALL;
+DROP ROLE w_ret;
 
 -- Clean up.
 DELETE FROM quota.ledger WHERE role = 'w_app'::regrole;

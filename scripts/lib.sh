@@ -482,13 +482,15 @@ failover_checks() {
   check "quota.summary still equals the ledger" summary_matches_ledger
 }
 
-# summary_matches_ledger [DB]: every summary row equals its role's ledger rows (a role
-# without a summary row is counted from the ledger, so a missing row is fine); prints
-# the roles that are off.
+# summary_matches_ledger [DB]: every summary row equals its role's ledger rows, each
+# counting its ticket's weight from 0.7.0 (a schema without the column counts 1 each; a
+# role without a summary row is counted from the ledger, so a missing row is fine);
+# prints the roles that are off.
 summary_matches_ledger() {
   local off
   off=$(sql -d "${1:-postgres}" -c "SELECT s.role::regrole || ': summary ' || s.tickets || ', ledger ' || coalesce(l.n, 0)
-                  FROM quota.summary s LEFT JOIN (SELECT role, count(*) AS n FROM quota.ledger GROUP BY role) l USING (role)
+                  FROM quota.summary s LEFT JOIN (SELECT role, sum(coalesce((pg_catalog.to_jsonb(x) ->> 'weight')::int, 1)) AS n
+                                                    FROM quota.ledger x GROUP BY role) l USING (role)
                  WHERE s.tickets IS DISTINCT FROM coalesce(l.n, 0)")
   [ -z "$off" ] || { echo "# $off" | tr '\n' ' '; echo; return 1; }
 }

@@ -28,7 +28,7 @@
 -- role itself) and txid (for a transactional start, the full transaction id of the
 -- transaction that charged it: the row commits or rolls back with that transaction;
 -- NULL for a charge the ledger writer committed).
--- From 0.7.0: weight (the units the ticket counts against its active limits; NULL
+-- From 0.7.0: weight (the units the ticket counts against its limits; NULL
 -- stands for 1, so that a ticket of weight 1 takes no byte more). The checks are NOT
 -- VALID so that the update from 0.6.1 adds the column without reading the tables; new
 -- rows are checked (pg_quota's own writes, below SQL, never store anything but 2 to

@@ -264,7 +264,7 @@ fn try_start_v5(
     })
 }
 
-/// 0.7.0: start() of a ticket that counts `weight` units against its active limits.
+/// 0.7.0: start() of a ticket that counts `weight` units against its limits.
 /// An overload rather than a new argument of start(): the existing function stays, so
 /// that what depends on it (a view, a column default, a function) keeps working. Its
 /// weight comes first and has no default, so that a call without one resolves to the

@@ -180,7 +180,8 @@ unsafe extern "C-unwind" fn xact_event(
         match event {
             pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT => {
                 // One change per scope: each charge is its weight's active units and
-                // one more row of its role, and the same units of its tenant.
+                // as many more units of its role's rows (0.7.0), and the same active
+                // units of its tenant.
                 let mut changes = Vec::new();
                 for (c, _) in open.iter() {
                     let key = ScopeKey {

@@ -211,7 +211,7 @@ fn ahead_of(kind: RefusalKind, ahead: Ahead) -> i64 {
 }
 
 /// The counts plus the starts waiting ahead, which take the next free slots: their
-/// units in the active counts, each once in the retained ones.
+/// units in the active and the retained counts (0.7.0).
 fn with_ahead(u: Usage, a: Ahead) -> Usage {
     Usage {
         ahead: a.of_role + a.of_db,
@@ -400,7 +400,7 @@ pub(crate) fn under_lock<T>(
             // I7: superusers are never refused; what they take is still recorded.
             return take(&reader).map(Ok);
         }
-        // In units for the active counts, each request once for the retained ones.
+        // In units, for the active and the retained counts (0.7.0).
         let with_inflight = |u: Usage| {
             u.with_pending(crate::core::Pending {
                 db_units: inflight_db,

@@ -43,7 +43,7 @@ pub struct StartArgs<'a> {
     pub tenant: Option<&'a [u8]>,
     /// 0.5.0: the charge commits or rolls back with the calling transaction.
     pub transactional: bool,
-    /// 0.7.0: the units the ticket counts against its active limits (checked by
+    /// 0.7.0: the units the ticket counts against its limits, active and retained (checked by
     /// core::weights::check_weight; 1 for the calls without a weight).
     pub weight: i64,
 }
@@ -92,7 +92,7 @@ impl Caller<'_> {
         }
     }
 
-    /// The error of a start that can never fit the active limit of `kind` (0.7.0).
+    /// The error of a start that can never fit the limit of `kind` (0.7.0).
     fn never_fits(&self, kind: RefusalKind) -> QuotaError {
         QuotaError::WeightNeverFits(crate::core::weights::NeverFits {
             kind,
@@ -186,6 +186,8 @@ impl Refused {
             cutoff(now, retention),
             retention,
             self.kind,
+            caller.args.weight,
+            caller.limits.of(self.kind),
         );
         usage.db_active = counted.db_active;
         usage.ahead = counted.ahead;
@@ -604,7 +606,7 @@ fn attempt(
             repeat = true;
         }
     }
-    // 0.7.0: a start heavier than an active limit that applies to it is refused at
+    // 0.7.0: a start heavier than a limit that applies to it is refused at
     // once, wait or not: no ticket that ends could make room for it. Not a repeat of
     // its key, answered above whatever the limits say now (a limit lowered since the
     // first start must not make a retry look uncharged). Counted as a refusal of that

@@ -22,7 +22,7 @@ pub struct BatchRequest {
     pub limits: Limits,
     pub retention_secs: i64,
     pub exempt: bool,
-    /// Its weight (0.7.0): the units it takes of each active count it is admitted to.
+    /// Its weight (0.7.0): the units it takes of each count it is admitted to.
     pub weight: i64,
 }
 

@@ -589,30 +589,35 @@ impl QuotaError {
                 ..
             } => Some(match (refusal.kind, next_ageout) {
                 (RefusalKind::TenantActive, _) if *tenant_limit_set => "Finish one of the tenant's tickets with quota.finish(), or raise the tenant's own limit with quota.set_tenant_limits().".to_string(),
-                (RefusalKind::TenantRetained, Some(at)) if *tenant_limit_set => format!(
-                    "Capacity returns at {at}, when the tenant's oldest retained ticket ages out; quota.set_tenant_limits() can raise the tenant's own limit."
+                (RefusalKind::TenantRetained, _) if *tenant_limit_set => format!(
+                    "{}quota.set_tenant_limits() can raise the tenant's own limit.",
+                    ageout(true, refusal.weight, next_ageout.as_deref(), true)
                 ),
-                (RefusalKind::TenantRetained, None) if *tenant_limit_set => "Every retained ticket of the tenant is still active: tickets age out quota.retention after they finish. quota.set_tenant_limits() can raise the tenant's own limit.".to_string(),
                 (RefusalKind::Database, _) => "Capacity returns when any role of the database finishes a ticket or a lease expires; a superuser can raise quota.max_active_per_database.".to_string(),
                 (RefusalKind::Active, _) => "Finish a ticket with quota.finish(), or ask a superuser to raise quota.max_active_per_role.".to_string(),
                 (RefusalKind::Retained, _) if default_retained_for.is_some() => format!(
-                    "{} quota.max_retained_per_role is at its default of {}, which no setting for this role chose: a superuser can turn it off with ALTER ROLE {} SET quota.max_retained_per_role = 0, or set a limit it means.",
-                    match next_ageout {
-                        Some(at) => format!("Capacity returns at {at}, when the oldest retained ticket ages out."),
-                        None => "Every retained ticket is still active: tickets age out quota.retention after they finish.".to_string(),
-                    },
+                    "{}quota.max_retained_per_role is at its default of {}, which no setting for this role chose: a superuser can turn it off with ALTER ROLE {} SET quota.max_retained_per_role = 0, or set a limit it means.",
+                    ageout(false, refusal.weight, next_ageout.as_deref(), false),
                     refusal.limits.max_retained,
                     default_retained_for.as_deref().unwrap_or_default()
                 ),
-                (RefusalKind::Retained, Some(at)) => format!(
-                    "Capacity returns at {at}, when the oldest retained ticket ages out; a superuser can raise quota.max_retained_per_role or shorten quota.retention."
+                (RefusalKind::Retained, Some(_)) => format!(
+                    "{}a superuser can raise quota.max_retained_per_role or shorten quota.retention.",
+                    ageout(false, refusal.weight, next_ageout.as_deref(), true)
                 ),
-                (RefusalKind::Retained, None) => "Every retained ticket is still active: tickets age out quota.retention after they finish. A superuser can raise quota.max_retained_per_role.".to_string(),
+                (RefusalKind::Retained, None) => format!(
+                    "{}A superuser can raise quota.max_retained_per_role.",
+                    ageout(false, refusal.weight, next_ageout.as_deref(), true)
+                ),
                 (RefusalKind::TenantActive, _) => "Finish one of the tenant's tickets with quota.finish(), or ask a superuser to raise quota.max_active_per_tenant for its role.".to_string(),
-                (RefusalKind::TenantRetained, Some(at)) => format!(
-                    "Capacity returns at {at}, when the tenant's oldest retained ticket ages out; a superuser can raise quota.max_retained_per_tenant for its role or shorten quota.retention."
+                (RefusalKind::TenantRetained, Some(_)) => format!(
+                    "{}a superuser can raise quota.max_retained_per_tenant for its role or shorten quota.retention.",
+                    ageout(true, refusal.weight, next_ageout.as_deref(), true)
                 ),
-                (RefusalKind::TenantRetained, None) => "Every retained ticket of the tenant is still active: tickets age out quota.retention after they finish. A superuser can raise quota.max_retained_per_tenant for its role.".to_string(),
+                (RefusalKind::TenantRetained, None) => format!(
+                    "{}A superuser can raise quota.max_retained_per_tenant for its role.",
+                    ageout(true, refusal.weight, next_ageout.as_deref(), true)
+                ),
             }),
             QuotaError::TriggerArguments { func, .. } => Some(func.usage().to_string()),
             QuotaError::TriggerMisfired { func, .. } => {
@@ -790,3 +795,29 @@ pub fn triggers_disabled(triggers: &[String]) -> (String, String, String) {
 #[cfg(test)]
 #[path = "errors_tests.rs"]
 mod tests;
+
+/// The first sentence of a retained refusal's HINT: when capacity returns, as
+/// `next_ageout` says (None: aging out cannot free enough, the rest is active), for a
+/// start of `weight` (0.7.0: a heavier one needs several tickets' units to age out), of
+/// the tenant's tickets or the role's; then what the caller's next words follow: "; "
+/// after a time where `joined`, else ". " (and always ". " without a time).
+fn ageout(tenant: bool, weight: i64, next_ageout: Option<&str>, joined: bool) -> String {
+    let whose = if tenant { "the tenant's " } else { "the " };
+    let of_tenant = if tenant { " of the tenant" } else { "" };
+    match next_ageout {
+        Some(at) if weight > 1 => format!(
+            "Capacity for a start of weight {weight} returns at {at}, when enough of {whose}retained units have aged out{}",
+            if joined { "; " } else { ". " }
+        ),
+        Some(at) => format!(
+            "Capacity returns at {at}, when {whose}oldest retained ticket ages out{}",
+            if joined { "; " } else { ". " }
+        ),
+        None if weight > 1 => format!(
+            "Aging out frees too few of {whose}retained units for a start of weight {weight}: more tickets{of_tenant} must finish first, and tickets age out quota.retention after they finish. "
+        ),
+        None => format!(
+            "Every retained ticket{of_tenant} is still active: tickets age out quota.retention after they finish. "
+        ),
+    }
+}

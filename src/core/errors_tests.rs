@@ -596,7 +596,7 @@ fn a_weighted_refusal_counts_units() {
         "role \"app\" has 8 active units: a start of weight 3 does not fit the limit of 10 set by quota.max_active_per_role"
     );
     assert!(e.detail().unwrap().ends_with(
-        "This start weighs 3 units; active and retained counts are units, a ticket counting its weight."
+        "This start weighs 3 units; the counts are units, a ticket counting its weight."
     ));
     assert_eq!(decide_weighted(limits, usage, 3, true), Decision::Admit);
 }
@@ -652,9 +652,51 @@ fn a_weighted_start_is_refused_at_a_retained_limit_by_units() {
         never.message(),
         "a start of weight 12 can never fit the limit of 10 retained units set by quota.max_retained_per_role for role \"app\""
     );
-    assert!(never
-        .hint()
-        .starts_with("Waiting does not help: even with nothing else retained, 12 units"));
+    assert_eq!(
+        never.hint(),
+        "Waiting does not help: even with nothing else retained, 12 units are more than the limit. Split the work into starts of at most 10 units, spread over more than quota.retention, or ask a superuser to raise the limit."
+    );
+}
+
+#[test]
+fn a_weighted_retained_refusal_says_when_enough_units_age_out() {
+    use crate::core::decision::{Refusal, RefusalKind};
+    let refused = |kind, weight, next: Option<&str>| QuotaError::Refused {
+        role: "app".into(),
+        tenant: Some("acme".into()),
+        database: "jobs".into(),
+        refusal: Refusal {
+            kind,
+            usage: Usage::default(),
+            limits: Limits {
+                max_retained: 10,
+                tenant_retained: 10,
+                ..Limits::default()
+            },
+            weight,
+        },
+        next_ageout: next.map(str::to_string),
+        default_retained_for: None,
+        tenant_limit_set: false,
+    };
+    // Weight 1: as before 0.7.0.
+    assert_eq!(
+        refused(RefusalKind::Retained, 1, Some("T")).hint().unwrap(),
+        "Capacity returns at T, when the oldest retained ticket ages out; a superuser can raise quota.max_retained_per_role or shorten quota.retention."
+    );
+    assert_eq!(
+        refused(RefusalKind::TenantRetained, 1, None).hint().unwrap(),
+        "Every retained ticket of the tenant is still active: tickets age out quota.retention after they finish. A superuser can raise quota.max_retained_per_tenant for its role."
+    );
+    // A heavier start needs enough units to age out, which may never happen alone.
+    assert_eq!(
+        refused(RefusalKind::Retained, 5, Some("T")).hint().unwrap(),
+        "Capacity for a start of weight 5 returns at T, when enough of the retained units have aged out; a superuser can raise quota.max_retained_per_role or shorten quota.retention."
+    );
+    assert_eq!(
+        refused(RefusalKind::TenantRetained, 5, None).hint().unwrap(),
+        "Aging out frees too few of the tenant's retained units for a start of weight 5: more tickets of the tenant must finish first, and tickets age out quota.retention after they finish. A superuser can raise quota.max_retained_per_tenant for its role."
+    );
 }
 
 #[test]

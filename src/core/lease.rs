@@ -70,15 +70,39 @@ impl Lapsed {
             .sum()
     }
 
-    /// The earliest expiry at or after `cutoff`: when the oldest retained one ages out.
-    pub fn oldest_retained(&self, cutoff: i64) -> Option<i64> {
-        self.expiries
-            .get(self.first_retained(cutoff))
-            .map(|&(e, _)| e)
+    /// Those that expired at or after `cutoff` (still retained), as (expiry, weight),
+    /// ascending.
+    pub fn retained_from(&self, cutoff: i64) -> &[(i64, i64)] {
+        &self.expiries[self.first_retained(cutoff)..]
     }
 
     fn first_retained(&self, cutoff: i64) -> usize {
         self.expiries.partition_point(|&(e, _)| e < cutoff)
+    }
+}
+
+/// When the retained tickets that ended have freed `need` units (0.7.0): `ended` (the
+/// tickets that were finished or swept) and `lapsed` (those whose lease ran out, not
+/// swept yet) since the retention cutoff, each as (when it ended, its weight) in
+/// ascending order, age out in the order they ended; the answer is the end of the one
+/// that brings their units to `need` (the caller adds the retention). A need below 1
+/// asks for the oldest one. None where all of them free fewer: the rest of the count
+/// is active tickets, which must finish first.
+pub fn freed_by(need: i64, ended: &[(i64, i64)], lapsed: &[(i64, i64)]) -> Option<i64> {
+    let (mut e, mut l) = (ended.iter().peekable(), lapsed.iter().peekable());
+    let mut freed = 0i64;
+    loop {
+        let next = match (e.peek(), l.peek()) {
+            (Some(a), Some(b)) if a.0 <= b.0 => e.next(),
+            (Some(_), Some(_)) => l.next(),
+            (Some(_), None) => e.next(),
+            (None, _) => l.next(),
+        };
+        let &(at, weight) = next?;
+        freed = freed.saturating_add(weight);
+        if freed >= need {
+            return Some(at);
+        }
     }
 }
 
@@ -257,6 +281,23 @@ mod tests {
     }
 
     #[test]
+    fn capacity_returns_when_enough_units_age_out() {
+        // Ended at 10 (weight 1) and 30 (weight 9), a lapsed lease at 20 (weight 2).
+        let ended = [(10, 1), (30, 9)];
+        let lapsed = [(20, 2)];
+        assert_eq!(freed_by(1, &ended, &lapsed), Some(10));
+        assert_eq!(freed_by(0, &ended, &lapsed), Some(10), "the oldest");
+        assert_eq!(freed_by(3, &ended, &lapsed), Some(20));
+        assert_eq!(freed_by(4, &ended, &lapsed), Some(30));
+        assert_eq!(freed_by(12, &ended, &lapsed), Some(30));
+        assert_eq!(freed_by(13, &ended, &lapsed), None, "the rest is active");
+        assert_eq!(freed_by(1, &[], &lapsed), Some(20));
+        assert_eq!(freed_by(1, &[], &[]), None);
+        // Equal instants: either order frees the same units by then.
+        assert_eq!(freed_by(3, &[(5, 1)], &[(5, 2)]), Some(5));
+    }
+
+    #[test]
     fn lapsed_tickets_age_out_by_their_expiry() {
         // Units for the active count and for the retained one (0.7.0).
         let l = Lapsed::new(vec![(30, 1), (10, 4), (20, 1)]);
@@ -264,8 +305,8 @@ mod tests {
         assert_eq!(l.aged_out(20), 4);
         assert_eq!(l.aged_out(21), 5);
         assert_eq!(l.aged_out(i64::MIN), 0);
-        assert_eq!(l.oldest_retained(15), Some(20));
-        assert_eq!(l.oldest_retained(31), None);
+        assert_eq!(l.retained_from(15), &[(20, 1), (30, 1)]);
+        assert!(l.retained_from(31).is_empty());
         assert_eq!(Lapsed::default().expired(), 0);
         assert_eq!(earliest(Some(3), Some(2)), Some(2));
         assert_eq!(earliest(None, Some(2)), Some(2));

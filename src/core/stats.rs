@@ -96,28 +96,30 @@ pub fn refusal_log_line(
             format!("{guc} = {limit}")
         }
     };
+    // 0.7.0: the counts are units; a weighted start names them so, and its weight.
+    let n = if weight > 1 { "units" } else { "tickets" };
     let what = match kind {
         RefusalKind::Active => format!(
-            "{} of {} active tickets (quota.max_active_per_role = {})",
+            "{} of {} active {n} (quota.max_active_per_role = {})",
             usage.active, limits.max_active, limits.max_active
         ),
         RefusalKind::Retained => format!(
-            "{} of {} retained tickets (quota.max_retained_per_role = {})",
+            "{} of {} retained {n} (quota.max_retained_per_role = {})",
             usage.retained, limits.max_retained, limits.max_retained
         ),
         RefusalKind::Database => format!(
-            "{} of {} active tickets in the database (quota.max_active_per_database = {})",
+            "{} of {} active {n} in the database (quota.max_active_per_database = {})",
             usage.db_active, limits.max_db, limits.max_db
         ),
         RefusalKind::TenantActive => format!(
-            "tenant \"{}\" holds {} of {} active tickets ({})",
+            "tenant \"{}\" holds {} of {} active {n} ({})",
             tenant.unwrap_or_default(),
             usage.tenant_active,
             limits.tenant_active,
             tenant_setting("quota.max_active_per_tenant", limits.tenant_active)
         ),
         RefusalKind::TenantRetained => format!(
-            "tenant \"{}\" holds {} of {} retained tickets ({})",
+            "tenant \"{}\" holds {} of {} retained {n} ({})",
             tenant.unwrap_or_default(),
             usage.tenant_retained,
             limits.tenant_retained,
@@ -126,7 +128,7 @@ pub fn refusal_log_line(
     };
     let mut line =
         format!("pg_quota refused a start for role \"{role}\" in database \"{database}\": {what}");
-    if weight > 1 && kind.is_active() {
+    if weight > 1 {
         line.push_str(&format!(", for a start of weight {weight}"));
     }
     if suppressed > 0 {
@@ -606,11 +608,11 @@ mod tests {
         // 0.7.0: a weighted start, which may be refused below the limit.
         assert_eq!(
             refusal_log_line("alice", None, "app", RefusalKind::Active, Usage { active: 2, ..usage }, limits, 0, false, 2),
-            "pg_quota refused a start for role \"alice\" in database \"app\": 2 of 3 active tickets (quota.max_active_per_role = 3), for a start of weight 2"
+            "pg_quota refused a start for role \"alice\" in database \"app\": 2 of 3 active units (quota.max_active_per_role = 3), for a start of weight 2"
         );
         assert_eq!(
             refusal_log_line("alice", None, "app", RefusalKind::Retained, usage, limits, 1, false, 2),
-            "pg_quota refused a start for role \"alice\" in database \"app\": 10 of 10 retained tickets (quota.max_retained_per_role = 10) (1 similar refusal was not logged)"
+            "pg_quota refused a start for role \"alice\" in database \"app\": 10 of 10 retained units (quota.max_retained_per_role = 10), for a start of weight 2 (1 similar refusal was not logged)"
         );
         assert_eq!(
             refusal_log_line("b", None, "d", RefusalKind::Database, usage, limits, 12, false, 1),

@@ -53,8 +53,14 @@ impl NeverFits {
             }
             _ => "ask a superuser to raise the limit",
         };
+        // A retained limit is a budget per window: the pieces of split work share it.
+        let spread = if self.kind.is_active() {
+            ","
+        } else {
+            ", spread over more than quota.retention,"
+        };
         format!(
-            "Waiting does not help: even with nothing else {}, {} units are more than the limit. Split the work into starts of at most {} units, or {raise}.",
+            "Waiting does not help: even with nothing else {}, {} units are more than the limit. Split the work into starts of at most {} units{spread} or {raise}.",
             self.what(),
             self.weight,
             self.limit
@@ -65,7 +71,9 @@ impl NeverFits {
 /// The DETAIL sentence a refusal of a weighted start adds.
 pub fn refusal_detail(weight: i64) -> Option<String> {
     (weight > 1).then(|| {
-        format!("This start weighs {weight} units; active and retained counts are units, a ticket counting its weight.")
+        format!(
+            "This start weighs {weight} units; the counts are units, a ticket counting its weight."
+        )
     })
 }
 

@@ -347,25 +347,45 @@ pub fn expired(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::Times
     )
 }
 
-/// When the oldest ended, still retained ticket of `role` ended.
+/// `role`'s ended, still retained tickets (ended at or after `cutoff`), oldest first,
+/// as (when it ended, its weight), up to the first whose units bring them to `enough`
+/// (at least one): what core::lease::freed_by needs to say when enough have aged out.
 pub fn oldest_ended(
     r: &Rels,
     snap: &Latest,
     role: pg_sys::Oid,
     cutoff: pg_sys::TimestampTz,
-) -> Option<pg_sys::TimestampTz> {
-    let mut oldest = None;
-    scan_index(
+    enough: i64,
+) -> Vec<(i64, i64)> {
+    oldest_until(
         r.history,
         r.history_idx,
         snap,
         &[Key::OidEq(role), Key::TsAtLeast(cutoff)],
-        |slot| {
-            oldest = attr(slot, COL_ENDED_AT as i32).map(|d| d.value() as i64);
-            false
-        },
-    );
-    oldest
+        enough,
+    )
+}
+
+/// The rows `keys` select on `index` (whose order after its keys is ended_at's), as
+/// (ended_at, weight), until their weights reach `enough` (at least one row).
+fn oldest_until(
+    heap: pg_sys::Oid,
+    index: pg_sys::Oid,
+    snap: &Latest,
+    keys: &[Key],
+    enough: i64,
+) -> Vec<(i64, i64)> {
+    let mut out = Vec::new();
+    let mut units = 0i64;
+    scan_index(heap, index, snap, keys, |slot| {
+        if let Some(ended) = ts_attr(slot, COL_ENDED_AT) {
+            let w = weight_attr(slot);
+            out.push((ended, w));
+            units = units.saturating_add(w);
+        }
+        units < enough.max(1)
+    });
+    out
 }
 
 /// Whether the version of a row in `slot` (visible to the scan's snapshot) is being
@@ -439,32 +459,29 @@ pub fn tenant_ended_since(
     )
 }
 
-/// When the oldest ended, still retained ticket of tenant `tenant` ended.
+/// `oldest_ended` for tenant `tenant` (a text datum) of `role`.
 pub fn tenant_oldest_ended(
     r: &Rels,
     snap: &Latest,
     role: pg_sys::Oid,
     tenant: pg_sys::Datum,
     cutoff: pg_sys::TimestampTz,
-) -> Option<pg_sys::TimestampTz> {
-    let mut oldest = None;
-    if r.v5() {
-        scan_index(
-            r.history,
-            r.history_tenant_idx,
-            snap,
-            &[
-                Key::OidEq(role),
-                Key::TextEq(tenant),
-                Key::TsAtLeast(cutoff),
-            ],
-            |slot| {
-                oldest = ts_attr(slot, COL_ENDED_AT);
-                false
-            },
-        );
+    enough: i64,
+) -> Vec<(i64, i64)> {
+    if !r.v5() {
+        return Vec::new();
     }
-    oldest
+    oldest_until(
+        r.history,
+        r.history_tenant_idx,
+        snap,
+        &[
+            Key::OidEq(role),
+            Key::TextEq(tenant),
+            Key::TsAtLeast(cutoff),
+        ],
+        enough,
+    )
 }
 
 /// The smallest role above `after` that has a transactional ticket (0.5.0) visible to

@@ -9,7 +9,7 @@
 use pgrx::pg_sys;
 
 use super::{get, others_view, Counted, Open, ScopeKey};
-use crate::core::lease::{earliest, Lapsed};
+use crate::core::lease::{freed_by, Lapsed};
 use crate::core::{Limits, RefusalKind, Usage};
 use crate::ledger::count::{
     active_and_earliest, expired, oldest_ended, rows, summary_rows, tenant_active_and_earliest,
@@ -320,7 +320,10 @@ pub fn tenant_exact(
 }
 
 /// The full numbers for a refusal's message, and when capacity returns if a retained
-/// limit is the one reached.
+/// limit is the one reached: when enough of the scope's retained units have aged out
+/// for `more` units (the start's weight, and any admitted ahead of it that the counts
+/// leave out) to fit below `limit` (0.7.0; for a start of weight 1 at its limit, when
+/// the oldest ages out). None where aging out cannot free enough: the rest are active.
 #[allow(clippy::too_many_arguments)]
 pub fn refusal_numbers(
     reader: &Reader,
@@ -330,6 +333,8 @@ pub fn refusal_numbers(
     cutoff: pg_sys::TimestampTz,
     retention_secs: i64,
     kind: RefusalKind,
+    more: i64,
+    limit: i64,
 ) -> (Usage, Option<pg_sys::TimestampTz>) {
     let r = &reader.rels;
     let of_role = role_exact(reader, role, now, &[cutoff]);
@@ -339,21 +344,21 @@ pub fn refusal_numbers(
         ..Usage::default()
     };
     let mut next = None;
+    // The units that must age out: what the count and `more` take past the limit.
+    let need = |count: i64| count.saturating_add(more).saturating_sub(limit);
     if kind == RefusalKind::Retained {
-        next = earliest(
-            oldest_ended(r, &of_role.after, role, cutoff),
-            of_role.lapsed.oldest_retained(cutoff),
-        );
+        let need = need(usage.retained);
+        let ended = oldest_ended(r, &of_role.after, role, cutoff, need);
+        next = freed_by(need, &ended, of_role.lapsed.retained_from(cutoff));
     }
     if let Some(t) = tenant {
         let of_tenant = tenant_exact(reader, role, t, now, &[cutoff]);
         usage.tenant_active = of_tenant.active;
         usage.tenant_retained = of_tenant.retained[0];
         if kind == RefusalKind::TenantRetained {
-            next = earliest(
-                tenant_oldest_ended(r, &of_tenant.after, role, t.text, cutoff),
-                of_tenant.lapsed.oldest_retained(cutoff),
-            );
+            let need = need(usage.tenant_retained);
+            let ended = tenant_oldest_ended(r, &of_tenant.after, role, t.text, cutoff, need);
+            next = freed_by(need, &ended, of_tenant.lapsed.retained_from(cutoff));
         }
     }
     let next = next.map(|t| t.saturating_add(retention_secs.saturating_mul(1_000_000)));

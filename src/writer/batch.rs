@@ -436,15 +436,6 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
                     key: t,
                     text: text_datum(req.tenant().unwrap_or_default()),
                 });
-                let (full, next) = counts::refusal_numbers(
-                    &reader,
-                    role,
-                    tenant,
-                    now,
-                    cutoff,
-                    req.retention_secs,
-                    r.kind,
-                );
                 let p = pending
                     .get(&ScopeKey::role(role))
                     .copied()
@@ -453,6 +444,20 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
                     .tenant
                     .and_then(|t| pending.get(&ScopeKey { role, tenant: t }).copied())
                     .unwrap_or_default();
+                // This batch's admissions of the scope are not in the ledger's counts
+                // yet: they take their units before this start's.
+                let ahead = if r.kind.is_tenant() { pt } else { p };
+                let (full, next) = counts::refusal_numbers(
+                    &reader,
+                    role,
+                    tenant,
+                    now,
+                    cutoff,
+                    req.retention_secs,
+                    r.kind,
+                    breq.weight + ahead,
+                    r.limits.of(r.kind),
+                );
                 reply.kind = REPLY_REFUSED;
                 reply.refusal_kind = match r.kind {
                     RefusalKind::Active => 1,

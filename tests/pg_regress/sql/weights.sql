@@ -238,19 +238,47 @@ ALTER ROLE w_ret SET quota.max_active_per_role = 0;
 ALTER ROLE w_ret SET quota.max_retained_per_role = 10;
 ALTER ROLE w_ret SET quota.max_retained_per_tenant = 6;
 ALTER ROLE w_ret SET quota.allow_transactional = on;
+-- A refusal's message and HINT, its time masked.
+CREATE FUNCTION pg_temp.refusal(weight int) RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    msg text;
+    hint text;
+BEGIN
+    PERFORM quota.start(weight => weight);
+    RETURN 'admitted';
+EXCEPTION WHEN configuration_limit_exceeded THEN
+    GET STACKED DIAGNOSTICS msg = MESSAGE_TEXT, hint = PG_EXCEPTION_HINT;
+    RETURN msg || E'\nHINT: ' || regexp_replace(hint, 'at [0-9][^,]*, when', 'at T, when');
+END
+$$;
+-- The instant a refusal's HINT names.
+CREATE FUNCTION pg_temp.refusal_at(weight int) RETURNS timestamptz LANGUAGE plpgsql AS $$
+DECLARE
+    hint text;
+BEGIN
+    PERFORM quota.start(weight => weight);
+    RETURN NULL;
+EXCEPTION WHEN configuration_limit_exceeded THEN
+    GET STACKED DIAGNOSTICS hint = PG_EXCEPTION_HINT;
+    RETURN (regexp_match(hint, 'returns at ([^,]*), when'))[1]::timestamptz;
+END
+$$;
 SET ROLE w_ret;
-SELECT quota.finish(quota.start(weight => 4)) AS ended_4;
+SELECT quota.finish(quota.start(weight => 1, label => 'a1')) AS ended_1;
+SELECT quota.finish(quota.start(weight => 3, label => 'b3')) AS ended_3;
 SELECT quota.try_start(weight => 5) IS NOT NULL AS five_more;
 SELECT quota.try_start(weight => 2) IS NULL AS two_refused_at_9_of_10;
 SELECT quota.try_start() IS NOT NULL AS one_fits;
 SELECT quota.try_start() IS NULL AS full;
-DO $$
-BEGIN
-    PERFORM quota.start(weight => 2);
-EXCEPTION WHEN configuration_limit_exceeded THEN
-    RAISE NOTICE '%', SQLERRM;
-END
-$$;
+-- 10 of 10: a start of weight 2 needs 2 units to age out: the ended tickets' 1 and 3,
+-- so when b3 ages out; one of weight 1 when a1 does; one of weight 7 needs 7, which
+-- aging out cannot free while 6 are active.
+SELECT pg_temp.refusal(2);
+SELECT pg_temp.refusal_at(2) = (SELECT ended_at + interval '7 days' FROM quota.tickets WHERE label = 'b3')
+       AS returns_when_b3_ages_out;
+SELECT pg_temp.refusal_at(1) = (SELECT ended_at + interval '7 days' FROM quota.tickets WHERE label = 'a1')
+       AS weight_1_returns_when_a1_ages_out;
+SELECT pg_temp.refusal(7);
 -- Above the retained limit: it can never fit.
 DO $$
 BEGIN
@@ -269,6 +297,15 @@ SELECT quota.start(weight => 9, transactional => true) IS NOT NULL AS txn_9;
 SELECT quota.try_start(weight => 2) IS NULL AS refused_at_19_of_20;
 ROLLBACK;
 SELECT quota.try_start(weight => 9) IS NOT NULL AS nine_after_rollback;
+-- A committed one keeps them: 29 of 30 after a committed start of weight 10.
+RESET ROLE;
+ALTER ROLE w_ret SET quota.max_retained_per_role = 30;
+SET ROLE w_ret;
+BEGIN;
+SELECT quota.start(weight => 10, transactional => true) IS NOT NULL AS txn_10;
+COMMIT;
+SELECT quota.try_start(weight => 2) IS NULL AS refused_at_29_of_30;
+SELECT quota.try_start() IS NOT NULL AS one_fits_at_29;
 RESET ROLE;
 ALTER ROLE w_ret SET quota.max_retained_per_role = 0;
 SET ROLE w_ret;
@@ -289,6 +326,7 @@ EXCEPTION WHEN configuration_limit_exceeded THEN
 END
 $$;
 SELECT quota.try_start(weight => 4, tenant => 'small') IS NOT NULL AS small_4_fits;
+SELECT quota.try_start(tenant => 'small') IS NULL AS small_full_at_its_own_4;
 RESET ROLE;
 SELECT role::text, retained FROM quota.usage WHERE role = 'w_ret'::regrole;
 -- quota.usage_totals() counts the same units (its retained and ledger_rows).
@@ -298,6 +336,37 @@ DELETE FROM quota.ledger WHERE role = 'w_ret'::regrole;
 SELECT quota.set_tenant_limits('small', role => 'w_ret');
 ALTER ROLE w_ret RESET ALL;
 DROP ROLE w_ret;
+
+-- Retained units age out with their tickets, all of a ticket's units at once, whether
+-- it was finished or its lease ran out.
+CREATE ROLE w_age;
+ALTER ROLE w_age SET quota.max_active_per_role = 0;
+ALTER ROLE w_age SET quota.max_retained_per_role = 10;
+ALTER ROLE w_age SET quota.retention = '3s';
+SET ROLE w_age;
+SELECT quota.finish(quota.start(weight => 6)) AS ended_6;
+SELECT quota.try_start(weight => 3, label => 'held') IS NOT NULL AS held_3;
+SELECT quota.try_start(weight => 2) IS NULL AS two_refused_at_9_of_10;
+SELECT quota.start(weight => 1, lease => '1 second') IS NOT NULL AS lapses_1;
+RESET ROLE;
+-- After the retention (and the lease): only the 3 held count. quota.usage counts at
+-- the reading session's quota.retention.
+SET quota.retention = '3s';
+SELECT pg_sleep(5);
+SELECT retained FROM quota.usage WHERE role = 'w_age'::regrole;
+-- quota.usage_totals() agrees, through its units of lapsed leases and ended tickets
+-- past the cutoff (every other ticket in the database ended more than 5 s ago, or is
+-- active).
+SELECT (SELECT retained FROM quota.usage_totals()) = (SELECT sum(retained) FROM quota.usage)
+       AS totals_agree;
+SET ROLE w_age;
+SELECT quota.try_start(weight => 7) IS NOT NULL AS seven_fit_at_3_of_10;
+SELECT quota.try_start() IS NULL AS full_again;
+RESET ROLE;
+RESET quota.retention;
+DELETE FROM quota.ledger WHERE role = 'w_age'::regrole;
+ALTER ROLE w_age RESET ALL;
+DROP ROLE w_age;
 
 -- Clean up.
 DELETE FROM quota.ledger WHERE role = 'w_app'::regrole;

@@ -184,6 +184,7 @@ fn refuse_from_counters(
     Some(Refused {
         kind,
         numbers: Numbers::ActiveOnly(counted, now),
+        ahead_units: units_ahead(kind, ahead),
     })
 }
 
@@ -199,6 +200,16 @@ pub(crate) enum Repeat {
     /// The database has no writer, to take the request or to answer the requests in
     /// flight it waited for; one is to be started without the scope lock.
     NoWriter,
+}
+
+/// The units of the starts waiting ahead that take what frees up below a limit of
+/// `kind` before the refused start (0.7.0: when capacity returns for it).
+fn units_ahead(kind: RefusalKind, ahead: Ahead) -> i64 {
+    match kind {
+        RefusalKind::Database => ahead.db_units,
+        RefusalKind::TenantActive | RefusalKind::TenantRetained => ahead.tenant_units,
+        RefusalKind::Active | RefusalKind::Retained => ahead.role_units,
+    }
 }
 
 /// The starts waiting ahead that a refusal of `kind` names beside its tickets.
@@ -284,6 +295,7 @@ pub(crate) fn under_lock<T>(
         Ok(Err(Refused {
             kind,
             numbers: Numbers::Counted(counted, now),
+            ahead_units: units_ahead(kind, ahead),
         }))
     };
 

@@ -118,7 +118,8 @@ impl Caller<'_> {
                 limits: self.limits,
                 weight: self.args.weight,
             },
-            next_ageout: next.map(format_ts),
+            next_ageout: next.and_then(|c| c.at).map(format_ts),
+            age_out: next.map_or(crate::core::lease::AgeOut::NoneEnded, |c| c.how),
             default_retained_for: (r.kind == RefusalKind::Retained
                 && self.policy.retained_is_default)
                 .then(|| role_ident(self.role)),
@@ -142,14 +143,17 @@ pub(crate) fn chars(bytes: &[u8]) -> usize {
 pub(crate) struct Refused {
     pub kind: RefusalKind,
     pub numbers: Numbers,
+    /// The units of the starts waiting ahead that the numbers leave out (0.7.0): they
+    /// take capacity first.
+    pub ahead_units: i64,
 }
 
 /// A refusal's numbers: complete (the writer's answer), or the counts the decision was
 /// made on, completed only where someone reads them (the error's DETAIL, the LOG line,
 /// a wait at a retained limit), never for a try_start() that returns NULL.
 pub(crate) enum Numbers {
-    /// The numbers and when capacity returns, as the message gives them.
-    Full(Usage, Option<pg_sys::TimestampTz>),
+    /// The numbers and how capacity returns, as the message gives them.
+    Full(Usage, Option<crate::core::lease::Capacity>),
     /// The counts decided on at `now` (the waiters ahead apart, the database's count
     /// included), which hold the full numbers only where both role limits are set and
     /// the active one refused.
@@ -162,7 +166,7 @@ pub(crate) enum Numbers {
 impl Refused {
     /// The full numbers for the message, and when capacity returns if a retained limit
     /// is the one reached.
-    fn numbers(&self, caller: &Caller) -> (Usage, Option<pg_sys::TimestampTz>) {
+    fn numbers(&self, caller: &Caller) -> (Usage, Option<crate::core::lease::Capacity>) {
         let (counted, now) = match self.numbers {
             Numbers::Full(usage, next) => return (usage, next),
             Numbers::Counted(counted, now) => {
@@ -186,7 +190,7 @@ impl Refused {
             cutoff(now, retention),
             retention,
             self.kind,
-            caller.args.weight,
+            caller.args.weight.saturating_add(self.ahead_units),
             caller.limits.of(self.kind),
         );
         usage.db_active = counted.db_active;
@@ -206,7 +210,9 @@ impl Refused {
     /// When capacity returns without a finish, where a retained limit refused.
     fn next_ageout(&self, caller: &Caller) -> Option<pg_sys::TimestampTz> {
         match self.kind {
-            RefusalKind::Retained | RefusalKind::TenantRetained => self.numbers(caller).1,
+            RefusalKind::Retained | RefusalKind::TenantRetained => {
+                self.numbers(caller).1.and_then(|c| c.at)
+            }
             _ => None,
         }
     }

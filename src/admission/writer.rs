@@ -114,6 +114,8 @@ pub(crate) fn attempt(
         Answer::Refused(kind, usage, next) => Err(Refused {
             kind,
             numbers: Numbers::Full(usage, next),
+            // The writer counted its batch's admissions ahead itself.
+            ahead_units: 0,
         }),
     })
 }

@@ -139,8 +139,12 @@ pub enum QuotaError {
         /// The database, named in refusals at quota.max_active_per_database.
         database: String,
         refusal: Refusal,
-        /// When the oldest retained, ended ticket ages out, already formatted, if any.
+        /// At a retained limit, when capacity returns (already formatted), if aging out
+        /// alone brings it back: when the oldest retained ticket ages out, or (0.7.0)
+        /// when enough units have.
         next_ageout: Option<String>,
+        /// How capacity returns at a retained limit (0.7.0; see lease::capacity).
+        age_out: super::lease::AgeOut,
         /// At quota.max_retained_per_role, where the limit is its default because
         /// nothing sets it for the role: the role as an SQL identifier, for the hint
         /// (0.6.0: a queue's jobs stopped after a week's 10,000 with no word of why).
@@ -584,6 +588,7 @@ impl QuotaError {
             QuotaError::Refused {
                 refusal,
                 next_ageout,
+                age_out,
                 default_retained_for,
                 tenant_limit_set,
                 ..
@@ -591,32 +596,32 @@ impl QuotaError {
                 (RefusalKind::TenantActive, _) if *tenant_limit_set => "Finish one of the tenant's tickets with quota.finish(), or raise the tenant's own limit with quota.set_tenant_limits().".to_string(),
                 (RefusalKind::TenantRetained, _) if *tenant_limit_set => format!(
                     "{}quota.set_tenant_limits() can raise the tenant's own limit.",
-                    ageout(true, refusal.weight, next_ageout.as_deref(), true)
+                    ageout(true, refusal.weight, *age_out, next_ageout.as_deref(), true)
                 ),
                 (RefusalKind::Database, _) => "Capacity returns when any role of the database finishes a ticket or a lease expires; a superuser can raise quota.max_active_per_database.".to_string(),
                 (RefusalKind::Active, _) => "Finish a ticket with quota.finish(), or ask a superuser to raise quota.max_active_per_role.".to_string(),
                 (RefusalKind::Retained, _) if default_retained_for.is_some() => format!(
                     "{}quota.max_retained_per_role is at its default of {}, which no setting for this role chose: a superuser can turn it off with ALTER ROLE {} SET quota.max_retained_per_role = 0, or set a limit it means.",
-                    ageout(false, refusal.weight, next_ageout.as_deref(), false),
+                    ageout(false, refusal.weight, *age_out, next_ageout.as_deref(), false),
                     refusal.limits.max_retained,
                     default_retained_for.as_deref().unwrap_or_default()
                 ),
                 (RefusalKind::Retained, Some(_)) => format!(
                     "{}a superuser can raise quota.max_retained_per_role or shorten quota.retention.",
-                    ageout(false, refusal.weight, next_ageout.as_deref(), true)
+                    ageout(false, refusal.weight, *age_out, next_ageout.as_deref(), true)
                 ),
                 (RefusalKind::Retained, None) => format!(
                     "{}A superuser can raise quota.max_retained_per_role.",
-                    ageout(false, refusal.weight, next_ageout.as_deref(), true)
+                    ageout(false, refusal.weight, *age_out, next_ageout.as_deref(), true)
                 ),
                 (RefusalKind::TenantActive, _) => "Finish one of the tenant's tickets with quota.finish(), or ask a superuser to raise quota.max_active_per_tenant for its role.".to_string(),
                 (RefusalKind::TenantRetained, Some(_)) => format!(
                     "{}a superuser can raise quota.max_retained_per_tenant for its role or shorten quota.retention.",
-                    ageout(true, refusal.weight, next_ageout.as_deref(), true)
+                    ageout(true, refusal.weight, *age_out, next_ageout.as_deref(), true)
                 ),
                 (RefusalKind::TenantRetained, None) => format!(
                     "{}A superuser can raise quota.max_retained_per_tenant for its role.",
-                    ageout(true, refusal.weight, next_ageout.as_deref(), true)
+                    ageout(true, refusal.weight, *age_out, next_ageout.as_deref(), true)
                 ),
             }),
             QuotaError::TriggerArguments { func, .. } => Some(func.usage().to_string()),
@@ -796,27 +801,42 @@ pub fn triggers_disabled(triggers: &[String]) -> (String, String, String) {
 #[path = "errors_tests.rs"]
 mod tests;
 
-/// The first sentence of a retained refusal's HINT: when capacity returns, as
-/// `next_ageout` says (None: aging out cannot free enough, the rest is active), for a
-/// start of `weight` (0.7.0: a heavier one needs several tickets' units to age out), of
-/// the tenant's tickets or the role's; then what the caller's next words follow: "; "
-/// after a time where `joined`, else ". " (and always ". " without a time).
-fn ageout(tenant: bool, weight: i64, next_ageout: Option<&str>, joined: bool) -> String {
+/// The first sentence of a retained refusal's HINT: how capacity returns (`how`,
+/// `next_ageout`) for a start of `weight` (0.7.0), of the tenant's tickets or the
+/// role's; then what the caller's next words follow: "; " after a time where
+/// `joined`, else ". " (and always ". " without a time). A start of weight 1 that the
+/// oldest ticket's aging out makes room for, or that finds every retained ticket
+/// active, reads as before 0.7.0.
+fn ageout(
+    tenant: bool,
+    weight: i64,
+    how: super::lease::AgeOut,
+    next_ageout: Option<&str>,
+    joined: bool,
+) -> String {
+    use super::lease::{AgeOut, AGE_OUT_READS};
     let whose = if tenant { "the tenant's " } else { "the " };
     let of_tenant = if tenant { " of the tenant" } else { "" };
-    match next_ageout {
-        Some(at) if weight > 1 => format!(
-            "Capacity for a start of weight {weight} returns at {at}, when enough of {whose}retained units have aged out{}",
-            if joined { "; " } else { ". " }
+    let this = if weight > 1 {
+        format!("a start of weight {weight}")
+    } else {
+        "this start".to_string()
+    };
+    let end = if joined { "; " } else { ". " };
+    match (how, next_ageout) {
+        (AgeOut::Oldest, Some(at)) if weight == 1 => {
+            format!("Capacity returns at {at}, when {whose}oldest retained ticket ages out{end}")
+        }
+        (AgeOut::Oldest | AgeOut::Enough, Some(at)) => format!(
+            "Capacity for {this} returns at {at}, when enough of {whose}retained units have aged out{end}"
         ),
-        Some(at) => format!(
-            "Capacity returns at {at}, when {whose}oldest retained ticket ages out{}",
-            if joined { "; " } else { ". " }
+        (AgeOut::TooFew, _) => format!(
+            "Aging out frees too few of {whose}retained units for {this}: more tickets{of_tenant} must finish first, and tickets age out quota.retention after they finish. "
         ),
-        None if weight > 1 => format!(
-            "Aging out frees too few of {whose}retained units for a start of weight {weight}: more tickets{of_tenant} must finish first, and tickets age out quota.retention after they finish. "
+        (AgeOut::Beyond, _) => format!(
+            "Capacity for {this} returns as more than {AGE_OUT_READS} of {whose}retained tickets age out, quota.retention after they end. "
         ),
-        None => format!(
+        _ => format!(
             "Every retained ticket{of_tenant} is still active: tickets age out quota.retention after they finish. "
         ),
     }

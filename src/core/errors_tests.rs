@@ -31,6 +31,7 @@ fn refused(role: &str, refusal: Refusal) -> QuotaError {
         database: "app".into(),
         refusal,
         next_ageout: None,
+        age_out: crate::core::lease::AgeOut::Oldest,
         default_retained_for: None,
         tenant_limit_set: false,
     }
@@ -67,6 +68,7 @@ fn retained_refusal_hint_says_when_capacity_returns() {
         database: "app".into(),
         refusal: refusal(RefusalKind::Retained),
         next_ageout: Some("2026-12-01 10:00:00+00".into()),
+        age_out: crate::core::lease::AgeOut::Oldest,
         default_retained_for: None,
         tenant_limit_set: false,
     };
@@ -271,6 +273,7 @@ fn a_default_retained_limit_says_so_and_how_to_turn_it_off() {
                 weight: 1,
             },
             next_ageout: next.map(str::to_string),
+            age_out: crate::core::lease::AgeOut::Oldest,
             default_retained_for,
             tenant_limit_set: false,
         }
@@ -429,6 +432,7 @@ fn a_refusal_at_a_tenants_own_limit_names_set_tenant_limits() {
             weight: 1,
         },
         next_ageout: next.map(str::to_string),
+        age_out: crate::core::lease::AgeOut::Oldest,
         default_retained_for: None,
         tenant_limit_set: set,
     };
@@ -588,6 +592,7 @@ fn a_weighted_refusal_counts_units() {
         database: "jobs".into(),
         refusal: r,
         next_ageout: None,
+        age_out: crate::core::lease::AgeOut::Oldest,
         default_retained_for: None,
         tenant_limit_set: false,
     };
@@ -632,6 +637,7 @@ fn a_weighted_start_is_refused_at_a_retained_limit_by_units() {
         database: "jobs".into(),
         refusal: r,
         next_ageout: None,
+        age_out: crate::core::lease::AgeOut::Oldest,
         default_retained_for: None,
         tenant_limit_set: false,
     };
@@ -661,7 +667,8 @@ fn a_weighted_start_is_refused_at_a_retained_limit_by_units() {
 #[test]
 fn a_weighted_retained_refusal_says_when_enough_units_age_out() {
     use crate::core::decision::{Refusal, RefusalKind};
-    let refused = |kind, weight, next: Option<&str>| QuotaError::Refused {
+    use crate::core::lease::AgeOut;
+    let refused = |kind, weight, how, next: Option<&str>| QuotaError::Refused {
         role: "app".into(),
         tenant: Some("acme".into()),
         database: "jobs".into(),
@@ -676,26 +683,41 @@ fn a_weighted_retained_refusal_says_when_enough_units_age_out() {
             weight,
         },
         next_ageout: next.map(str::to_string),
+        age_out: how,
         default_retained_for: None,
         tenant_limit_set: false,
     };
-    // Weight 1: as before 0.7.0.
+    let hint = |kind, weight, how, next| refused(kind, weight, how, next).hint().unwrap();
+    // Weight 1 at its limit: as before 0.7.0.
     assert_eq!(
-        refused(RefusalKind::Retained, 1, Some("T")).hint().unwrap(),
+        hint(RefusalKind::Retained, 1, AgeOut::Oldest, Some("T")),
         "Capacity returns at T, when the oldest retained ticket ages out; a superuser can raise quota.max_retained_per_role or shorten quota.retention."
     );
     assert_eq!(
-        refused(RefusalKind::TenantRetained, 1, None).hint().unwrap(),
+        hint(RefusalKind::TenantRetained, 1, AgeOut::NoneEnded, None),
         "Every retained ticket of the tenant is still active: tickets age out quota.retention after they finish. A superuser can raise quota.max_retained_per_tenant for its role."
+    );
+    // Weight 1 where several must age out (a limit lowered below the count).
+    assert_eq!(
+        hint(RefusalKind::Retained, 1, AgeOut::Enough, Some("T")),
+        "Capacity for this start returns at T, when enough of the retained units have aged out; a superuser can raise quota.max_retained_per_role or shorten quota.retention."
     );
     // A heavier start needs enough units to age out, which may never happen alone.
     assert_eq!(
-        refused(RefusalKind::Retained, 5, Some("T")).hint().unwrap(),
+        hint(RefusalKind::Retained, 5, AgeOut::Oldest, Some("T")),
         "Capacity for a start of weight 5 returns at T, when enough of the retained units have aged out; a superuser can raise quota.max_retained_per_role or shorten quota.retention."
     );
     assert_eq!(
-        refused(RefusalKind::TenantRetained, 5, None).hint().unwrap(),
+        hint(RefusalKind::TenantRetained, 5, AgeOut::TooFew, None),
         "Aging out frees too few of the tenant's retained units for a start of weight 5: more tickets of the tenant must finish first, and tickets age out quota.retention after they finish. A superuser can raise quota.max_retained_per_tenant for its role."
+    );
+    assert_eq!(
+        hint(RefusalKind::Retained, 1, AgeOut::TooFew, None),
+        "Aging out frees too few of the retained units for this start: more tickets must finish first, and tickets age out quota.retention after they finish. A superuser can raise quota.max_retained_per_role."
+    );
+    assert_eq!(
+        hint(RefusalKind::Retained, 2, AgeOut::Beyond, None),
+        "Capacity for a start of weight 2 returns as more than 10000 of the retained tickets age out, quota.retention after they end. A superuser can raise quota.max_retained_per_role."
     );
 }
 

@@ -81,27 +81,102 @@ impl Lapsed {
     }
 }
 
-/// When the retained tickets that ended have freed `need` units (0.7.0): `ended` (the
-/// tickets that were finished or swept) and `lapsed` (those whose lease ran out, not
-/// swept yet) since the retention cutoff, each as (when it ended, its weight) in
-/// ascending order, age out in the order they ended; the answer is the end of the one
-/// that brings their units to `need` (the caller adds the retention). A need below 1
-/// asks for the oldest one. None where all of them free fewer: the rest of the count
-/// is active tickets, which must finish first.
-pub fn freed_by(need: i64, ended: &[(i64, i64)], lapsed: &[(i64, i64)]) -> Option<i64> {
+/// How capacity returns at a retained limit for a refused start (0.7.0), which its
+/// HINT says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AgeOut {
+    /// When the oldest retained ticket ages out (`Capacity::at`), which frees enough.
+    Oldest,
+    /// When enough of several tickets' units have aged out (`Capacity::at`).
+    Enough,
+    /// Nothing retained has ended yet: every retained ticket is active.
+    NoneEnded,
+    /// The tickets that ended free too few units as they age out: the rest of the
+    /// count is active tickets, which must finish first.
+    TooFew,
+    /// More tickets than `AGE_OUT_READS` would have to age out: not read further.
+    Beyond,
+}
+
+/// How many of a scope's ended tickets a refusal reads, oldest first, to say when
+/// enough have aged out (0.7.0): a count far above its limit (one lowered since) or a
+/// weight of 1,000,000 over tickets of weight 1 would read a whole history otherwise.
+pub const AGE_OUT_READS: usize = 10_000;
+
+/// How and when capacity returns (`at`, before the retention is added: when the last
+/// ticket it needs ended).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacity {
+    pub how: AgeOut,
+    pub at: Option<i64>,
+}
+
+impl Capacity {
+    fn without_time(how: AgeOut) -> Capacity {
+        Capacity { how, at: None }
+    }
+
+    /// This, `secs` later (a retention).
+    pub fn after(self, secs: i64) -> Capacity {
+        Capacity {
+            at: self
+                .at
+                .map(|t| t.saturating_add(secs.saturating_mul(1_000_000))),
+            ..self
+        }
+    }
+}
+
+/// When capacity returns for a start that needs `need` more units below a retained
+/// limit (its weight and what the count takes past the limit; below 1 it asks for the
+/// oldest), from the scope's ended units still retained (`ended_units`: the count less
+/// its active units) and those tickets, each as (when it ended, its weight), ascending:
+/// `ended` (finished or swept; `capped` if reading stopped at AGE_OUT_READS) and
+/// `lapsed` (their lease ran out, not swept yet). They age out in the order they
+/// ended, so the answer is the end of the one whose units bring them to `need`.
+pub fn capacity(
+    need: i64,
+    ended_units: i64,
+    ended: &[(i64, i64)],
+    capped: bool,
+    lapsed: &[(i64, i64)],
+) -> Capacity {
+    let need = need.max(1);
+    if ended_units <= 0 {
+        return Capacity::without_time(AgeOut::NoneEnded);
+    }
+    if need > ended_units {
+        return Capacity::without_time(AgeOut::TooFew);
+    }
     let (mut e, mut l) = (ended.iter().peekable(), lapsed.iter().peekable());
-    let mut freed = 0i64;
+    let (mut freed, mut read) = (0i64, 0usize);
     loop {
         let next = match (e.peek(), l.peek()) {
             (Some(a), Some(b)) if a.0 <= b.0 => e.next(),
             (Some(_), Some(_)) => l.next(),
             (Some(_), None) => e.next(),
+            // Past the last ticket read, unread ones may have ended before the next
+            // lapsed lease.
+            (None, _) if capped => None,
             (None, _) => l.next(),
         };
-        let &(at, weight) = next?;
+        let Some(&(at, weight)) = next else {
+            let how = if capped {
+                AgeOut::Beyond
+            } else {
+                AgeOut::TooFew
+            };
+            return Capacity::without_time(how);
+        };
+        read += 1;
         freed = freed.saturating_add(weight);
         if freed >= need {
-            return Some(at);
+            let how = if read == 1 {
+                AgeOut::Oldest
+            } else {
+                AgeOut::Enough
+            };
+            return Capacity { how, at: Some(at) };
         }
     }
 }
@@ -282,19 +357,57 @@ mod tests {
 
     #[test]
     fn capacity_returns_when_enough_units_age_out() {
-        // Ended at 10 (weight 1) and 30 (weight 9), a lapsed lease at 20 (weight 2).
+        // Ended at 10 (weight 1) and 30 (weight 9), a lapsed lease at 20 (weight 2):
+        // 12 ended units.
         let ended = [(10, 1), (30, 9)];
         let lapsed = [(20, 2)];
-        assert_eq!(freed_by(1, &ended, &lapsed), Some(10));
-        assert_eq!(freed_by(0, &ended, &lapsed), Some(10), "the oldest");
-        assert_eq!(freed_by(3, &ended, &lapsed), Some(20));
-        assert_eq!(freed_by(4, &ended, &lapsed), Some(30));
-        assert_eq!(freed_by(12, &ended, &lapsed), Some(30));
-        assert_eq!(freed_by(13, &ended, &lapsed), None, "the rest is active");
-        assert_eq!(freed_by(1, &[], &lapsed), Some(20));
-        assert_eq!(freed_by(1, &[], &[]), None);
+        let at = |need| capacity(need, 12, &ended, false, &lapsed);
+        let c = |how, at| Capacity { how, at };
+        assert_eq!(at(1), c(AgeOut::Oldest, Some(10)));
+        assert_eq!(at(0), c(AgeOut::Oldest, Some(10)), "the oldest");
+        assert_eq!(at(3), c(AgeOut::Enough, Some(20)));
+        assert_eq!(at(4), c(AgeOut::Enough, Some(30)));
+        assert_eq!(at(12), c(AgeOut::Enough, Some(30)));
+        // More than the ended units: the rest is active, nothing is read.
+        assert_eq!(at(13), c(AgeOut::TooFew, None));
+        assert_eq!(
+            capacity(1, 2, &[], false, &lapsed),
+            c(AgeOut::Oldest, Some(20))
+        );
+        assert_eq!(capacity(1, 0, &[], false, &[]), c(AgeOut::NoneEnded, None));
+        assert_eq!(
+            capacity(3, 0, &ended, false, &[]),
+            c(AgeOut::NoneEnded, None)
+        );
+        // Reading stopped before enough: beyond what a refusal reads, even where a
+        // later lapsed lease would make up the units (unread tickets ended before it).
+        assert_eq!(
+            capacity(3, 50, &[(1, 1), (2, 1)], true, &[(9, 5)]),
+            c(AgeOut::Beyond, None)
+        );
+        assert_eq!(
+            capacity(2, 50, &[(1, 1), (5, 1)], true, &[(3, 5)]),
+            c(AgeOut::Enough, Some(3))
+        );
+        // Reading stopped before enough: beyond what a refusal reads.
+        assert_eq!(
+            capacity(5, 50, &[(1, 1), (2, 1)], true, &[]),
+            c(AgeOut::Beyond, None)
+        );
+        // Counts that disagree with the tickets read (a summary rebuilt since): too few.
+        assert_eq!(
+            capacity(5, 50, &[(1, 1), (2, 1)], false, &[]),
+            c(AgeOut::TooFew, None)
+        );
         // Equal instants: either order frees the same units by then.
-        assert_eq!(freed_by(3, &[(5, 1)], &[(5, 2)]), Some(5));
+        assert_eq!(
+            capacity(3, 3, &[(5, 1)], false, &[(5, 2)]),
+            c(AgeOut::Enough, Some(5))
+        );
+        assert_eq!(
+            c(AgeOut::Oldest, Some(5)).after(2),
+            c(AgeOut::Oldest, Some(2_000_005))
+        );
     }
 
     #[test]

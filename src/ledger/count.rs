@@ -349,14 +349,16 @@ pub fn expired(r: &Rels, snap: &Latest, role: pg_sys::Oid, cutoff: pg_sys::Times
 
 /// `role`'s ended, still retained tickets (ended at or after `cutoff`), oldest first,
 /// as (when it ended, its weight), up to the first whose units bring them to `enough`
-/// (at least one): what core::lease::freed_by needs to say when enough have aged out.
+/// (at least one), and never more than core::lease::AGE_OUT_READS of them; and whether
+/// it stopped at that bound. What core::lease::capacity needs to say when enough have
+/// aged out.
 pub fn oldest_ended(
     r: &Rels,
     snap: &Latest,
     role: pg_sys::Oid,
     cutoff: pg_sys::TimestampTz,
     enough: i64,
-) -> Vec<(i64, i64)> {
+) -> (Vec<(i64, i64)>, bool) {
     oldest_until(
         r.history,
         r.history_idx,
@@ -367,25 +369,31 @@ pub fn oldest_ended(
 }
 
 /// The rows `keys` select on `index` (whose order after its keys is ended_at's), as
-/// (ended_at, weight), until their weights reach `enough` (at least one row).
+/// (ended_at, weight), until their weights reach `enough` (at least one row) or
+/// AGE_OUT_READS rows were read (then true).
 fn oldest_until(
     heap: pg_sys::Oid,
     index: pg_sys::Oid,
     snap: &Latest,
     keys: &[Key],
     enough: i64,
-) -> Vec<(i64, i64)> {
+) -> (Vec<(i64, i64)>, bool) {
     let mut out = Vec::new();
     let mut units = 0i64;
+    let mut capped = false;
     scan_index(heap, index, snap, keys, |slot| {
         if let Some(ended) = ts_attr(slot, COL_ENDED_AT) {
             let w = weight_attr(slot);
             out.push((ended, w));
             units = units.saturating_add(w);
         }
-        units < enough.max(1)
+        if units >= enough.max(1) {
+            return false;
+        }
+        capped = out.len() >= crate::core::lease::AGE_OUT_READS;
+        !capped
     });
-    out
+    (out, capped)
 }
 
 /// Whether the version of a row in `slot` (visible to the scan's snapshot) is being
@@ -467,9 +475,9 @@ pub fn tenant_oldest_ended(
     tenant: pg_sys::Datum,
     cutoff: pg_sys::TimestampTz,
     enough: i64,
-) -> Vec<(i64, i64)> {
+) -> (Vec<(i64, i64)>, bool) {
     if !r.v5() {
-        return Vec::new();
+        return (Vec::new(), false);
     }
     oldest_until(
         r.history,

@@ -36,7 +36,7 @@ pub enum Answer {
     /// The ticket (new, or the one the request's idempotency key already had), and its
     /// weight (0.7.0).
     Admitted([u8; 16], i64),
-    Refused(RefusalKind, Usage, Option<pg_sys::TimestampTz>),
+    Refused(RefusalKind, Usage, Option<crate::core::lease::Capacity>),
 }
 
 // Single-threaded backend state.
@@ -526,7 +526,7 @@ fn take_reply(slot: &'static Slot, admitted: impl FnOnce()) -> Answer {
                         tenant_retained: r.tenant_retained,
                         ahead: 0,
                     },
-                    r.next_ageout,
+                    r.capacity,
                 ))
             }
             REPLY_ERROR => Err((

@@ -95,8 +95,9 @@ pub struct Reply {
     /// For admissions: the ticket already existed under the request's idempotency key,
     /// and nothing was charged.
     pub reused: bool,
-    /// For refusals at the retained limit: when the oldest ended ticket ages out.
-    pub next_ageout: Option<pg_sys::TimestampTz>,
+    /// For refusals at the retained limit: how and when capacity returns (0.7.0; see
+    /// core::lease::capacity).
+    pub capacity: Option<crate::core::lease::Capacity>,
     /// For errors: the writer's SQLSTATE (as PostgreSQL encodes it) and message.
     pub sqlerrcode: i32,
     pub error_len: usize,

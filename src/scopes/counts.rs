@@ -9,7 +9,7 @@
 use pgrx::pg_sys;
 
 use super::{get, others_view, Counted, Open, ScopeKey};
-use crate::core::lease::{freed_by, Lapsed};
+use crate::core::lease::{capacity, Capacity, Lapsed};
 use crate::core::{Limits, RefusalKind, Usage};
 use crate::ledger::count::{
     active_and_earliest, expired, oldest_ended, rows, summary_rows, tenant_active_and_earliest,
@@ -319,11 +319,11 @@ pub fn tenant_exact(
     }
 }
 
-/// The full numbers for a refusal's message, and when capacity returns if a retained
-/// limit is the one reached: when enough of the scope's retained units have aged out
-/// for `more` units (the start's weight, and any admitted ahead of it that the counts
-/// leave out) to fit below `limit` (0.7.0; for a start of weight 1 at its limit, when
-/// the oldest ages out). None where aging out cannot free enough: the rest are active.
+/// The full numbers for a refusal's message, and how capacity returns if a retained
+/// limit is the one reached (see core::lease::capacity): when enough of the scope's
+/// retained units have aged out for `more` units (the start's weight, and those of
+/// starts ahead of it that the counts leave out) to fit below `limit` (0.7.0; for a
+/// start of weight 1 at its limit, when the oldest ages out).
 #[allow(clippy::too_many_arguments)]
 pub fn refusal_numbers(
     reader: &Reader,
@@ -335,7 +335,7 @@ pub fn refusal_numbers(
     kind: RefusalKind,
     more: i64,
     limit: i64,
-) -> (Usage, Option<pg_sys::TimestampTz>) {
+) -> (Usage, Option<Capacity>) {
     let r = &reader.rels;
     let of_role = role_exact(reader, role, now, &[cutoff]);
     let mut usage = Usage {
@@ -343,25 +343,50 @@ pub fn refusal_numbers(
         retained: of_role.retained[0],
         ..Usage::default()
     };
+    // The units that must age out, what the count and `more` take past the limit,
+    // from the ended ones (the count less the active ones), read oldest first.
+    let returns = |count: i64,
+                   active: i64,
+                   read: &dyn Fn(i64) -> (Vec<(i64, i64)>, bool),
+                   lapsed: &Lapsed| {
+        let need = count.saturating_add(more).saturating_sub(limit);
+        let ended_units = count.saturating_sub(active);
+        let (ended, capped) = if need > ended_units {
+            (Vec::new(), false)
+        } else {
+            read(need)
+        };
+        capacity(
+            need,
+            ended_units,
+            &ended,
+            capped,
+            lapsed.retained_from(cutoff),
+        )
+        .after(retention_secs)
+    };
     let mut next = None;
-    // The units that must age out: what the count and `more` take past the limit.
-    let need = |count: i64| count.saturating_add(more).saturating_sub(limit);
     if kind == RefusalKind::Retained {
-        let need = need(usage.retained);
-        let ended = oldest_ended(r, &of_role.after, role, cutoff, need);
-        next = freed_by(need, &ended, of_role.lapsed.retained_from(cutoff));
+        next = Some(returns(
+            usage.retained,
+            usage.active,
+            &|need| oldest_ended(r, &of_role.after, role, cutoff, need),
+            &of_role.lapsed,
+        ));
     }
     if let Some(t) = tenant {
         let of_tenant = tenant_exact(reader, role, t, now, &[cutoff]);
         usage.tenant_active = of_tenant.active;
         usage.tenant_retained = of_tenant.retained[0];
         if kind == RefusalKind::TenantRetained {
-            let need = need(usage.tenant_retained);
-            let ended = tenant_oldest_ended(r, &of_tenant.after, role, t.text, cutoff, need);
-            next = freed_by(need, &ended, of_tenant.lapsed.retained_from(cutoff));
+            next = Some(returns(
+                usage.tenant_retained,
+                usage.tenant_active,
+                &|need| tenant_oldest_ended(r, &of_tenant.after, role, t.text, cutoff, need),
+                &of_tenant.lapsed,
+            ));
         }
     }
-    let next = next.map(|t| t.saturating_add(retention_secs.saturating_mul(1_000_000)));
     (usage, next)
 }
 

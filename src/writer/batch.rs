@@ -471,7 +471,7 @@ fn handle_batch(batch: &[usize]) -> Vec<Change> {
                 reply.tenant_active = full.tenant_active + pt;
                 reply.tenant_retained = full.tenant_retained + pt;
                 reply.db_active = r.usage.db_active;
-                reply.next_ageout = next;
+                reply.capacity = next;
             }
         }
     }

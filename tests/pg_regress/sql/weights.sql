@@ -274,9 +274,9 @@ SELECT quota.try_start() IS NULL AS full;
 -- so when b3 ages out; one of weight 1 when a1 does; one of weight 7 needs 7, which
 -- aging out cannot free while 6 are active.
 SELECT pg_temp.refusal(2);
-SELECT pg_temp.refusal_at(2) = (SELECT ended_at + interval '7 days' FROM quota.tickets WHERE label = 'b3')
+SELECT pg_temp.refusal_at(2) = (SELECT ended_at + interval '168 hours' FROM quota.tickets WHERE label = 'b3')
        AS returns_when_b3_ages_out;
-SELECT pg_temp.refusal_at(1) = (SELECT ended_at + interval '7 days' FROM quota.tickets WHERE label = 'a1')
+SELECT pg_temp.refusal_at(1) = (SELECT ended_at + interval '168 hours' FROM quota.tickets WHERE label = 'a1')
        AS weight_1_returns_when_a1_ages_out;
 SELECT pg_temp.refusal(7);
 -- Above the retained limit: it can never fit.
@@ -342,11 +342,16 @@ DROP ROLE w_ret;
 CREATE ROLE w_age;
 ALTER ROLE w_age SET quota.max_active_per_role = 0;
 ALTER ROLE w_age SET quota.max_retained_per_role = 10;
-ALTER ROLE w_age SET quota.retention = '3s';
+ALTER ROLE w_age SET quota.retention = '1h';
 SET ROLE w_age;
 SELECT quota.finish(quota.start(weight => 6)) AS ended_6;
 SELECT quota.try_start(weight => 3, label => 'held') IS NOT NULL AS held_3;
 SELECT quota.try_start(weight => 2) IS NULL AS two_refused_at_9_of_10;
+-- The retention shortened to 3 s (a role's limits and retention follow its settings
+-- at each call).
+RESET ROLE;
+ALTER ROLE w_age SET quota.retention = '3s';
+SET ROLE w_age;
 SELECT quota.start(weight => 1, lease => '1 second') IS NOT NULL AS lapses_1;
 RESET ROLE;
 -- After the retention (and the lease): only the 3 held count. quota.usage counts at

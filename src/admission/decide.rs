@@ -180,11 +180,12 @@ fn refuse_from_counters(
         refusal = refuse_on_active(limits, with_ahead(counted, ahead), weight);
     }
     let kind = refusal?.kind;
-    counted.ahead = ahead_of(kind, ahead);
+    let (starts, units) = ahead_for(kind, ahead);
+    counted.ahead = starts;
     Some(Refused {
         kind,
         numbers: Numbers::ActiveOnly(counted, now),
-        ahead_units: units_ahead(kind, ahead),
+        ahead_units: units,
     })
 }
 
@@ -202,22 +203,16 @@ pub(crate) enum Repeat {
     NoWriter,
 }
 
-/// The units of the starts waiting ahead that take what frees up below a limit of
-/// `kind` before the refused start (0.7.0: when capacity returns for it).
-fn units_ahead(kind: RefusalKind, ahead: Ahead) -> i64 {
+/// The starts waiting ahead of a start refused at a limit of `kind`: how many, which
+/// its refusal names beside its tickets, and their units, which take what frees up
+/// below that limit before it (0.7.0: when capacity returns for it).
+fn ahead_for(kind: RefusalKind, ahead: Ahead) -> (i64, i64) {
     match kind {
-        RefusalKind::Database => ahead.db_units,
-        RefusalKind::TenantActive | RefusalKind::TenantRetained => ahead.tenant_units,
-        RefusalKind::Active | RefusalKind::Retained => ahead.role_units,
-    }
-}
-
-/// The starts waiting ahead that a refusal of `kind` names beside its tickets.
-fn ahead_of(kind: RefusalKind, ahead: Ahead) -> i64 {
-    match kind {
-        RefusalKind::Database => ahead.of_db,
-        RefusalKind::TenantActive | RefusalKind::TenantRetained => ahead.of_tenant,
-        RefusalKind::Active | RefusalKind::Retained => ahead.of_role,
+        RefusalKind::Database => (ahead.of_db, ahead.db_units),
+        RefusalKind::TenantActive | RefusalKind::TenantRetained => {
+            (ahead.of_tenant, ahead.tenant_units)
+        }
+        RefusalKind::Active | RefusalKind::Retained => (ahead.of_role, ahead.role_units),
     }
 }
 
@@ -291,11 +286,12 @@ pub(crate) fn under_lock<T>(
         // core::errors), so that a refusal never reads "2 of 1". The full numbers are
         // counted only if read (see Numbers).
         let mut counted = counted;
-        counted.ahead = ahead_of(kind, ahead);
+        let (starts, units) = ahead_for(kind, ahead);
+        counted.ahead = starts;
         Ok(Err(Refused {
             kind,
             numbers: Numbers::Counted(counted, now),
-            ahead_units: units_ahead(kind, ahead),
+            ahead_units: units,
         }))
     };
 

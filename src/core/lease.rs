@@ -131,14 +131,15 @@ impl Capacity {
 /// limit (its weight and what the count takes past the limit; below 1 it asks for the
 /// oldest), from the scope's ended units still retained (`ended_units`: the count less
 /// its active units) and those tickets, each as (when it ended, its weight), ascending:
-/// `ended` (finished or swept; `capped` if reading stopped at AGE_OUT_READS) and
-/// `lapsed` (their lease ran out, not swept yet). They age out in the order they
-/// ended, so the answer is the end of the one whose units bring them to `need`.
+/// the finished or swept ones that `read(need)` gives (reading until their units make
+/// `need`, and saying whether it stopped at AGE_OUT_READS first), called only where
+/// the ended units could make room; and `lapsed` (their lease ran out, not swept yet).
+/// They age out in the order they ended, so the answer is the end of the one whose
+/// units bring them to `need`.
 pub fn capacity(
     need: i64,
     ended_units: i64,
-    ended: &[(i64, i64)],
-    capped: bool,
+    read: impl FnOnce(i64) -> (Vec<(i64, i64)>, bool),
     lapsed: &[(i64, i64)],
 ) -> Capacity {
     let need = need.max(1);
@@ -148,6 +149,7 @@ pub fn capacity(
     if need > ended_units {
         return Capacity::without_time(AgeOut::TooFew);
     }
+    let (ended, capped) = read(need);
     let (mut e, mut l) = (ended.iter().peekable(), lapsed.iter().peekable());
     let (mut freed, mut read) = (0i64, 0usize);
     loop {
@@ -361,7 +363,7 @@ mod tests {
         // 12 ended units.
         let ended = [(10, 1), (30, 9)];
         let lapsed = [(20, 2)];
-        let at = |need| capacity(need, 12, &ended, false, &lapsed);
+        let at = |need| capacity(need, 12, |_| (ended.to_vec(), false), &lapsed);
         let c = |how, at| Capacity { how, at };
         assert_eq!(at(1), c(AgeOut::Oldest, Some(10)));
         assert_eq!(at(0), c(AgeOut::Oldest, Some(10)), "the oldest");
@@ -370,38 +372,44 @@ mod tests {
         assert_eq!(at(12), c(AgeOut::Enough, Some(30)));
         // More than the ended units: the rest is active, nothing is read.
         assert_eq!(at(13), c(AgeOut::TooFew, None));
+        let unread = |_| -> (Vec<(i64, i64)>, bool) { unreachable!("read where it cannot help") };
+        assert_eq!(capacity(13, 12, unread, &lapsed), c(AgeOut::TooFew, None));
+        assert_eq!(capacity(1, 0, unread, &lapsed), c(AgeOut::NoneEnded, None));
         assert_eq!(
-            capacity(1, 2, &[], false, &lapsed),
+            capacity(1, 2, |_| ([].to_vec(), false), &lapsed),
             c(AgeOut::Oldest, Some(20))
         );
-        assert_eq!(capacity(1, 0, &[], false, &[]), c(AgeOut::NoneEnded, None));
         assert_eq!(
-            capacity(3, 0, &ended, false, &[]),
+            capacity(1, 0, |_| ([].to_vec(), false), &[]),
+            c(AgeOut::NoneEnded, None)
+        );
+        assert_eq!(
+            capacity(3, 0, |_| (ended.to_vec(), false), &[]),
             c(AgeOut::NoneEnded, None)
         );
         // Reading stopped before enough: beyond what a refusal reads, even where a
         // later lapsed lease would make up the units (unread tickets ended before it).
         assert_eq!(
-            capacity(3, 50, &[(1, 1), (2, 1)], true, &[(9, 5)]),
+            capacity(3, 50, |_| ([(1, 1), (2, 1)].to_vec(), true), &[(9, 5)]),
             c(AgeOut::Beyond, None)
         );
         assert_eq!(
-            capacity(2, 50, &[(1, 1), (5, 1)], true, &[(3, 5)]),
+            capacity(2, 50, |_| ([(1, 1), (5, 1)].to_vec(), true), &[(3, 5)]),
             c(AgeOut::Enough, Some(3))
         );
         // Reading stopped before enough: beyond what a refusal reads.
         assert_eq!(
-            capacity(5, 50, &[(1, 1), (2, 1)], true, &[]),
+            capacity(5, 50, |_| ([(1, 1), (2, 1)].to_vec(), true), &[]),
             c(AgeOut::Beyond, None)
         );
         // Counts that disagree with the tickets read (a summary rebuilt since): too few.
         assert_eq!(
-            capacity(5, 50, &[(1, 1), (2, 1)], false, &[]),
+            capacity(5, 50, |_| ([(1, 1), (2, 1)].to_vec(), false), &[]),
             c(AgeOut::TooFew, None)
         );
         // Equal instants: either order frees the same units by then.
         assert_eq!(
-            capacity(3, 3, &[(5, 1)], false, &[(5, 2)]),
+            capacity(3, 3, |_| ([(5, 1)].to_vec(), false), &[(5, 2)]),
             c(AgeOut::Enough, Some(5))
         );
         assert_eq!(

@@ -351,19 +351,7 @@ pub fn refusal_numbers(
                    lapsed: &Lapsed| {
         let need = count.saturating_add(more).saturating_sub(limit);
         let ended_units = count.saturating_sub(active);
-        let (ended, capped) = if need > ended_units {
-            (Vec::new(), false)
-        } else {
-            read(need)
-        };
-        capacity(
-            need,
-            ended_units,
-            &ended,
-            capped,
-            lapsed.retained_from(cutoff),
-        )
-        .after(retention_secs)
+        capacity(need, ended_units, read, lapsed.retained_from(cutoff)).after(retention_secs)
     };
     let mut next = None;
     if kind == RefusalKind::Retained {

@@ -154,6 +154,50 @@ ensure_pg() {
   log "PostgreSQL $major is in $prefix"
 }
 
+# --- Citus (tests only) -------------------------------------------------------------------
+# Citus is in no package registry here: its released source is vendored beside the
+# project (CITUS_TARBALL, ../shared/vendor/), and ensure_citus builds it once against
+# PG_CACHE/18 (Citus 14 supports PostgreSQL 16 to 18), as ensure_pg builds 18. The
+# build is cached: CITUS_STAMP in the prefix names the tarball it was built from.
+CITUS_VERSION="14.0.1"
+CITUS_TARBALL="${CITUS_TARBALL:-$(cd "$ROOT/.." && pwd)/shared/vendor/citus-$CITUS_VERSION.tar.gz}"
+CITUS_MAJOR=18
+
+# citus_available: whether Citus' vendored source is on this machine (else the Citus
+# tests are skipped, and say why).
+citus_available() { [ -r "$CITUS_TARBALL" ]; }
+
+# ensure_citus: builds and installs Citus into PostgreSQL CITUS_MAJOR's cache (once).
+ensure_citus() {
+  local prefix="$PG_CACHE/$CITUS_MAJOR" stamp lock work sum
+  stamp="$prefix/share/citus-build.stamp"
+  sum="$(sha256sum "$CITUS_TARBALL" | cut -d' ' -f1)"
+  [ "$(cat "$stamp" 2>/dev/null)" = "$sum" ] && [ -e "$prefix/lib/postgresql/citus.so" ] && return 0
+  ensure_pg "$CITUS_MAJOR"  # and with it the compiler and tools (ensure_deps)
+  exec {lock}> "$PG_CACHE/.build-citus.lock"
+  flock "$lock"
+  if [ "$(cat "$stamp" 2>/dev/null)" = "$sum" ] && [ -e "$prefix/lib/postgresql/citus.so" ]; then
+    exec {lock}>&-; return 0
+  fi
+  work="$(mktemp -d "$PG_CACHE/.build-citus.XXXXXX")"
+  log "building Citus $CITUS_VERSION against PostgreSQL $CITUS_MAJOR (once; about 4 minutes; log: $work/build.log)"
+  tar -xzf "$CITUS_TARBALL" -C "$work"
+  if ! (cd "$work/citus-$CITUS_VERSION" \
+        && ./configure PG_CONFIG="$prefix/bin/pg_config" --without-libcurl --without-lz4 --without-zstd \
+        && make -j"$(nproc)" && make install DESTDIR="$work/stage") > "$work/build.log" 2>&1; then
+    tail -n 40 "$work/build.log" >&2
+    log "building Citus failed; the build folder $work is kept"
+    exec {lock}>&-
+    return 1
+  fi
+  cp -a "$work/stage$prefix/." "$prefix/"
+  chmod -R a+rX "$prefix"
+  echo "$sum" > "$stamp"
+  rm -rf "$work"
+  exec {lock}>&-
+  log "Citus $CITUS_VERSION is in $prefix"
+}
+
 # pgrx_init [MAJOR...]: registers every tested major that is installed (and the given
 # ones) with cargo pgrx, in one call, because `cargo pgrx init` keeps only what it is
 # given. Runs only when config.toml lacks a major or names another pg_config for it.

@@ -24,6 +24,8 @@ mod xact;
 mod shmem;
 // Layer 3: pg_quota's tables below SQL.
 mod ledger;
+// Citus' metadata of a tenant's node, read below the paths (0.7.1).
+mod citus;
 // Layer 4: shared state, each owning its segment.
 mod queue;
 mod scopes;

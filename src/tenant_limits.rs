@@ -10,7 +10,7 @@
 
 use pgrx::pg_sys;
 
-use crate::catalog::role_name;
+use crate::catalog::{role_name, AsRole};
 use crate::core::{check_tenant, QuotaError};
 use crate::ledger::scan::text_datum;
 
@@ -31,6 +31,14 @@ pub fn set(req: &Request) -> Result<(), QuotaError> {
     crate::shmem::require_callable(NAME);
     let tenant = req.tenant.ok_or(QuotaError::NullArgument("tenant"))?;
     check_tenant(crate::admission::chars(tenant), tenant.len())?;
+    // A tenant's own limits are read where it is admitted: on a Citus cluster whose
+    // starts are distributed by tenant, on the node that holds it (core::citus).
+    crate::core::citus::admit_here(
+        &crate::encoding::server_text(tenant),
+        crate::citus::placement(tenant),
+        "quota.set_tenant_limits('…', …)",
+    )
+    .map_err(QuotaError::TenantElsewhere)?;
     for (what, v) in [
         ("max_active", req.max_active),
         ("max_retained", req.max_retained),
@@ -200,65 +208,5 @@ unsafe fn execute_latest(query: &std::ffi::CStr, args: &[(pg_sys::Oid, pg_sys::D
             pgrx::error!("pg_quota: SPI_execute_snapshot failed: {rc}");
         }
         pg_sys::SPI_finish();
-    }
-}
-
-/// Runs as `role` until dropped, with search_path pinned to pg_catalog, pg_temp, as
-/// PostgreSQL's own code runs a query with another role's privileges (a security
-/// definer function, REFRESH MATERIALIZED VIEW): SECURITY_LOCAL_USERID_CHANGE refuses
-/// SET ROLE and the like meanwhile, SECURITY_RESTRICTED_OPERATION keeps what runs from
-/// leaving state behind in the session, and nothing the query runs (a check, a default)
-/// resolves a name through the caller's search_path. After an ERROR, the
-/// (sub)transaction's abort restores both, as for a security definer function.
-struct AsRole {
-    user: pg_sys::Oid,
-    context: i32,
-    nest: i32,
-}
-
-impl AsRole {
-    fn enter(role: pg_sys::Oid) -> AsRole {
-        let mut user = pg_sys::InvalidOid;
-        let mut context = 0;
-        // SAFETY: reads and sets the backend's current user and a GUC at a nesting
-        // level of its own, both restored in drop (or by the abort).
-        unsafe {
-            let nest = pg_sys::NewGUCNestLevel();
-            pg_sys::set_config_option(
-                c"search_path".as_ptr(),
-                c"pg_catalog, pg_temp".as_ptr(),
-                pg_sys::GucContext::PGC_USERSET,
-                pg_sys::GucSource::PGC_S_SESSION,
-                pg_sys::GucAction::GUC_ACTION_SAVE,
-                true,
-                0,
-                false,
-            );
-            pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
-            pg_sys::SetUserIdAndSecContext(
-                role,
-                context
-                    | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32
-                    | pg_sys::SECURITY_RESTRICTED_OPERATION as i32,
-            );
-            AsRole {
-                user,
-                context,
-                nest,
-            }
-        }
-    }
-}
-
-impl Drop for AsRole {
-    fn drop(&mut self) {
-        // SAFETY: restores what `enter` read and set. During an ERROR's unwind the
-        // GUC level is left to the abort, which pops it (AtEOXact_GUC there).
-        unsafe {
-            pg_sys::SetUserIdAndSecContext(self.user, self.context);
-            if !std::thread::panicking() {
-                pg_sys::AtEOXact_GUC(true, self.nest);
-            }
-        }
     }
 }

@@ -258,8 +258,15 @@ pub fn start(
     if let Some(k) = args.key {
         check_key(chars(k), k.len())?;
     }
+    // On a Citus cluster whose starts are distributed by tenant, only the node that
+    // holds the tenant counts its tickets (core::citus).
+    let mut distributed = false;
     if let Some(t) = args.tenant {
         check_tenant(chars(t), t.len())?;
+        let placement = crate::citus::placement(t);
+        distributed = placement.is_some();
+        crate::core::citus::admit_here(&server_text(t), placement, "quota.start(tenant => …)")
+            .map_err(QuotaError::TenantElsewhere)?;
     }
     // When the wait ends, None where the start does not wait (see
     // core::lease::deadline). A wait runs from the call's beginning, what the lookups
@@ -287,6 +294,9 @@ pub fn start(
     };
     // The policy of the role charged (after SET ROLE, not the login's; see policy.rs).
     let policy = crate::policy::of(role);
+    if distributed && !exempt {
+        crate::citus::warn_per_node(&policy.limits);
+    }
     let rels = rels();
     if !rels.v2() {
         // The library is newer than the database's schema: 0.1.x's calls work as

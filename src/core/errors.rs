@@ -300,6 +300,9 @@ pub enum QuotaError {
     },
     #[error("pg_quota must be loaded via shared_preload_libraries")]
     NotPreloaded,
+    /// 0.7.1: a tenant's start on a Citus node that does not hold the tenant (core::citus).
+    #[error("{0}")]
+    TenantElsewhere(Box<super::citus::Elsewhere>),
     #[error("could not start the pg_quota ledger writer")]
     NoWorkerSlot { waited_ms: u64 },
     #[error("the pg_quota ledger writer exited before it answered")]
@@ -414,6 +417,7 @@ impl QuotaError {
             QuotaError::TicketColumnNotNull { .. } => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::TicketNotUuid { .. } => Sqlstate::InvalidTextRepresentation,
             QuotaError::NotPreloaded => Sqlstate::ObjectNotInPrerequisiteState,
+            QuotaError::TenantElsewhere(_) => Sqlstate::FeatureNotSupported,
             QuotaError::NoWorkerSlot { .. } => Sqlstate::InsufficientResources,
             QuotaError::WriterGone => Sqlstate::OperatorIntervention,
             QuotaError::WriterFailed { code, .. } => Sqlstate::Raised(*code),
@@ -579,6 +583,7 @@ impl QuotaError {
             QuotaError::NoWorkerSlot { waited_ms } => Some(format!(
                 "No background worker slot (max_worker_processes) came free for this database's ledger writer in {waited_ms} ms (quota.writer_start_wait); the writers of other databases give theirs up when they have nothing to do."
             )),
+            QuotaError::TenantElsewhere(e) => Some(e.detail()),
             _ => None,
         }
     }
@@ -683,6 +688,7 @@ impl QuotaError {
             QuotaError::NeedsUpdate { .. } => Some(
                 "This database still has the schema of an older pg_quota. Run ALTER EXTENSION pg_quota UPDATE in it.".to_string(),
             ),
+            QuotaError::TenantElsewhere(e) => Some(e.hint()),
             QuotaError::NotPreloaded => Some(
                 "Add pg_quota to shared_preload_libraries in postgresql.conf and restart the server."
                     .to_string(),

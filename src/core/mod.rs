@@ -3,6 +3,7 @@
 //! with plain `cargo test`; the pgrx layer only moves values in and out.
 
 pub mod batch;
+pub mod citus;
 pub mod counters;
 pub mod decision;
 pub mod errors;

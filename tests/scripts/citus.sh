@@ -1,0 +1,246 @@
+#!/usr/bin/env bash
+# pg_quota on a Citus cluster (issue 35, 0.7.1): each tenant admitted where its shard
+# lives. A coordinator and two workers on this machine, Citus 14 built from the
+# vendored source (ensure_citus), every node preloading 'citus,pg_quota'. The DBA
+# distributes pg_quota's start functions by their tenant argument, colocated with the
+# queue's table distributed by tenant (USER_GUIDE "Citus"); then:
+# - a start made alone in its statement, from any node, is run by Citus on the node
+#   that holds the tenant and admitted by its ledger alone (one hop, none there);
+# - a start that Citus runs where the client is (inside a transaction block without
+#   force_delegation, in PL/pgSQL) is refused with 0A000 on a node that does not hold
+#   the tenant, rather than admitted by a ledger that does not see its tickets;
+# - with clients on every node racing, a tenant never runs more than its limit;
+# - the enqueue recipe: a force-delegated transactional start and the job's INSERT in
+#   one transaction, from any node, commit and roll back together;
+# - a tenant's own limit, set through a distributed set_tenant_limits(), holds where it
+#   is admitted;
+# - the tenant's node, stopped in a crash and restarted, keeps its tickets.
+# Where Citus' source is not on the machine, the suite is skipped (exit 77), not passed.
+# majors: 18
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
+
+if ! citus_available; then
+  echo "1..0 # SKIP Citus' source is not on this machine ($CITUS_TARBALL)"
+  exit 77
+fi
+ensure_citus
+
+DIR="${SCRATCH:-$(make_scratch)}/citus"
+BASE=$((5870 + PORT_OFFSET))
+for i in 0 1 2; do
+  new_cluster "$DIR/n$i" $((BASE + i)) "shared_preload_libraries = 'citus,pg_quota'" \
+    "wal_level = logical" "max_worker_processes = 32" "max_prepared_transactions = 20"
+done
+# n I [psql args...]: psql on node I (0: the coordinator), database app.
+n() { local i="$1"; shift; pgq "$DIR/n$i" $((BASE + i)) -d app -At "$@"; }
+# on I USER SQL...: one session on node I as USER; output only, errors dropped.
+on() {
+  local i="$1" user="$2"; shift 2; local a=() q
+  for q in "$@"; do a+=(-c "$q"); done
+  timeout 30 "$PG_BIN/psql" -X -q -At -h "$DIR/n$i" -p $((BASE + i)) -U "$user" -d app \
+    -v ON_ERROR_STOP=0 "${a[@]}" 2>/dev/null || true
+}
+# state_on I USER SQL...: the SQLSTATE of the last statement.
+state_on() { on "$@" '\echo SQLSTATE=:SQLSTATE' | sed -n 's/^SQLSTATE=//p' | tail -n1; }
+
+for i in 0 1 2; do
+  pgq "$DIR/n$i" $((BASE + i)) -c "CREATE DATABASE app" -c "CREATE ROLE app LOGIN" >/dev/null
+  n "$i" -c "CREATE EXTENSION citus" >/dev/null
+done
+n 0 -c "SELECT citus_set_coordinator_host('$DIR/n0', $BASE)" \
+    -c "SELECT citus_add_node('$DIR/n1', $((BASE + 1)))" \
+    -c "SELECT citus_add_node('$DIR/n2', $((BASE + 2)))" >/dev/null
+n 0 -c "CREATE EXTENSION pg_quota" >/dev/null
+expect_eq "CREATE EXTENSION pg_quota on the coordinator is propagated: every node has it, of one version" \
+  "$(n 0 -c "SELECT extversion FROM pg_extension WHERE extname = 'pg_quota'") x3" \
+  "$(for i in 0 1 2; do n "$i" -c "SELECT extversion FROM pg_extension WHERE extname = 'pg_quota'"; done | sort -u) x$(
+     for i in 0 1 2; do n "$i" -c "SELECT 1 FROM pg_extension WHERE extname = 'pg_quota'"; done | wc -l)"
+
+# The queue's tables, distributed by tenant; pg_quota's start functions distributed by
+# their tenant argument ($5) alongside, start() force-delegated (the enqueue recipe
+# calls it in the job's transaction); set_tenant_limits() by its tenant ($1); and the
+# application's finish_for(), which finishes a ticket on its tenant's node.
+n 0 -c "GRANT ALL ON SCHEMA public TO app" \
+    -c "CREATE TABLE jobs (tenant text NOT NULL, id bigserial, ticket uuid, PRIMARY KEY (tenant, id))" \
+    -c "SELECT create_distributed_table('jobs', 'tenant', shard_count := 4)" \
+    -c "CREATE TABLE running (tenant text NOT NULL, ticket uuid NOT NULL)" \
+    -c "SELECT create_distributed_table('running', 'tenant', colocate_with := 'jobs')" \
+    -c "GRANT ALL ON jobs, running, jobs_id_seq TO app" \
+    -c "SELECT create_distributed_function('quota.start(text,interval,text,interval,text,boolean)', '\$5', colocate_with := 'jobs', force_delegation := true)" \
+    -c "SELECT create_distributed_function('quota.try_start(text,interval,text,interval,text,boolean)', '\$5', colocate_with := 'jobs')" \
+    -c "SELECT create_distributed_function('quota.try_start(integer,interval,text,interval,text,boolean,text)', '\$5', colocate_with := 'jobs')" \
+    -c "SELECT create_distributed_function('quota.set_tenant_limits(text,integer,integer,regrole)', '\$1', colocate_with := 'jobs')" \
+    -c "CREATE FUNCTION finish_for(tenant text, ticket uuid, outcome text DEFAULT 'succeeded') RETURNS bool
+          LANGUAGE plpgsql AS 'BEGIN RETURN quota.finish(ticket, outcome); END'" \
+    -c "SELECT create_distributed_function('finish_for(text,uuid,text)', '\$1', colocate_with := 'jobs')" \
+    -c "ALTER ROLE app SET quota.max_active_per_tenant = 2" \
+    -c "ALTER ROLE app SET quota.allow_transactional = on" >/dev/null
+expect_eq "ALTER ROLE … SET on the coordinator reaches every node (Citus propagates it)" "2 2 2" \
+  "$(for i in 0 1 2; do on "$i" app "SHOW quota.max_active_per_tenant"; done | xargs)"
+
+# node_of TENANT: the node (1 or 2) that holds the tenant's shard.
+node_of() {
+  n 0 -c "SELECT n.nodeport - $BASE FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid)
+           WHERE p.shardid = get_shard_id_for_distribution_column('jobs', '$1')"
+}
+A=""; B=""
+for t in t1 t2 t3 t4 t5 t6 t7 t8 t9; do
+  case "$(node_of "$t")" in
+    1) [ -n "$A" ] || A="$t" ;;
+    2) [ -n "$B" ] || B="$t" ;;
+  esac
+done
+check "the tenants $A and $B live on different workers" test -n "$A" -a -n "$B"
+NA=$(node_of "$A"); NB=$(node_of "$B")
+other() { echo $((3 - $1)); }  # the other worker
+live() { n "$1" -c "SELECT count(*) FROM quota.ledger WHERE tenant = '$2' AND ended_at IS NULL"; }
+# try I TENANT [LABEL]: a try_start() alone in its statement on node I, as app (so that
+# Citus may delegate it: nothing may wrap the call); t if admitted, f if refused.
+try() {
+  local r; r=$(on "$1" app "SELECT quota.try_start(tenant => '$2', label => '${3:-try}')")
+  if [ -n "$r" ]; then echo t; else echo f; fi
+}
+admitted() { n "$1" -c "SELECT coalesce(sum(admitted), 0) FROM quota.stats WHERE role = 'app'"; }
+
+# --- a start alone in its statement runs on the tenant's node, from any node --------
+got=""
+for i in 0 1 2; do got+="$(try "$i" "$A" "from n$i") "; done
+expect_eq "three starts for $A alone in their statements, one from each node, at its limit of 2: two admitted, one refused" \
+  "f t t" "$(tr ' ' '\n' <<<"$got" | grep . | sort | xargs)"
+expect_eq "all of $A's tickets are on its node (n$NA), none on the others" "2 0 0" \
+  "$(live "$NA" "$A") $(live 0 "$A") $(live "$(other "$NA")" "$A")"
+expect_eq "only $A's node admitted anything: no start was charged where its client was" "2 0 0" \
+  "$(admitted "$NA") $(admitted 0) $(admitted "$(other "$NA")")"
+expect_eq "the refusal was answered by $A's node (its refused_active)" "1 0 0" \
+  "$(for i in "$NA" 0 "$(other "$NA")"; do n "$i" -c "SELECT coalesce(sum(refused_active), 0) FROM quota.stats WHERE role = 'app'"; done | xargs)"
+
+# --- a start that Citus runs where the client is ------------------------------------
+# In a transaction block try_start() (not force-delegated) runs on the client's node.
+expect_eq "a start for $A in a transaction block on the coordinator is refused with 0A000, not admitted there" \
+  0A000 "$(state_on 0 app "BEGIN" "SELECT quota.try_start(tenant => '$A')")"
+expect_eq "… and on the other worker" \
+  0A000 "$(state_on "$(other "$NA")" app "BEGIN" "SELECT quota.try_start(tenant => '$A')")"
+expect_eq "… and from PL/pgSQL (a simple expression, never delegated)" \
+  0A000 "$(state_on 0 app "DO \$\$BEGIN PERFORM quota.start(tenant => '$A'); END\$\$")"
+msg=$(timeout 30 "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U app -d app -c "BEGIN" \
+        -c "SELECT quota.try_start(tenant => '$A')" 2>&1 | grep ERROR || true)
+check "its message names the tenant's node ($msg)" grep -q "tenant \"$A\" is held by node $DIR/n$NA:$((BASE + NA)), not by this one" <<<"$msg"
+on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$A' AND label = 'from n0'" >/dev/null
+expect_eq "in a transaction block on $A's own node, the start is admitted (a freed slot)" t \
+  "$(on "$NA" app "BEGIN" "SELECT quota.try_start(tenant => '$A', label => 'local') IS NOT NULL" "COMMIT")"
+expect_eq "$A's tickets are still all on its node, and at its limit" "2 0 0" \
+  "$(live "$NA" "$A") $(live 0 "$A") $(live "$(other "$NA")" "$A")"
+expect_eq "finish_for(), distributed by tenant, finishes a ticket of $A from the coordinator" "t 1" \
+  "$(on 0 app "SELECT finish_for('$A', '$(n "$NA" -c "SELECT id FROM quota.ledger WHERE tenant = '$A' AND label = 'local'")')") $(live "$NA" "$A")"
+
+# --- the enqueue recipe: a transactional start and the job's INSERT ------------------
+enq() {  # enq NODE TENANT LABEL COMMIT|ROLLBACK: the start alone in its statement
+  printf '%s\n' "BEGIN;" \
+    "SELECT quota.start(tenant => '$2', label => '$3', transactional => true) AS tk \\gset" \
+    "INSERT INTO jobs (tenant, ticket) VALUES ('$2', :'tk');" "$4;" |
+    timeout 30 "$PG_BIN/psql" -X -q -At -h "$DIR/n$1" -p $((BASE + $1)) -U app -d app -v ON_ERROR_STOP=1 >/dev/null 2>&1 || true
+}
+enq 0 "$B" e1 COMMIT
+enq "$(other "$NB")" "$B" e2 ROLLBACK
+enq "$NB" "$B" e3 COMMIT
+expect_eq "enqueues of $B from three nodes, one rolled back: its node holds the two committed charges, each in its transaction" \
+  "e1 e3" "$(n "$NB" -c "SELECT string_agg(label, ' ' ORDER BY label) FROM quota.ledger WHERE tenant = '$B' AND txid IS NOT NULL")"
+expect_eq "… and $B is at its limit: a third enqueue is refused (53400), from any node" "53400 53400" \
+  "$(state_on 0 app "BEGIN" "SELECT quota.start(tenant => '$B', transactional => true)") $(
+     state_on "$(other "$NB")" app "BEGIN" "SELECT quota.start(tenant => '$B', transactional => true)")"
+on 0 app "SELECT finish_for('$B', ticket) FROM jobs WHERE tenant = '$B'" >/dev/null
+
+# --- a role's own limit counts per node, and a start says so ---------------------------
+n 0 -c "ALTER ROLE app SET quota.max_active_per_role = 100" >/dev/null
+warned=$(timeout 30 "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U app -d app \
+  -c "SELECT quota.try_start(tenant => '$A', label => 'w1')" \
+  -c "SELECT quota.try_start(tenant => '$A', label => 'w2')" 2>&1 >/dev/null | grep -c "WARNING:  quota.max_active_per_role = 100 counts per node on this Citus cluster" || true)
+expect_eq "with quota.max_active_per_role set, a session's start for a tenant warns, once, that it counts per node" 1 "$warned"
+n 0 -c "ALTER ROLE app RESET quota.max_active_per_role" >/dev/null
+on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE label IN ('w1', 'w2') AND ended_at IS NULL" >/dev/null
+
+# --- a tenant's own limit -------------------------------------------------------------
+on 0 postgres "SELECT quota.set_tenant_limits('$B', max_active => 1, role => 'app')" >/dev/null
+expect_eq "set_tenant_limits() alone in its statement on the coordinator sets $B's limit on its node" "1" \
+  "$(n "$NB" -c "SELECT max_active FROM quota.tenant_limits WHERE tenant = '$B'")"
+expect_eq "… where it holds: one start of $B admitted, the next refused" "t f" \
+  "$(try 0 "$B") $(try 0 "$B")"
+expect_eq "set_tenant_limits() in a transaction block on the coordinator is refused with 0A000" 0A000 \
+  "$(state_on 0 postgres "BEGIN" "SELECT quota.set_tenant_limits('$B', max_active => 3, role => 'app')")"
+expect_eq "… and sets nothing on the coordinator" 0 "$(n 0 -c "SELECT count(*) FROM quota.tenant_limits")"
+on 0 postgres "SELECT quota.set_tenant_limits('$B', role => 'app')" >/dev/null
+
+# --- clients on every node race ---------------------------------------------------------
+# Each client runs its loop in one psql session: a start for a tenant, alone in its
+# statement (delegated) or in a transaction block (run where the client is); while it
+# holds a ticket, a row in running (on the tenant's node, in the tenant's shard); then
+# the row goes and finish_for() ends the ticket. A sampler on the coordinator counts
+# running rows per tenant as often as it can.
+on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE ended_at IS NULL" >/dev/null
+on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE ended_at IS NULL" >/dev/null
+client() {  # client NODE TENANT delegated|block ITERATIONS
+  local node="$1" t="$2" how="$3" k
+  for k in $(seq 1 "$4"); do
+    if [ "$how" = block ]; then echo "BEGIN;"; fi
+    # The call alone in its target list, as Citus delegates it; a NULL leaves tk unset.
+    echo "SELECT quota.try_start(tenant => '$t', label => 'race-n$node') AS tk \\gset"
+    if [ "$how" = block ]; then echo "COMMIT;"; fi
+    echo "\\if :{?tk}"
+    echo "INSERT INTO running VALUES ('$t', :'tk');"
+    echo "SELECT pg_sleep(0.005);"
+    echo "DELETE FROM running WHERE tenant = '$t' AND ticket = :'tk';"
+    echo "SELECT finish_for('$t', :'tk');"
+    echo "\\unset tk"
+    echo "\\endif"
+  done
+}
+RACE="$DIR/race"; mkdir -p "$RACE"; chmod 777 "$RACE"
+n 0 -c "CREATE TABLE race_stop (x int)" -c "GRANT ALL ON race_stop TO app" >/dev/null
+bg "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U app -d app -c "
+  DO \$\$DECLARE m int := 0; k int; s int := 0;
+  BEGIN
+    WHILE NOT EXISTS (SELECT 1 FROM race_stop) LOOP
+      SELECT coalesce(max(c), 0) INTO k FROM (SELECT count(*) c FROM running GROUP BY tenant) x;
+      m := greatest(m, k); s := s + 1;
+    END LOOP;
+    RAISE NOTICE 'sampled % % times', m, s;
+  END\$\$" > "$RACE/sampler.out" 2>&1
+SAMPLER=$LAST_BG
+clients=()
+for t in "$A" "$B"; do
+  for i in 0 1 2; do
+    for how in delegated block; do
+      client "$i" "$t" "$how" 120 > "$RACE/$t-$i-$how.sql"
+      bg timeout 150 "$PG_BIN/psql" -X -q -At -h "$DIR/n$i" -p $((BASE + i)) -U app -d app \
+        -v ON_ERROR_STOP=0 -f "$RACE/$t-$i-$how.sql" > "$RACE/$t-$i-$how.out" 2> "$RACE/$t-$i-$how.err"
+      clients+=("$LAST_BG")
+    done
+  done
+done
+for p in "${clients[@]}"; do wait "$p" 2>/dev/null || true; done
+n 0 -c "INSERT INTO race_stop VALUES (1)" >/dev/null
+wait "$SAMPLER" 2>/dev/null || true
+read -r most samples < <(sed -n 's/.*sampled \([0-9]*\) \([0-9]*\) times.*/\1 \2/p' "$RACE/sampler.out")
+finished=$(cat "$RACE"/*.out | grep -c '^t$' || true)
+elsewhere=$(cat "$RACE"/*-block.err | grep -c "is held by node" || true)
+other_errors=$(cat "$RACE"/*.err | grep ERROR | grep -vc "is held by node" || true)
+echo "# race: $finished tickets finished; block starts refused on a node without their tenant: $elsewhere; most running at once for a tenant: ${most:-?} in ${samples:-?} samples"
+check "with clients on every node, no tenant ever ran more than its limit of 2 at once (most seen: ${most:-none}, ${samples:-0} samples)" \
+  test "${most:-9}" -le 2 -a "${samples:-0}" -gt 100
+check "the race finished work ($finished tickets) and refused the block starts made on the wrong nodes ($elsewhere)" \
+  test "$finished" -gt 50 -a "$elsewhere" -gt 0
+expect_eq "no client met another error" 0 "$other_errors"
+left=0
+for i in 1 2; do left=$((left + $(n "$i" -c "SELECT count(*) FROM quota.ledger WHERE label LIKE 'race%' AND ended_at IS NULL"))); done
+expect_eq "every ticket of the race is on its tenant's node, and all ended" "0 0 0 0" \
+  "$(n 0 -c "SELECT count(*) FROM quota.ledger WHERE label LIKE 'race%'") $(n "$(other "$NA")" -c "SELECT count(*) FROM quota.ledger WHERE tenant = '$A'") $(
+     n "$(other "$NB")" -c "SELECT count(*) FROM quota.ledger WHERE tenant = '$B'") $left"
+
+# --- the tenant's node crashes and comes back -----------------------------------------
+on 0 app "SELECT quota.try_start(tenant => '$A', label => 'kept1')" "SELECT quota.try_start(tenant => '$A', label => 'kept2')" >/dev/null
+stop_cluster "$DIR/n$NA" immediate
+as_pg "$PG_BIN/pg_ctl" -D "$DIR/n$NA/data" -l "$DIR/n$NA/server.log" -w -t 60 start >/dev/null
+expect_eq "$A's node, stopped in a crash and restarted, kept its two tickets: a third start from the coordinator is refused" \
+  "2 f" "$(live "$NA" "$A") $(try 0 "$A")"
+
+finish_checks

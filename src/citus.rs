@@ -54,7 +54,12 @@ pub fn placement(tenant: &[u8]) -> Option<Placement> {
     // transaction's abort cleans SPI up. Columns are read by the query's own types.
     unsafe {
         connect();
+        // The caller's own privileges (Citus' metadata is readable by all), with
+        // search_path pinned: an operator of the caller's schemas must not stand in
+        // for pg_catalog's.
+        let as_caller = AsRole::enter(pg_sys::GetUserId());
         let found = query(DECLARED, &[(pg_sys::OIDOID, pg_sys::Datum::from(ns))]);
+        drop(as_caller);
         if found == 0 {
             pg_sys::SPI_finish();
             return None;

@@ -150,6 +150,26 @@ expect_eq "… and $B is at its limit: a third enqueue is refused (53400), from 
      state_on "$(other "$NB")" app "BEGIN" "SELECT quota.start(tenant => '$B', transactional => true)")"
 on 0 app "SELECT finish_for('$B', ticket) FROM jobs WHERE tenant = '$B'" >/dev/null
 
+# --- usage seen from any node -----------------------------------------------------------
+# The whole cluster, for the DBA (run_command_on_all_nodes, each row naming its node),
+# and one tenant's usage for the application, from its node (usage_of(), distributed by
+# tenant like the starts).
+n 0 -c "CREATE FUNCTION usage_of(tenant text) RETURNS TABLE (node text, active numeric, retained numeric)
+          LANGUAGE plpgsql AS \$\$BEGIN
+            RETURN QUERY SELECT (SELECT nodename || ':' || nodeport FROM pg_dist_node
+                                  WHERE groupid = (SELECT groupid FROM pg_dist_local_group) AND noderole = 'primary'),
+                                coalesce(sum(u.active), 0), coalesce(sum(u.retained), 0)
+                           FROM quota.tenant_usage u WHERE u.tenant = usage_of.tenant;
+          END\$\$" \
+    -c "SELECT create_distributed_function('usage_of(text)', '\$1', colocate_with := 'jobs')" >/dev/null
+expect_eq "from the other worker, the DBA reads $A's active tickets on every node (run_command_on_all_nodes): all on its node" \
+  "$NA:$(live "$NA" "$A") 0:0 $(other "$NA"):0" \
+  "$(n "$(other "$NA")" -c "SELECT string_agg(n.nodeport - $BASE || ':' || r.result, ' ' ORDER BY n.nodeport = $((BASE + NA)) DESC, n.nodeport)
+        FROM run_command_on_all_nodes(\$\$SELECT count(*) FROM quota.ledger WHERE tenant = '$A' AND ended_at IS NULL\$\$) r
+        JOIN pg_dist_node n USING (nodeid)")"
+expect_eq "from the coordinator, the application reads $A's usage through usage_of(), answered by $A's node" \
+  "$DIR/n$NA:$((BASE + NA)) $(live "$NA" "$A")" "$(on 0 app "SELECT node || ' ' || active FROM usage_of('$A')")"
+
 # --- a role's own limit counts per node, and a start says so ---------------------------
 n 0 -c "ALTER ROLE app SET quota.max_active_per_role = 100" >/dev/null
 warned=$(timeout 30 "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U app -d app \

@@ -183,3 +183,169 @@ unsafe fn column_text(n: i32) -> Option<String> {
         (!p.is_null()).then(|| name_text(p))
     }
 }
+
+/// The shard, source group and target group of Citus' own
+/// `SELECT citus_internal.update_placement_metadata(shard, source, target)`, which a
+/// shard move (citus_move_shard_placement, the rebalancer) sends to every node with
+/// metadata in its transaction; None for any other query (most are told apart by
+/// their shape alone, before any catalog lookup).
+///
+/// # Safety
+/// `query` is a Query that parse analysis just produced.
+pub unsafe fn placement_update(query: *const pg_sys::Query) -> Option<(i64, i32, i32)> {
+    // SAFETY: the caller's; every node is checked for its tag before it is cast.
+    unsafe {
+        if (*query).commandType != pg_sys::CmdType::CMD_SELECT
+            || (!(*query).jointree.is_null() && !(*(*query).jointree).quals.is_null())
+        {
+            return None;
+        }
+        let targets = pgrx::PgList::<pg_sys::TargetEntry>::from_pg((*query).targetList);
+        if targets.len() != 1 {
+            return None;
+        }
+        let expr = (*targets.get_ptr(0)?).expr;
+        if expr.is_null() || (*expr).type_ != pg_sys::NodeTag::T_FuncExpr {
+            return None;
+        }
+        let func = expr.cast::<pg_sys::FuncExpr>();
+        let args = pgrx::PgList::<pg_sys::Node>::from_pg((*func).args);
+        if args.len() != 3 {
+            return None;
+        }
+        let name = pg_sys::get_func_name((*func).funcid);
+        if name.is_null() || std::ffi::CStr::from_ptr(name) != c"update_placement_metadata" {
+            return None;
+        }
+        let schema = pg_sys::get_namespace_name(pg_sys::get_func_namespace((*func).funcid));
+        if schema.is_null() || std::ffi::CStr::from_ptr(schema) != c"citus_internal" {
+            return None;
+        }
+        // Citus writes the shard as a plain number, which parse analysis leaves as an
+        // int4 constant under an implicit cast to int8: folded here, as the planner
+        // would.
+        let mut consts = [(pg_sys::InvalidOid, pg_sys::Datum::from(0)); 3];
+        for (i, c) in consts.iter_mut().enumerate() {
+            let arg = pg_sys::eval_const_expressions(std::ptr::null_mut(), args.get_ptr(i)?);
+            if arg.is_null() || (*arg).type_ != pg_sys::NodeTag::T_Const {
+                return None;
+            }
+            let arg = arg.cast::<pg_sys::Const>();
+            if (*arg).constisnull {
+                return None;
+            }
+            *c = ((*arg).consttype, (*arg).constvalue);
+        }
+        if consts[0].0 != pg_sys::INT8OID
+            || consts[1].0 != pg_sys::INT4OID
+            || consts[2].0 != pg_sys::INT4OID
+        {
+            return None;
+        }
+        Some((
+            consts[0].1.value() as i64,
+            consts[1].1.value() as i32,
+            consts[2].1.value() as i32,
+        ))
+    }
+}
+
+/// This node's group, and the tenants with active tickets and with their own limits
+/// here. Read as the bootstrap superuser (pg_quota's tables are not the move's
+/// user's to read), with search_path pinned, by a query that calls no code but
+/// PostgreSQL's own.
+const HELD_HERE: &str = "
+SELECT (SELECT l.groupid FROM pg_catalog.pg_dist_local_group l), {active}, {own}";
+const ACTIVE_HERE: &str = "(SELECT pg_catalog.array_agg(DISTINCT a.tenant) FROM quota.active a
+   WHERE a.tenant IS NOT NULL
+     AND (a.lease_until IS NULL OR a.lease_until OPERATOR(pg_catalog.>) pg_catalog.now()))";
+const OWN_HERE: &str = "(SELECT pg_catalog.array_agg(o.tenant) FROM quota.tenant_overrides o)";
+
+/// Of the tenants in $2 and in $3, those whose shard of table $1 is $4, as the table's
+/// owner (see PLACED), each list joined with a unit separator, sorted.
+const OF_SHARD: &std::ffi::CStr = c"
+SELECT (SELECT pg_catalog.string_agg(t, E'\\x1f' ORDER BY t) FROM pg_catalog.unnest($2) t
+         WHERE pg_catalog.get_shard_id_for_distribution_column($1, t) OPERATOR(pg_catalog.=) $4),
+       (SELECT pg_catalog.string_agg(t, E'\\x1f' ORDER BY t) FROM pg_catalog.unnest($3) t
+         WHERE pg_catalog.get_shard_id_for_distribution_column($1, t) OPERATOR(pg_catalog.=) $4)";
+
+/// Refuses (core::citus::shard_may_leave) Citus' move of `shard` off this node, the
+/// source group `source`, where a tenant of the shard holds active tickets or its own
+/// limits here. Nothing is read unless pg_quota's starts are distributed by tenant.
+pub fn shard_leaving(shard: i64, source: i32) -> Result<(), crate::core::QuotaError> {
+    // SAFETY: schema quota's OID, InvalidOid if it is gone; then catalog probes.
+    let (ns, has_active, has_own) = unsafe {
+        let ns = pg_sys::get_namespace_oid(c"quota".as_ptr(), true);
+        if ns == pg_sys::InvalidOid {
+            return Ok(());
+        }
+        (
+            ns,
+            pg_sys::get_relname_relid(c"active".as_ptr(), ns) != pg_sys::InvalidOid,
+            pg_sys::get_relname_relid(c"tenant_overrides".as_ptr(), ns) != pg_sys::InvalidOid,
+        )
+    };
+    let held = std::ffi::CString::new(
+        HELD_HERE
+            .replace(
+                "{active}",
+                if has_active {
+                    ACTIVE_HERE
+                } else {
+                    "NULL::pg_catalog.text[]"
+                },
+            )
+            .replace(
+                "{own}",
+                if has_own {
+                    OWN_HERE
+                } else {
+                    "NULL::pg_catalog.text[]"
+                },
+            ),
+    )
+    .expect("no NUL in the query");
+    // SAFETY: SPI inside the move's transaction; an ERROR unwinds through it and the
+    // abort cleans SPI up. The arrays read by the first query stay in SPI's memory
+    // until SPI_finish, after the second.
+    unsafe {
+        connect();
+        let as_caller = AsRole::enter(pg_sys::GetUserId());
+        let found = query(DECLARED, &[(pg_sys::OIDOID, pg_sys::Datum::from(ns))]);
+        drop(as_caller);
+        let (true, Some(table), Some(owner)) = (found == 1, column_oid(1), column_oid(2)) else {
+            pg_sys::SPI_finish();
+            return Ok(());
+        };
+        let as_superuser = AsRole::enter(pg_sys::BOOTSTRAP_SUPERUSERID.into());
+        query(&held, &[]);
+        drop(as_superuser);
+        let here = column(1).map(|d| d.value() as i32);
+        let (active, own) = (column(2), column(3));
+        if here != Some(source) || (active.is_none() && own.is_none()) {
+            pg_sys::SPI_finish();
+            return Ok(());
+        }
+        // SAFETY: an empty text[] in the current (SPI's) memory context.
+        let empty = || pg_sys::Datum::from(pg_sys::construct_empty_array(pg_sys::TEXTOID));
+        let as_owner = AsRole::enter(owner);
+        query(
+            OF_SHARD,
+            &[
+                (pg_sys::OIDOID, pg_sys::Datum::from(table)),
+                (pg_sys::TEXTARRAYOID, active.unwrap_or_else(empty)),
+                (pg_sys::TEXTARRAYOID, own.unwrap_or_else(empty)),
+                (pg_sys::INT8OID, pg_sys::Datum::from(shard)),
+            ],
+        );
+        drop(as_owner);
+        let split = |s: Option<String>| -> Vec<String> {
+            s.map(|s| s.split('\u{1f}').map(str::to_string).collect())
+                .unwrap_or_default()
+        };
+        let (active, own) = (split(column_text(1)), split(column_text(2)));
+        pg_sys::SPI_finish();
+        crate::core::citus::shard_may_leave(shard, active, own)
+            .map_err(crate::core::QuotaError::ShardMoveRefused)
+    }
+}

@@ -123,6 +123,90 @@ impl Elsewhere {
     }
 }
 
+/// A shard move that pg_quota refuses on the node the shard leaves (0.7.1): a tenant
+/// of the shard holds active tickets here, or has its own limits here. Both stay in
+/// this node's ledger, which a move does not carry: the node the shard goes to would
+/// admit the tenant as if it had no tickets, and without its own limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MoveRefused {
+    pub shard: i64,
+    /// Tenants of the shard with active tickets here.
+    pub active: Vec<String>,
+    /// Tenants of the shard with their own limits here.
+    pub own_limits: Vec<String>,
+}
+
+/// Refuses the move of `shard` off this node where its tenants hold anything here.
+pub fn shard_may_leave(
+    shard: i64,
+    active: Vec<String>,
+    own_limits: Vec<String>,
+) -> Result<(), Box<MoveRefused>> {
+    if active.is_empty() && own_limits.is_empty() {
+        return Ok(());
+    }
+    Err(Box::new(MoveRefused {
+        shard,
+        active,
+        own_limits,
+    }))
+}
+
+/// At most five names, then how many more.
+fn names(tenants: &[String]) -> String {
+    let shown: Vec<String> = tenants.iter().take(5).map(|t| format!("\"{t}\"")).collect();
+    match tenants.len() {
+        n if n > 5 => format!("{} and {} more", shown.join(", "), n - 5),
+        _ => shown.join(", "),
+    }
+}
+
+impl std::fmt::Display for MoveRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "pg_quota cannot let shard {} leave this node: ",
+            self.shard
+        )?;
+        let mut parts = Vec::new();
+        if !self.active.is_empty() {
+            parts.push(format!(
+                "tenant{} {} {} active tickets here",
+                if self.active.len() == 1 { "" } else { "s" },
+                names(&self.active),
+                if self.active.len() == 1 {
+                    "holds"
+                } else {
+                    "hold"
+                }
+            ));
+        }
+        if !self.own_limits.is_empty() {
+            parts.push(format!(
+                "tenant{} {} {} own limits here",
+                if self.own_limits.len() == 1 { "" } else { "s" },
+                names(&self.own_limits),
+                if self.own_limits.len() == 1 {
+                    "has its"
+                } else {
+                    "have their"
+                }
+            ));
+        }
+        write!(f, "{}", parts.join("; "))
+    }
+}
+
+impl MoveRefused {
+    pub fn detail(&self) -> String {
+        "pg_quota counts a tenant's tickets, and keeps its own limits, on the node that holds its shard; a shard move does not carry them, so the node it goes to would admit the tenant as if it had none.".to_string()
+    }
+
+    pub fn hint(&self) -> String {
+        "Move the shard once its tenants' tickets have ended (finished, or their leases run out); clear their own limits with quota.set_tenant_limits(tenant) and set them again after the move.".to_string()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -168,6 +252,23 @@ mod tests {
             "quota.max_active_per_role = 10, quota.max_active_per_database = 30 count per node"
         ));
         assert!(w.ends_with("exceed them"));
+    }
+
+    #[test]
+    fn shard_with_tenants_holding_tickets_may_not_leave() {
+        assert!(shard_may_leave(7, vec![], vec![]).is_ok());
+        let e = shard_may_leave(7, vec!["t1".into()], vec![]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "pg_quota cannot let shard 7 leave this node: tenant \"t1\" holds active tickets here"
+        );
+        let many: Vec<String> = (1..=7).map(|i| format!("t{i}")).collect();
+        let e = shard_may_leave(7, many, vec!["p".into()]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "pg_quota cannot let shard 7 leave this node: tenants \"t1\", \"t2\", \"t3\", \"t4\", \"t5\" and 2 more hold active tickets here; tenant \"p\" has its own limits here"
+        );
+        assert!(e.hint().contains("quota.set_tenant_limits(tenant)"));
     }
 
     #[test]

@@ -303,6 +303,9 @@ pub enum QuotaError {
     /// 0.7.1: a tenant's start on a Citus node that does not hold the tenant (core::citus).
     #[error("{0}")]
     TenantElsewhere(Box<super::citus::Elsewhere>),
+    /// 0.7.1: a Citus shard move off this node, refused (core::citus).
+    #[error("{0}")]
+    ShardMoveRefused(Box<super::citus::MoveRefused>),
     #[error("could not start the pg_quota ledger writer")]
     NoWorkerSlot { waited_ms: u64 },
     #[error("the pg_quota ledger writer exited before it answered")]
@@ -418,6 +421,7 @@ impl QuotaError {
             QuotaError::TicketNotUuid { .. } => Sqlstate::InvalidTextRepresentation,
             QuotaError::NotPreloaded => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::TenantElsewhere(_) => Sqlstate::FeatureNotSupported,
+            QuotaError::ShardMoveRefused(_) => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::NoWorkerSlot { .. } => Sqlstate::InsufficientResources,
             QuotaError::WriterGone => Sqlstate::OperatorIntervention,
             QuotaError::WriterFailed { code, .. } => Sqlstate::Raised(*code),
@@ -584,6 +588,7 @@ impl QuotaError {
                 "No background worker slot (max_worker_processes) came free for this database's ledger writer in {waited_ms} ms (quota.writer_start_wait); the writers of other databases give theirs up when they have nothing to do."
             )),
             QuotaError::TenantElsewhere(e) => Some(e.detail()),
+            QuotaError::ShardMoveRefused(e) => Some(e.detail()),
             _ => None,
         }
     }
@@ -689,6 +694,7 @@ impl QuotaError {
                 "This database still has the schema of an older pg_quota. Run ALTER EXTENSION pg_quota UPDATE in it.".to_string(),
             ),
             QuotaError::TenantElsewhere(e) => Some(e.hint()),
+            QuotaError::ShardMoveRefused(e) => Some(e.hint()),
             QuotaError::NotPreloaded => Some(
                 "Add pg_quota to shared_preload_libraries in postgresql.conf and restart the server."
                     .to_string(),

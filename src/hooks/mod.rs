@@ -22,6 +22,7 @@ use pgrx::prelude::*;
 
 static mut PREV_OBJECT_ACCESS_HOOK: pg_sys::object_access_hook_type = None;
 static mut PREV_PROCESS_UTILITY_HOOK: pg_sys::ProcessUtility_hook_type = None;
+static mut PREV_POST_PARSE_ANALYZE_HOOK: pg_sys::post_parse_analyze_hook_type = None;
 // Single-threaded backend state: the roles this transaction dropped, with the
 // subtransaction nesting level that dropped them, and the databases it dropped.
 static mut DROPPED_ROLES: Vec<(pg_sys::Oid, i32)> = Vec::new();
@@ -35,6 +36,31 @@ pub fn init() {
         pg_sys::object_access_hook = Some(object_access);
         PREV_PROCESS_UTILITY_HOOK = pg_sys::ProcessUtility_hook;
         pg_sys::ProcessUtility_hook = Some(process_utility);
+        PREV_POST_PARSE_ANALYZE_HOOK = pg_sys::post_parse_analyze_hook;
+        pg_sys::post_parse_analyze_hook = Some(post_parse_analyze);
+    }
+}
+
+/// Citus moves a shard by sending every node with metadata, in the move's
+/// transaction, `SELECT citus_internal.update_placement_metadata(shard, source,
+/// target)`. On the node the shard leaves, pg_quota refuses it where a tenant of the
+/// shard holds tickets or its own limits here, which the move would leave behind
+/// (citus.rs; USER_GUIDE "Citus"), so that the move fails whole. Every other query
+/// is told apart by its shape alone.
+#[pg_guard]
+unsafe extern "C-unwind" fn post_parse_analyze(
+    pstate: *mut pg_sys::ParseState,
+    query: *mut pg_sys::Query,
+    jstate: *mut pg_sys::JumbleState,
+) {
+    // SAFETY: we pass the call on unchanged, then only read the Query and catalogs.
+    unsafe {
+        if let Some(prev) = PREV_POST_PARSE_ANALYZE_HOOK {
+            prev(pstate, query, jstate);
+        }
+        if let Some((shard, source, _target)) = crate::citus::placement_update(query) {
+            crate::error::boundary(|| crate::citus::shard_leaving(shard, source));
+        }
     }
 }
 

@@ -14,7 +14,9 @@
 #   one transaction, from any node, commit and roll back together;
 # - a tenant's own limit, set through a distributed set_tenant_limits(), holds where it
 #   is admitted;
-# - the tenant's node, stopped in a crash and restarted, keeps its tickets.
+# - the tenant's node, stopped in a crash and restarted, keeps its tickets;
+# - a move of the tenant's shard is refused while the tenant holds tickets or its own
+#   limits on the node the shard would leave, and goes once they are gone.
 # Where Citus' source is not on the machine, the suite is skipped (exit 77), not passed.
 # majors: 18
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
@@ -29,7 +31,8 @@ DIR="${SCRATCH:-$(make_scratch)}/citus"
 BASE=$((5870 + PORT_OFFSET))
 for i in 0 1 2; do
   new_cluster "$DIR/n$i" $((BASE + i)) "shared_preload_libraries = 'citus,pg_quota'" \
-    "wal_level = logical" "max_worker_processes = 32" "max_prepared_transactions = 20"
+    "wal_level = logical" "max_worker_processes = 32" "max_prepared_transactions = 20" \
+    "citus.local_hostname = '$DIR/n$i'"  # a shard move connects to its own node; no TCP here
 done
 # n I [psql args...]: psql on node I (0: the coordinator), database app.
 n() { local i="$1"; shift; pgq "$DIR/n$i" $((BASE + i)) -d app -At "$@"; }
@@ -262,5 +265,33 @@ stop_cluster "$DIR/n$NA" immediate
 as_pg "$PG_BIN/pg_ctl" -D "$DIR/n$NA/data" -l "$DIR/n$NA/server.log" -w -t 60 start >/dev/null
 expect_eq "$A's node, stopped in a crash and restarted, kept its two tickets: a third start from the coordinator is refused" \
   "2 f" "$(live "$NA" "$A") $(try 0 "$A")"
+
+# --- moving a tenant's shard ----------------------------------------------------------------
+# The move would leave the tenant's tickets and own limits in this node's ledger: the
+# node the shard leaves refuses the move (55000) while a tenant of the shard holds
+# either, and the move fails whole; once they are gone, it goes, and the tenant is
+# admitted where its shard now lives.
+SHARD=$(n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$A')")
+TO=$(other "$NA")
+move() {
+  state_on 0 postgres "SELECT citus_move_shard_placement($SHARD, '$DIR/n$NA', $((BASE + NA)), '$DIR/n$TO', $((BASE + TO)), shard_transfer_mode := 'block_writes')"
+}
+move_error() {
+  timeout 60 "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U postgres -d app -c "SELECT citus_move_shard_placement($SHARD, '$DIR/n$NA', $((BASE + NA)), '$DIR/n$TO', $((BASE + TO)), shard_transfer_mode := 'block_writes')" 2>&1 | grep ERROR || true
+}
+expect_eq "while $A holds active tickets on n$NA, moving its shard $SHARD away is refused (55000)" 55000 "$(move)"
+check "… by the node it would leave, which says why ($(move_error))" \
+  grep -q "pg_quota cannot let shard $SHARD leave this node: tenant \"$A\" holds active tickets here" <<<"$(move_error)"
+expect_eq "… and the move failed whole: the shard is still on n$NA, with $A's two tickets" "$NA 2" "$(node_of "$A") $(live "$NA" "$A")"
+on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$A' AND ended_at IS NULL" >/dev/null
+on 0 postgres "SELECT quota.set_tenant_limits('$A', max_active => 1, role => 'app')" >/dev/null
+expect_eq "with $A's tickets ended but its own limits on n$NA, the move is refused still" \
+  "55000 t" "$(move) $(grep -q "tenant \"$A\" has its own limits here" <<<"$(move_error)" && echo t || echo f)"
+on 0 postgres "SELECT quota.set_tenant_limits('$A', role => 'app')" >/dev/null
+expect_eq "with neither, the move goes: $A's shard is on n$TO" "00000 $TO" "$(move) $(node_of "$A")"
+got=""
+for i in 0 1 2; do got+="$(try "$i" "$A" "moved n$i") "; done
+expect_eq "$A is admitted where its shard now lives, to its limit of 2" "f t t" "$(tr ' ' '\n' <<<"$got" | grep . | sort | xargs)"
+expect_eq "… on n$TO, and nowhere else" "2 0 0" "$(live "$TO" "$A") $(live "$NA" "$A") $(live 0 "$A")"
 
 finish_checks

@@ -160,7 +160,11 @@ ensure_pg() {
 # PG_CACHE/18 (Citus 14 supports PostgreSQL 16 to 18), as ensure_pg builds 18. The
 # build is cached: CITUS_STAMP in the prefix names the tarball it was built from.
 CITUS_VERSION="14.0.1"
-CITUS_TARBALL="${CITUS_TARBALL:-$(cd "$ROOT/.." && pwd)/shared/vendor/citus-$CITUS_VERSION.tar.gz}"
+# Beside the clone (../shared/vendor), else where this project's machines keep it.
+CITUS_TARBALL="${CITUS_TARBALL:-$(for d in "$(cd "$ROOT/.." && pwd)/shared/vendor" /work/shared/vendor; do
+  [ -r "$d/citus-$CITUS_VERSION.tar.gz" ] && { echo "$d/citus-$CITUS_VERSION.tar.gz"; break; }
+done)}"
+CITUS_TARBALL="${CITUS_TARBALL:-../shared/vendor/citus-$CITUS_VERSION.tar.gz}"
 CITUS_MAJOR=18
 
 # citus_available: whether Citus' vendored source is on this machine (else the Citus
@@ -169,14 +173,19 @@ citus_available() { [ -r "$CITUS_TARBALL" ]; }
 
 # ensure_citus: builds and installs Citus into PostgreSQL CITUS_MAJOR's cache (once).
 ensure_citus() {
-  local prefix="$PG_CACHE/$CITUS_MAJOR" stamp lock work sum
-  stamp="$prefix/share/citus-build.stamp"
-  sum="$(sha256sum "$CITUS_TARBALL" | cut -d' ' -f1)"
-  [ "$(cat "$stamp" 2>/dev/null)" = "$sum" ] && [ -e "$prefix/lib/postgresql/citus.so" ] && return 0
+  local prefix="$PG_CACHE/$CITUS_MAJOR" stamp lock work sum lib
+  if [ "$(pg_bin_of "$CITUS_MAJOR")" != "$prefix/bin" ]; then
+    log "Citus is built into $prefix, not into PG${CITUS_MAJOR}_BIN's installation"
+    return 1
+  fi
   ensure_pg "$CITUS_MAJOR"  # and with it the compiler and tools (ensure_deps)
+  stamp="$prefix/share/citus-build.stamp"
+  lib="$("$prefix/bin/pg_config" --pkglibdir)/citus.so"
+  sum="$(sha256sum "$CITUS_TARBALL" | cut -d' ' -f1)"
+  [ "$(cat "$stamp" 2>/dev/null)" = "$sum" ] && [ -e "$lib" ] && return 0
   exec {lock}> "$PG_CACHE/.build-citus.lock"
   flock "$lock"
-  if [ "$(cat "$stamp" 2>/dev/null)" = "$sum" ] && [ -e "$prefix/lib/postgresql/citus.so" ]; then
+  if [ "$(cat "$stamp" 2>/dev/null)" = "$sum" ] && [ -e "$lib" ]; then
     exec {lock}>&-; return 0
   fi
   work="$(mktemp -d "$PG_CACHE/.build-citus.XXXXXX")"
@@ -196,6 +205,26 @@ ensure_citus() {
   rm -rf "$work"
   exec {lock}>&-
   log "Citus $CITUS_VERSION is in $prefix"
+}
+
+# new_citus_cluster DIR BASE: a coordinator (DIR/n0, port BASE) and two workers (n1,
+# n2: BASE+1, BASE+2) of PostgreSQL CITUS_MAJOR (use_pg it first), each preloading
+# 'citus,pg_quota', with a database app where Citus and pg_quota are created (pg_quota
+# on the coordinator, which Citus propagates) and a login role app; stopped at exit.
+new_citus_cluster() {
+  local dir="$1" base="$2" i
+  for i in 0 1 2; do
+    # citus.local_hostname: a shard move connects to its own node; no TCP here.
+    new_cluster "$dir/n$i" $((base + i)) "shared_preload_libraries = 'citus,pg_quota'" \
+      "wal_level = logical" "max_worker_processes = 32" "max_prepared_transactions = 20" \
+      "citus.local_hostname = '$dir/n$i'" "max_connections = 200"
+    pgq "$dir/n$i" $((base + i)) -c "CREATE DATABASE app" -c "CREATE ROLE app LOGIN" >/dev/null
+    pgq "$dir/n$i" $((base + i)) -d app -c "CREATE EXTENSION citus" >/dev/null
+  done
+  pgq "$dir/n0" "$base" -d app -c "SELECT citus_set_coordinator_host('$dir/n0', $base)" \
+    -c "SELECT citus_add_node('$dir/n1', $((base + 1)))" \
+    -c "SELECT citus_add_node('$dir/n2', $((base + 2)))" \
+    -c "CREATE EXTENSION pg_quota" >/dev/null
 }
 
 # pgrx_init [MAJOR...]: registers every tested major that is installed (and the given

@@ -1,52 +1,68 @@
-//! Layer 3, beside ledger/: what this node's Citus metadata says of a tenant (0.7.1), for
-//! core::citus::admit_here. Nothing is read where Citus is not loaded in this server
-//! or not installed in this database, or where pg_quota's start functions are not
-//! distributed: a start then costs one GUC lookup and one catalog probe more.
+//! Layer 4, beside scopes/ (whose lock tags it uses): what this node's Citus metadata says of a tenant (0.7.1), for
+//! core::citus::admit_here; what a shard move would leave behind on this node; and a
+//! start without a tenant kept from Citus' delegation. Nothing is read where Citus
+//! is not loaded in this server; where it is not installed in the database, a start
+//! for a tenant costs one catalog probe more, and where pg_quota's start functions
+//! are not distributed, one query of Citus' metadata (a kept plan).
 
 use pgrx::pg_sys;
 
 use crate::catalog::{name_text, AsRole};
 use crate::core::citus::Placement;
+use crate::core::QuotaError;
 use crate::ledger::scan::text_datum;
 
 /// The colocation of pg_quota's start functions: the table Citus places them with
-/// (the first of their colocation group), and its owner. The first distributed start
-/// function decides; USER_GUIDE "Citus" has them all distributed alike.
+/// (the first of their colocation group) and its owner, how many colocation groups
+/// they are in, and whether each is distributed by its tenant argument. Only
+/// start() and try_start() count: set_tenant_limits() follows (USER_GUIDE "Citus").
 const DECLARED: &std::ffi::CStr = c"
-SELECT r.logicalrelid::pg_catalog.oid, k.relowner
-  FROM (SELECT o.colocationid FROM pg_catalog.pg_dist_object o
+SELECT r.logicalrelid::pg_catalog.oid, k.relowner, c.groups, c.by_tenant
+  FROM (SELECT pg_catalog.min(o.colocationid) AS colocationid,
+               pg_catalog.count(DISTINCT o.colocationid) AS groups,
+               pg_catalog.bool_and(o.distribution_argument_index = 4) AS by_tenant
+          FROM pg_catalog.pg_dist_object o
           JOIN pg_catalog.pg_proc f ON f.oid = o.objid
          WHERE o.classid = 'pg_catalog.pg_proc'::pg_catalog.regclass
            AND o.colocationid IS NOT NULL AND o.colocationid <> 0
            AND f.pronamespace = $1 AND f.proname IN ('start', 'try_start')
-         ORDER BY o.objid LIMIT 1) c
+        HAVING pg_catalog.count(*) > 0) c
   LEFT JOIN LATERAL (SELECT d.logicalrelid FROM pg_catalog.pg_dist_partition d
                       WHERE d.colocationid = c.colocationid
                       ORDER BY d.logicalrelid LIMIT 1) r ON true
   LEFT JOIN pg_catalog.pg_class k ON k.oid = r.logicalrelid";
 
-/// The nodes that hold the tenant's shard of the table, and whether this one does.
-/// Run as the table's owner: get_shard_id_for_distribution_column() wants SELECT on
-/// it, which a role that only starts tickets need not have.
+/// The tenant's shard of the table. Run as the table's owner:
+/// get_shard_id_for_distribution_column() wants SELECT on it, which a role that only
+/// starts tickets need not have.
+const SHARD_OF: &std::ffi::CStr = c"SELECT pg_catalog.get_shard_id_for_distribution_column($1, $2)";
+
+/// The nodes that hold shard $2 of table $1, and whether this one does.
 const PLACED: &std::ffi::CStr = c"
 SELECT $1::pg_catalog.regclass::pg_catalog.text,
        coalesce(pg_catalog.bool_or(p.groupid = (SELECT l.groupid FROM pg_catalog.pg_dist_local_group l)), false),
        coalesce(pg_catalog.string_agg(n.nodename || ':' || n.nodeport, ', ' ORDER BY n.nodeid), '')
   FROM pg_catalog.pg_dist_placement p
   LEFT JOIN pg_catalog.pg_dist_node n ON n.groupid = p.groupid AND n.noderole = 'primary'
- WHERE p.shardid = pg_catalog.get_shard_id_for_distribution_column($1, $2)";
+ WHERE p.shardid = $2";
+
+/// The slots of the plans kept for the backend's life (SPI_keepplan): the plan cache
+/// replans them when a catalog they read changes.
+const DECLARED_PLAN: usize = 0;
+const SHARD_OF_PLAN: usize = 1;
+const PLACED_PLAN: usize = 2;
 
 /// Where `tenant` lives, if pg_quota's start functions are distributed by tenant in
-/// this database; None where they are not (or Citus is not here).
-pub fn placement(tenant: &[u8]) -> Option<Placement> {
-    // SAFETY: a GUC lookup (NULL where Citus never defined it: not preloaded) and a
-    // catalog probe of pg_extension, both inside the caller's transaction.
-    unsafe {
-        if pg_sys::GetConfigOption(c"citus.shard_count".as_ptr(), true, false).is_null()
-            || pg_sys::get_extension_oid(c"citus".as_ptr(), true) == pg_sys::InvalidOid
-        {
-            return None;
-        }
+/// this database; None where they are not (or Citus is not here). Citus' metadata is
+/// read as committed now, as Citus itself reads it to route a call, not as of the
+/// transaction's snapshot: a REPEATABLE READ transaction sees a move or a new
+/// distribution as soon as Citus does.
+pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
+    // SAFETY: a catalog probe of pg_extension, inside the caller's transaction.
+    if !citus_loaded()
+        || unsafe { pg_sys::get_extension_oid(c"citus".as_ptr(), true) } == pg_sys::InvalidOid
+    {
+        return Ok(None);
     }
     // SAFETY: schema quota's OID, InvalidOid if it is gone (then nothing matches).
     let ns = unsafe { pg_sys::get_namespace_oid(c"quota".as_ptr(), true) };
@@ -58,29 +74,54 @@ pub fn placement(tenant: &[u8]) -> Option<Placement> {
         // search_path pinned: an operator of the caller's schemas must not stand in
         // for pg_catalog's.
         let as_caller = AsRole::enter(pg_sys::GetUserId());
-        let found = query(DECLARED, &[(pg_sys::OIDOID, pg_sys::Datum::from(ns))]);
+        let found = query(
+            Some(DECLARED_PLAN),
+            DECLARED,
+            &[(pg_sys::OIDOID, pg_sys::Datum::from(ns))],
+        );
         drop(as_caller);
         if found == 0 {
             pg_sys::SPI_finish();
-            return None;
+            return Ok(None);
+        }
+        let groups = column(3).map_or(0, |d| d.value() as i64);
+        if groups != 1 || !column_bool(4) {
+            pg_sys::SPI_finish();
+            return Err(QuotaError::CitusMisdeclared { groups });
         }
         // A table dropped since its colocation was read has no owner: as no table.
         let (Some(table), Some(owner)) = (column_oid(1), column_oid(2)) else {
             pg_sys::SPI_finish();
-            return Some(Placement {
+            return Ok(Some(Placement {
                 table: None,
                 nodes: String::new(),
                 here: false,
-            });
+            }));
         };
         let as_owner = AsRole::enter(owner);
         query(
-            PLACED,
+            Some(SHARD_OF_PLAN),
+            SHARD_OF,
             &[
                 (pg_sys::OIDOID, pg_sys::Datum::from(table)),
                 (pg_sys::TEXTOID, text_datum(tenant)),
             ],
         );
+        let shard = column(1).map_or(0, |d| d.value() as i64);
+        // Until this transaction ends, no move of the shard off this node can pass
+        // its check (shard_leaving) and commit: it waits for this start, or this
+        // start waits for it, and then reads where the shard is after it.
+        lock_shard(shard, pg_sys::ShareLock);
+        let as_caller = AsRole::enter(pg_sys::GetUserId());
+        query(
+            Some(PLACED_PLAN),
+            PLACED,
+            &[
+                (pg_sys::OIDOID, pg_sys::Datum::from(table)),
+                (pg_sys::INT8OID, pg_sys::Datum::from(shard)),
+            ],
+        );
+        drop(as_caller);
         drop(as_owner);
         let placement = Placement {
             table: Some(column_text(1).unwrap_or_else(|| u32::from(table).to_string())),
@@ -88,7 +129,7 @@ pub fn placement(tenant: &[u8]) -> Option<Placement> {
             nodes: column_text(3).unwrap_or_default(),
         };
         pg_sys::SPI_finish();
-        Some(placement)
+        Ok(Some(placement))
     }
 }
 
@@ -106,6 +147,16 @@ pub fn warn_per_node(limits: &crate::core::Limits) {
     }
 }
 
+/// Takes pg_quota's lock on `shard` in `mode`, to the end of the transaction
+/// (scopes::shard_lock_tag: no SQL function can take it).
+fn lock_shard(shard: i64, mode: u32) {
+    // SAFETY: a plain read of backend state.
+    let mut tag = crate::scopes::shard_lock_tag(unsafe { pg_sys::MyDatabaseId }, shard);
+    // SAFETY: a transaction-level lock on a tag of our own; a wait can be cancelled,
+    // and lock_timeout and the deadlock detector apply.
+    unsafe { pg_sys::LockAcquire(&mut tag, mode as i32, false, false) };
+}
+
 /// # Safety
 /// Inside a transaction.
 unsafe fn connect() {
@@ -115,22 +166,49 @@ unsafe fn connect() {
     }
 }
 
-/// Runs `sql` read-only with `args`; the number of rows (at most one is kept).
+/// Runs `sql` read-only with `args` under the latest snapshot; the number of rows (at
+/// most one is kept). With a slot, its plan is prepared once and kept.
 ///
 /// # Safety
-/// Connected to SPI; the datums are valid for their types.
-unsafe fn query(sql: &std::ffi::CStr, args: &[(pg_sys::Oid, pg_sys::Datum)]) -> u64 {
+/// Connected to SPI; the datums are valid for their types; a slot always names the
+/// same `sql` and argument types.
+unsafe fn query(
+    slot: Option<usize>,
+    sql: &std::ffi::CStr,
+    args: &[(pg_sys::Oid, pg_sys::Datum)],
+) -> u64 {
+    // Backends are single-threaded: this one's kept plans.
+    static mut KEPT: [pg_sys::SPIPlanPtr; 3] = [std::ptr::null_mut(); 3];
     let mut types: Vec<pg_sys::Oid> = args.iter().map(|a| a.0).collect();
     let mut values: Vec<pg_sys::Datum> = args.iter().map(|a| a.1).collect();
-    // SAFETY: the caller's; an error raises ERROR, and the return code is checked.
+    // SAFETY: the caller's; an error raises ERROR, and the return codes are checked.
+    // KEPT is this backend's alone.
     unsafe {
-        let rc = pg_sys::SPI_execute_with_args(
-            sql.as_ptr(),
-            args.len() as i32,
-            types.as_mut_ptr(),
+        let kept = slot.map(|i| &mut *std::ptr::addr_of_mut!(KEPT[i]));
+        let plan = match kept {
+            Some(p) if !p.is_null() => *p,
+            _ => {
+                let plan = pg_sys::SPI_prepare(sql.as_ptr(), args.len() as i32, types.as_mut_ptr());
+                if plan.is_null() {
+                    let code = std::ptr::addr_of!(pg_sys::SPI_result).read();
+                    pgrx::error!("pg_quota: reading Citus' metadata failed: {code}");
+                }
+                if let Some(p) = kept {
+                    if pg_sys::SPI_keepplan(plan) == 0 {
+                        *p = plan;
+                    }
+                }
+                plan
+            }
+        };
+        let rc = pg_sys::SPI_execute_snapshot(
+            plan,
             values.as_mut_ptr(),
             std::ptr::null(),
+            pg_sys::GetLatestSnapshot(),
+            std::ptr::null_mut(),
             true,
+            false,
             1,
         );
         if rc != pg_sys::SPI_OK_SELECT as i32 {
@@ -272,7 +350,7 @@ SELECT (SELECT pg_catalog.string_agg(t, E'\\x1f' ORDER BY t) FROM pg_catalog.unn
 /// Refuses (core::citus::shard_may_leave) Citus' move of `shard` off this node, the
 /// source group `source`, where a tenant of the shard holds active tickets or its own
 /// limits here. Nothing is read unless pg_quota's starts are distributed by tenant.
-pub fn shard_leaving(shard: i64, source: i32) -> Result<(), crate::core::QuotaError> {
+pub fn shard_leaving(shard: i64, source: i32) -> Result<(), QuotaError> {
     // SAFETY: schema quota's OID, InvalidOid if it is gone; then catalog probes.
     let (ns, has_active, has_own) = unsafe {
         let ns = pg_sys::get_namespace_oid(c"quota".as_ptr(), true);
@@ -311,14 +389,21 @@ pub fn shard_leaving(shard: i64, source: i32) -> Result<(), crate::core::QuotaEr
     unsafe {
         connect();
         let as_caller = AsRole::enter(pg_sys::GetUserId());
-        let found = query(DECLARED, &[(pg_sys::OIDOID, pg_sys::Datum::from(ns))]);
+        let found = query(
+            Some(DECLARED_PLAN),
+            DECLARED,
+            &[(pg_sys::OIDOID, pg_sys::Datum::from(ns))],
+        );
         drop(as_caller);
         let (true, Some(table), Some(owner)) = (found == 1, column_oid(1), column_oid(2)) else {
             pg_sys::SPI_finish();
             return Ok(());
         };
+        // Wait for the starts that hold the shard here (see `placement`), and hold
+        // off new ones to the move's end; then read what they left.
+        lock_shard(shard, pg_sys::ExclusiveLock);
         let as_superuser = AsRole::enter(pg_sys::BOOTSTRAP_SUPERUSERID.into());
-        query(&held, &[]);
+        query(None, &held, &[]);
         drop(as_superuser);
         let here = column(1).map(|d| d.value() as i32);
         let (active, own) = (column(2), column(3));
@@ -330,6 +415,7 @@ pub fn shard_leaving(shard: i64, source: i32) -> Result<(), crate::core::QuotaEr
         let empty = || pg_sys::Datum::from(pg_sys::construct_empty_array(pg_sys::TEXTOID));
         let as_owner = AsRole::enter(owner);
         query(
+            None,
             OF_SHARD,
             &[
                 (pg_sys::OIDOID, pg_sys::Datum::from(table)),
@@ -346,6 +432,161 @@ pub fn shard_leaving(shard: i64, source: i32) -> Result<(), crate::core::QuotaEr
         let (active, own) = (split(column_text(1)), split(column_text(2)));
         pg_sys::SPI_finish();
         crate::core::citus::shard_may_leave(shard, active, own)
-            .map_err(crate::core::QuotaError::ShardMoveRefused)
+            .map_err(QuotaError::ShardMoveRefused)
+    }
+}
+
+/// Whether Citus is loaded in this server (its GUCs are defined only then). Fixed
+/// for the server's life: shared_preload_libraries.
+fn citus_loaded() -> bool {
+    // Backends are single-threaded; 0 unknown, 1 no, 2 yes.
+    static LOADED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+    match LOADED.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => {
+            // SAFETY: a GUC lookup; NULL where Citus never defined it.
+            let loaded = unsafe {
+                !pg_sys::GetConfigOption(c"citus.shard_count".as_ptr(), true, false).is_null()
+            };
+            LOADED.store(
+                if loaded { 2 } else { 1 },
+                std::sync::atomic::Ordering::Relaxed,
+            );
+            loaded
+        }
+    }
+}
+
+/// The argument position of `tenant` in every start function that has one (0-based):
+/// start(label, lease, idempotency_key, wait, tenant, …) and start(weight, lease,
+/// label, wait, tenant, …) alike.
+const TENANT_ARG: i32 = 4;
+
+/// Whether the planner must keep a start from Citus' function delegation by planning
+/// it itself (standard_planner) rather than through Citus' planner: a start whose
+/// tenant is or may be NULL. Where pg_quota's start functions are distributed by
+/// `tenant`, Citus 14 routes `SELECT quota.start(…)` on the value of that argument,
+/// and a NULL there (a start without a tenant: the default) crashes the server in its
+/// shard lookup. Such a start touches no distributed table, so Citus would plan it as
+/// PostgreSQL does anyway; it runs where the client is, as a start without a tenant
+/// always does.
+///
+/// # Safety
+/// `parse` is the Query the planner is handed, `params` its bound parameters or NULL.
+pub unsafe fn tenantless_start(parse: *mut pg_sys::Query, params: pg_sys::ParamListInfo) -> bool {
+    if !citus_loaded() {
+        return false;
+    }
+    // SAFETY: the caller's; every node's tag is checked before it is cast.
+    unsafe {
+        if (*parse).commandType != pg_sys::CmdType::CMD_SELECT || (*parse).jointree.is_null() {
+            return false;
+        }
+        if !(*(*parse).jointree).quals.is_null() {
+            return false; // a form Citus never delegates
+        }
+        start_call(parse).is_some_and(|func| tenant_may_be_null(func, params))
+    }
+}
+
+/// The call of a pg_quota start function that Citus could delegate: `SELECT f(…)`
+/// (the call alone in the target list) or `SELECT … FROM f(…)`.
+///
+/// # Safety
+/// As `keep_tenantless_start_local`.
+unsafe fn start_call(parse: *mut pg_sys::Query) -> Option<*mut pg_sys::FuncExpr> {
+    // SAFETY: the caller's.
+    unsafe {
+        let mut func = None;
+        let targets = pgrx::PgList::<pg_sys::TargetEntry>::from_pg((*parse).targetList);
+        if targets.len() == 1 {
+            let expr = (*targets.get_ptr(0)?).expr;
+            if !expr.is_null() && (*expr).type_ == pg_sys::NodeTag::T_FuncExpr {
+                func = Some(expr.cast::<pg_sys::FuncExpr>());
+            }
+        }
+        if func.is_none() {
+            let rtes = pgrx::PgList::<pg_sys::RangeTblEntry>::from_pg((*parse).rtable);
+            let rte = rtes.get_ptr(0)?;
+            if rtes.len() != 1 || (*rte).rtekind != pg_sys::RTEKind::RTE_FUNCTION {
+                return None;
+            }
+            let fns = pgrx::PgList::<pg_sys::RangeTblFunction>::from_pg((*rte).functions);
+            let expr = (*fns.get_ptr(0)?).funcexpr;
+            if fns.len() != 1 || expr.is_null() || (*expr).type_ != pg_sys::NodeTag::T_FuncExpr {
+                return None;
+            }
+            func = Some(expr.cast::<pg_sys::FuncExpr>());
+        }
+        let func = func?;
+        let name = pg_sys::get_func_name((*func).funcid);
+        if name.is_null() {
+            return None;
+        }
+        let name = std::ffi::CStr::from_ptr(name);
+        if name != c"start" && name != c"try_start" {
+            return None;
+        }
+        let schema = pg_sys::get_namespace_name(pg_sys::get_func_namespace((*func).funcid));
+        (!schema.is_null() && std::ffi::CStr::from_ptr(schema) == c"quota").then_some(func)
+    }
+}
+
+/// Whether the call's tenant is or may be NULL once planned: absent (its default),
+/// a NULL constant, a bound parameter whose value is NULL, or an expression that
+/// folds to NULL or cannot be folded here. A non-NULL constant, or a parameter not
+/// bound yet (a generic plan, which Citus declines to delegate), is not.
+///
+/// # Safety
+/// As `keep_tenantless_start_local`; `func` is a node of that Query.
+unsafe fn tenant_may_be_null(func: *mut pg_sys::FuncExpr, params: pg_sys::ParamListInfo) -> bool {
+    // SAFETY: the caller's; tags are checked before casts; a parameter is read as the
+    // executor reads it (through paramFetch where the list has one).
+    unsafe {
+        let args = pgrx::PgList::<pg_sys::Node>::from_pg((*func).args);
+        let mut tenant = None;
+        for (i, arg) in args.iter_ptr().enumerate() {
+            if (*arg).type_ == pg_sys::NodeTag::T_NamedArgExpr {
+                let named = arg.cast::<pg_sys::NamedArgExpr>();
+                if (*named).argnumber == TENANT_ARG {
+                    tenant = Some((*named).arg.cast::<pg_sys::Node>());
+                }
+            } else if i as i32 == TENANT_ARG {
+                tenant = Some(arg);
+            }
+        }
+        let Some(mut arg) = tenant else {
+            return true; // the default, NULL
+        };
+        while (*arg).type_ == pg_sys::NodeTag::T_RelabelType {
+            arg = (*arg.cast::<pg_sys::RelabelType>())
+                .arg
+                .cast::<pg_sys::Node>();
+        }
+        if (*arg).type_ == pg_sys::NodeTag::T_Param {
+            let param = arg.cast::<pg_sys::Param>();
+            if (*param).paramkind != pg_sys::ParamKind::PARAM_EXTERN || params.is_null() {
+                return false;
+            }
+            let id = (*param).paramid;
+            if id < 1 || id > (*params).numParams {
+                return false;
+            }
+            let mut workspace: pg_sys::ParamExternData = std::mem::zeroed();
+            let value = match (*params).paramFetch {
+                Some(fetch) => fetch(params, id, true, &mut workspace),
+                None => (*params).params.as_mut_ptr().add(id as usize - 1),
+            };
+            return value.is_null() || (*value).isnull;
+        }
+        let folded = pg_sys::eval_const_expressions(
+            std::ptr::null_mut(),
+            pg_sys::copyObjectImpl(arg.cast()).cast(),
+        );
+        if folded.is_null() || (*folded).type_ != pg_sys::NodeTag::T_Const {
+            return true;
+        }
+        (*folded.cast::<pg_sys::Const>()).constisnull
     }
 }

@@ -24,8 +24,6 @@ mod xact;
 mod shmem;
 // Layer 3: pg_quota's tables below SQL.
 mod ledger;
-// Citus' metadata of a tenant's node, read below the paths (0.7.1).
-mod citus;
 // Layer 4: shared state, each owning its segment.
 mod queue;
 mod scopes;
@@ -34,6 +32,9 @@ mod waiters;
 mod workers;
 // Layer 4, after the rooms it uses (scopes, waiters, stats).
 mod charges;
+// Layer 4, after scopes (its shard lock's tag): Citus' metadata of a tenant's node,
+// read below the paths (0.7.1).
+mod citus;
 // Layer 5: the paths.
 mod admission;
 mod finish;

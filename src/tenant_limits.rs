@@ -35,7 +35,7 @@ pub fn set(req: &Request) -> Result<(), QuotaError> {
     // starts are distributed by tenant, on the node that holds it (core::citus).
     crate::core::citus::admit_here(
         &crate::encoding::server_text(tenant),
-        crate::citus::placement(tenant),
+        crate::citus::placement(tenant)?,
         "quota.set_tenant_limits('…', …)",
     )
     .map_err(QuotaError::TenantElsewhere)?;

@@ -258,15 +258,8 @@ pub fn start(
     if let Some(k) = args.key {
         check_key(chars(k), k.len())?;
     }
-    // On a Citus cluster whose starts are distributed by tenant, only the node that
-    // holds the tenant counts its tickets (core::citus).
-    let mut distributed = false;
     if let Some(t) = args.tenant {
         check_tenant(chars(t), t.len())?;
-        let placement = crate::citus::placement(t);
-        distributed = placement.is_some();
-        crate::core::citus::admit_here(&server_text(t), placement, "quota.start(tenant => …)")
-            .map_err(QuotaError::TenantElsewhere)?;
     }
     // When the wait ends, None where the start does not wait (see
     // core::lease::deadline). A wait runs from the call's beginning, what the lookups
@@ -292,9 +285,22 @@ pub fn start(
         let role = pg_sys::GetUserId();
         (role, pg_sys::superuser_arg(role))
     };
+    // On a Citus cluster whose starts are distributed by tenant, only the node that
+    // holds the tenant counts its tickets (core::citus). Superusers are never refused
+    // (I7), here either.
+    let distributed = match args.tenant {
+        Some(t) if !exempt => {
+            let placement = crate::citus::placement(t)?;
+            let distributed = placement.is_some();
+            crate::core::citus::admit_here(&server_text(t), placement, "quota.start(tenant => …)")
+                .map_err(QuotaError::TenantElsewhere)?;
+            distributed
+        }
+        _ => false,
+    };
     // The policy of the role charged (after SET ROLE, not the login's; see policy.rs).
     let policy = crate::policy::of(role);
-    if distributed && !exempt {
+    if distributed {
         crate::citus::warn_per_node(&policy.limits);
     }
     let rels = rels();

@@ -78,6 +78,18 @@ pub fn per_node_warning(max_active: i64, max_db: i64) -> Option<String> {
     ))
 }
 
+/// The message of a start refused because pg_quota's start functions are distributed
+/// in `groups` colocation groups (1: by another argument than the tenant).
+pub fn misdeclared_message(groups: i64) -> String {
+    if groups > 1 {
+        format!("pg_quota's start functions are distributed in {groups} colocation groups, not one: no node can count all of a tenant's tickets")
+    } else {
+        "pg_quota's start functions are distributed by another argument than tenant: no node can count all of a tenant's tickets".to_string()
+    }
+}
+
+pub const MISDECLARED_HINT: &str = "Distribute quota.start() and quota.try_start(), every overload called, by their tenant argument ('$5') and colocated with one table: create_distributed_function(…, '$5', colocate_with := …).";
+
 impl std::fmt::Display for Elsewhere {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let p = &self.placement;
@@ -269,6 +281,13 @@ mod tests {
             "pg_quota cannot let shard 7 leave this node: tenants \"t1\", \"t2\", \"t3\", \"t4\", \"t5\" and 2 more hold active tickets here; tenant \"p\" has its own limits here"
         );
         assert!(e.hint().contains("quota.set_tenant_limits(tenant)"));
+    }
+
+    #[test]
+    fn start_functions_distributed_apart_are_refused() {
+        assert!(misdeclared_message(2).contains("in 2 colocation groups, not one"));
+        assert!(misdeclared_message(1).contains("by another argument than tenant"));
+        assert!(MISDECLARED_HINT.contains("'$5'"));
     }
 
     #[test]

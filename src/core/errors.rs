@@ -303,6 +303,10 @@ pub enum QuotaError {
     /// 0.7.1: a tenant's start on a Citus node that does not hold the tenant (core::citus).
     #[error("{0}")]
     TenantElsewhere(Box<super::citus::Elsewhere>),
+    /// 0.7.1: pg_quota's start functions distributed in more than one colocation
+    /// group, or by another argument than the tenant (core::citus).
+    #[error("{}", super::citus::misdeclared_message(*.groups))]
+    CitusMisdeclared { groups: i64 },
     /// 0.7.1: a Citus shard move off this node, refused (core::citus).
     #[error("{0}")]
     ShardMoveRefused(Box<super::citus::MoveRefused>),
@@ -422,6 +426,7 @@ impl QuotaError {
             QuotaError::NotPreloaded => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::TenantElsewhere(_) => Sqlstate::FeatureNotSupported,
             QuotaError::ShardMoveRefused(_) => Sqlstate::ObjectNotInPrerequisiteState,
+            QuotaError::CitusMisdeclared { .. } => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::NoWorkerSlot { .. } => Sqlstate::InsufficientResources,
             QuotaError::WriterGone => Sqlstate::OperatorIntervention,
             QuotaError::WriterFailed { code, .. } => Sqlstate::Raised(*code),
@@ -695,6 +700,7 @@ impl QuotaError {
             ),
             QuotaError::TenantElsewhere(e) => Some(e.hint()),
             QuotaError::ShardMoveRefused(e) => Some(e.hint()),
+            QuotaError::CitusMisdeclared { .. } => Some(super::citus::MISDECLARED_HINT.to_string()),
             QuotaError::NotPreloaded => Some(
                 "Add pg_quota to shared_preload_libraries in postgresql.conf and restart the server."
                     .to_string(),

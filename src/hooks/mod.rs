@@ -23,6 +23,7 @@ use pgrx::prelude::*;
 static mut PREV_OBJECT_ACCESS_HOOK: pg_sys::object_access_hook_type = None;
 static mut PREV_PROCESS_UTILITY_HOOK: pg_sys::ProcessUtility_hook_type = None;
 static mut PREV_POST_PARSE_ANALYZE_HOOK: pg_sys::post_parse_analyze_hook_type = None;
+static mut PREV_PLANNER_HOOK: pg_sys::planner_hook_type = None;
 // Single-threaded backend state: the roles this transaction dropped, with the
 // subtransaction nesting level that dropped them, and the databases it dropped.
 static mut DROPPED_ROLES: Vec<(pg_sys::Oid, i32)> = Vec::new();
@@ -38,6 +39,31 @@ pub fn init() {
         pg_sys::ProcessUtility_hook = Some(process_utility);
         PREV_POST_PARSE_ANALYZE_HOOK = pg_sys::post_parse_analyze_hook;
         pg_sys::post_parse_analyze_hook = Some(post_parse_analyze);
+        PREV_PLANNER_HOOK = pg_sys::planner_hook;
+        pg_sys::planner_hook = Some(planner);
+    }
+}
+
+/// Before Citus plans a query (pg_quota is preloaded after Citus, so its planner hook
+/// runs first): a start without a tenant is planned by PostgreSQL's planner alone,
+/// out of reach of Citus' function delegation, which would crash on it (citus.rs).
+/// Every other query goes on down the chain untouched.
+#[pg_guard]
+unsafe extern "C-unwind" fn planner(
+    parse: *mut pg_sys::Query,
+    query_string: *const std::ffi::c_char,
+    cursor_options: i32,
+    bound_params: pg_sys::ParamListInfo,
+) -> *mut pg_sys::PlannedStmt {
+    // SAFETY: the planner's own arguments, passed on; the Query is ours to adjust
+    // before planning, as every planner hook's is.
+    unsafe {
+        match PREV_PLANNER_HOOK {
+            Some(prev) if !crate::citus::tenantless_start(parse, bound_params) => {
+                prev(parse, query_string, cursor_options, bound_params)
+            }
+            _ => pg_sys::standard_planner(parse, query_string, cursor_options, bound_params),
+        }
     }
 }
 

@@ -803,6 +803,9 @@ pub const SCOPE_LOCK_FIELD4: u16 = 0x5153; // "QS"
 pub const CAP_LOCK_FIELD4: u16 = 0x5143; // "QC"
 /// 0.7.0: the lock that serializes changes of the tenants' own limits.
 pub const OVERRIDES_LOCK_FIELD4: u16 = 0x514F; // "QO"
+/// 0.7.1: the lock a start holds (shared) on its tenant's Citus shard, and a move of
+/// that shard off the node (exclusive), so that neither passes the other (citus.rs).
+pub const SHARD_LOCK_FIELD4: u16 = 0x5148; // "QH"
 
 /// The tag of the lock that quota.set_tenant_limits() holds (exclusively, to the end
 /// of its transaction) on the tenants' limits of `db` (0.7.0): changes queue one behind
@@ -810,6 +813,11 @@ pub const OVERRIDES_LOCK_FIELD4: u16 = 0x514F; // "QO"
 /// that VACUUM, ANALYZE or a concurrent index build would conflict with.
 pub fn overrides_lock_tag(db: pg_sys::Oid) -> pg_sys::LOCKTAG {
     lock_tag(db, 0, 0, OVERRIDES_LOCK_FIELD4)
+}
+
+/// The tag of the lock on Citus shard `shard` of `db` (SHARD_LOCK_FIELD4).
+pub fn shard_lock_tag(db: pg_sys::Oid, shard: i64) -> pg_sys::LOCKTAG {
+    lock_tag(db, (shard >> 32) as u32, shard as u32, SHARD_LOCK_FIELD4)
 }
 
 /// The tag of the scope lock of (`db`, `role`) (see `scope_tag`).

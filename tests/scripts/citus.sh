@@ -29,11 +29,6 @@ ensure_citus
 
 DIR="${SCRATCH:-$(make_scratch)}/citus"
 BASE=$((5870 + PORT_OFFSET))
-for i in 0 1 2; do
-  new_cluster "$DIR/n$i" $((BASE + i)) "shared_preload_libraries = 'citus,pg_quota'" \
-    "wal_level = logical" "max_worker_processes = 32" "max_prepared_transactions = 20" \
-    "citus.local_hostname = '$DIR/n$i'"  # a shard move connects to its own node; no TCP here
-done
 # n I [psql args...]: psql on node I (0: the coordinator), database app.
 n() { local i="$1"; shift; pgq "$DIR/n$i" $((BASE + i)) -d app -At "$@"; }
 # on I USER SQL...: one session on node I as USER; output only, errors dropped.
@@ -46,14 +41,7 @@ on() {
 # state_on I USER SQL...: the SQLSTATE of the last statement.
 state_on() { on "$@" '\echo SQLSTATE=:SQLSTATE' | sed -n 's/^SQLSTATE=//p' | tail -n1; }
 
-for i in 0 1 2; do
-  pgq "$DIR/n$i" $((BASE + i)) -c "CREATE DATABASE app" -c "CREATE ROLE app LOGIN" >/dev/null
-  n "$i" -c "CREATE EXTENSION citus" >/dev/null
-done
-n 0 -c "SELECT citus_set_coordinator_host('$DIR/n0', $BASE)" \
-    -c "SELECT citus_add_node('$DIR/n1', $((BASE + 1)))" \
-    -c "SELECT citus_add_node('$DIR/n2', $((BASE + 2)))" >/dev/null
-n 0 -c "CREATE EXTENSION pg_quota" >/dev/null
+new_citus_cluster "$DIR" "$BASE"
 expect_eq "CREATE EXTENSION pg_quota on the coordinator is propagated: every node has it, of one version" \
   "$(n 0 -c "SELECT extversion FROM pg_extension WHERE extname = 'pg_quota'") x3" \
   "$(for i in 0 1 2; do n "$i" -c "SELECT extversion FROM pg_extension WHERE extname = 'pg_quota'"; done | sort -u) x$(
@@ -98,10 +86,16 @@ NA=$(node_of "$A"); NB=$(node_of "$B")
 other() { echo $((3 - $1)); }  # the other worker
 live() { n "$1" -c "SELECT count(*) FROM quota.ledger WHERE tenant = '$2' AND ended_at IS NULL"; }
 # try I TENANT [LABEL]: a try_start() alone in its statement on node I, as app (so that
-# Citus may delegate it: nothing may wrap the call); t if admitted, f if refused.
+# Citus may delegate it: nothing may wrap the call); t if admitted, f if refused (NULL),
+# else the error's SQLSTATE.
 try() {
-  local r; r=$(on "$1" app "SELECT quota.try_start(tenant => '$2', label => '${3:-try}')")
-  if [ -n "$r" ]; then echo t; else echo f; fi
+  local r
+  r=$(on "$1" app "SELECT quota.try_start(tenant => '$2', label => '${3:-try}')" '\echo SQLSTATE=:SQLSTATE')
+  case "$r" in
+    *-*SQLSTATE=00000) echo t ;;
+    *SQLSTATE=00000) echo f ;;
+    *) sed -n 's/.*SQLSTATE=//p' <<<"$r" ;;
+  esac
 }
 admitted() { n "$1" -c "SELECT coalesce(sum(admitted), 0) FROM quota.stats WHERE role = 'app'"; }
 
@@ -135,6 +129,42 @@ expect_eq "$A's tickets are still all on its node, and at its limit" "2 0 0" \
   "$(live "$NA" "$A") $(live 0 "$A") $(live "$(other "$NA")" "$A")"
 expect_eq "finish_for(), distributed by tenant, finishes a ticket of $A from the coordinator" "t 1" \
   "$(on 0 app "SELECT finish_for('$A', '$(n "$NA" -c "SELECT id FROM quota.ledger WHERE tenant = '$A' AND label = 'local'")')") $(live "$NA" "$A")"
+
+# --- starts without a tenant, and a superuser's -----------------------------------------
+# Citus routes a distributed call on its tenant argument, and crashes its server on a
+# NULL there; pg_quota keeps such a start from delegation: it runs where the client is.
+nonull=""
+for i in 0 1 2; do
+  nonull+="$(state_on "$i" app "SELECT quota.try_start(label => 'no tenant n$i') IS NULL")"
+  nonull+=" $(state_on "$i" app "SELECT quota.try_start(tenant => NULL, label => 'null tenant n$i')") "
+done
+expect_eq "starts without a tenant, or with tenant => NULL, from every node: each admitted where its client is (no crash)" \
+  "00000 00000 00000 00000 00000 00000 2 2" \
+  "$(xargs <<<"$nonull") $(n 0 -c "SELECT count(*) FROM quota.ledger WHERE label LIKE '%tenant n0'") $(
+     n 1 -c "SELECT count(DISTINCT label) FROM quota.ledger WHERE label LIKE '%tenant n1'")"
+expect_eq "a prepared start whose tenant is a NULL parameter, executed past the generic-plan threshold, runs where its client is" \
+  "00000 7" "$(state_on 0 app "PREPARE p(text) AS SELECT quota.try_start(tenant => \$1, label => 'param')" \
+      "EXECUTE p(NULL)" "EXECUTE p(NULL)" "EXECUTE p(NULL)" "EXECUTE p(NULL)" "EXECUTE p(NULL)" "EXECUTE p(NULL)" "EXECUTE p(NULL)") $(
+      n 0 -c "SELECT count(*) FROM quota.ledger WHERE label = 'param'")"
+on 0 app "PREPARE p(text) AS SELECT quota.try_start(tenant => \$1, label => 'param tenant')" \
+  "EXECUTE p('$A')" "EXECUTE p('$A')" "EXECUTE p('$A')" "EXECUTE p('$A')" "EXECUTE p('$A')" "EXECUTE p('$A')" >/dev/null
+expect_eq "… and one whose tenant is a parameter with a value runs on the tenant's node, where its limit holds" \
+  "0 1" "$(n 0 -c "SELECT count(*) FROM quota.ledger WHERE label = 'param tenant'") $(
+          n "$NA" -c "SELECT count(*) FROM quota.ledger WHERE label = 'param tenant'")"
+expect_eq "a superuser's start is never refused (I7), off its tenant's node too" 00000 \
+  "$(state_on 0 postgres "BEGIN" "SELECT quota.try_start(tenant => '$A')")"
+for i in 0 1 2; do
+  n "$i" -c "SELECT quota.finish(id) FROM quota.ledger
+              WHERE ended_at IS NULL AND (tenant IS NULL OR label = 'param tenant' OR role = 'postgres'::regrole)" >/dev/null
+done
+# Distributed apart, the start functions cannot all count a tenant on one node.
+n 0 -c "CREATE TABLE other (tenant text NOT NULL)" -c "SELECT create_distributed_table('other', 'tenant', shard_count := 2)" \
+    -c "SELECT create_distributed_function('quota.try_start(integer,interval,text,interval,text,boolean,text)', '\$5', colocate_with := 'other')" >/dev/null
+expect_eq "with the weighted try_start() colocated with another table, a tenant's start is refused (55000), from any node" \
+  "55000 55000" "$(try 0 "$B") $(try "$NB" "$B")"
+n 0 -c "SELECT create_distributed_function('quota.try_start(integer,interval,text,interval,text,boolean,text)', '\$5', colocate_with := 'jobs')" >/dev/null
+expect_eq "… and admitted again once it is colocated with the others" t "$(try 0 "$B" misdeclared)"
+on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE label = 'misdeclared'" >/dev/null
 
 # --- the enqueue recipe: a transactional start and the job's INSERT ------------------
 enq() {  # enq NODE TENANT LABEL COMMIT|ROLLBACK: the start alone in its statement
@@ -189,7 +219,8 @@ expect_eq "set_tenant_limits() alone in its statement on the coordinator sets $B
 expect_eq "… where it holds: one start of $B admitted, the next refused" "t f" \
   "$(try 0 "$B") $(try 0 "$B")"
 expect_eq "set_tenant_limits() in a transaction block on the coordinator is refused with 0A000" 0A000 \
-  "$(state_on 0 postgres "BEGIN" "SELECT quota.set_tenant_limits('$B', max_active => 3, role => 'app')")"
+  "$(state_on 0 postgres "BEGIN" "SELECT quota.set_tenant_limits('$B', max_active => 3, role => 'app')" "COMMIT" \
+     "BEGIN" "SELECT quota.set_tenant_limits('$B', max_active => 3, role => 'app')")"
 expect_eq "… and sets nothing on the coordinator" 0 "$(n 0 -c "SELECT count(*) FROM quota.tenant_limits")"
 on 0 postgres "SELECT quota.set_tenant_limits('$B', role => 'app')" >/dev/null
 
@@ -288,7 +319,41 @@ on 0 postgres "SELECT quota.set_tenant_limits('$A', max_active => 1, role => 'ap
 expect_eq "with $A's tickets ended but its own limits on n$NA, the move is refused still" \
   "55000 t" "$(move) $(grep -q "tenant \"$A\" has its own limits here" <<<"$(move_error)" && echo t || echo f)"
 on 0 postgres "SELECT quota.set_tenant_limits('$A', role => 'app')" >/dev/null
+# A transactional start of $A still in its transaction on n$NA: its charge is not
+# committed, so no snapshot shows it; the move waits for it (pg_quota's shard lock),
+# sees it once committed, and is refused.
+CL="$DIR/n$NA" PORT=$((BASE + NA)) open_session tx app app
+say tx "BEGIN;"
+say tx "SELECT 'tx:' || quota.start(tenant => '$A', label => 'in flight', transactional => true);"
+CL="$DIR/n$NA" wait_out tx "tx:"
+bg bash -c "$(declare -f on state_on); DIR='$DIR' BASE=$BASE PG_BIN='$PG_BIN'; \
+  state_on 0 postgres \"SELECT citus_move_shard_placement($SHARD, '$DIR/n$NA', $((BASE + NA)), '$DIR/n$TO', $((BASE + TO)), shard_transfer_mode := 'block_writes')\" > '$DIR/move.state'"
+MOVER=$LAST_BG
+waiting=0
+for _ in $(seq 1 200); do
+  waiting=$(n "$NA" -c "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = $((0x5148)) AND NOT granted")
+  [ "$waiting" -gt 0 ] && break
+  sleep 0.1
+done
+expect_eq "a move of $A's shard waits, on n$NA, for the start still in its transaction there" 1 "$waiting"
+say tx "COMMIT;"
+close_session tx
+wait "$MOVER" 2>/dev/null || true
+expect_eq "… and, once that start committed, is refused: $A holds a ticket there (55000); the shard stays" \
+  "55000 $NA 1" "$(cat "$DIR/move.state") $(node_of "$A") $(live "$NA" "$A")"
+on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$A' AND ended_at IS NULL" >/dev/null
+# A REPEATABLE READ transaction on n$NA whose snapshot predates the move.
+CL="$DIR/n$NA" PORT=$((BASE + NA)) open_session rr app app
+say rr "BEGIN ISOLATION LEVEL REPEATABLE READ;"
+say rr "SELECT 'snapshot:' || count(*) FROM pg_dist_placement;"
+CL="$DIR/n$NA" wait_out rr "snapshot:"
 expect_eq "with neither, the move goes: $A's shard is on n$TO" "00000 $TO" "$(move) $(node_of "$A")"
+say rr "SELECT 'rr:' || coalesce(quota.try_start(tenant => '$A', label => 'rr')::text, 'refused');"
+say rr "\\echo rr-state=:SQLSTATE"
+CL="$DIR/n$NA" wait_out rr "rr-state="
+close_session rr
+expect_eq "a REPEATABLE READ transaction on n$NA that began before the move cannot start $A there: 0A000 (Citus' metadata is read as committed now)" \
+  "0A000 0" "$(sed -n 's/^rr-state=//p' "$DIR/n$NA/rr.out") $(n "$NA" -c "SELECT count(*) FROM quota.ledger WHERE label = 'rr'")"
 got=""
 for i in 0 1 2; do got+="$(try "$i" "$A" "moved n$i") "; done
 expect_eq "$A is admitted where its shard now lives, to its limit of 2" "f t t" "$(tr ' ' '\n' <<<"$got" | grep . | sort | xargs)"

@@ -21,6 +21,8 @@ import subprocess
 import threading
 import time
 
+from procstat import TICK, cpu_of, server_pids
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")
 # (name, script, role): None spreads the clients over bench_r1..bench_r16.
@@ -32,7 +34,6 @@ WORKLOADS = [("JOB", "job.sql", None), ("JOB1", "job1.sql", None), ("JOBQ", "job
              ("refuse-tenant", "refuse_tenant.sql", "bench_tenant_refused"),
              ("CALL0", "call0.sql", "bench_refused")]
 CLIENTS = 16
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def parse_args():
@@ -63,30 +64,6 @@ def kind_of(pid, pgbench_pids):
     if re.search(r"postgres: bench_\w+ bench ", cmd):
         return "backend"
     return "other postgres"
-
-
-def cpu_of(pid):
-    """(user, system) seconds of a process, or None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) / TICK, int(fields[12]) / TICK
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def server_pids(postmaster):
-    """The postmaster and its children."""
-    pids = [postmaster]
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == postmaster:
-                        pids.append(int(d))
-            except (OSError, IndexError, ValueError):
-                pass
-    return pids
 
 
 def machine_cpu():

@@ -70,21 +70,10 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
     // transaction's abort cleans SPI up. Columns are read by the query's own types.
     unsafe {
         connect();
-        // The caller's own privileges (Citus' metadata is readable by all), with
-        // search_path pinned: an operator of the caller's schemas must not stand in
-        // for pg_catalog's.
-        let as_caller = AsRole::enter(pg_sys::GetUserId());
-        let found = query(
-            Some(DECLARED_PLAN),
-            DECLARED,
-            &[(pg_sys::OIDOID, pg_sys::Datum::from(ns))],
-        );
-        drop(as_caller);
-        if found == 0 {
+        let Some(groups) = read_declared(ns) else {
             pg_sys::SPI_finish();
             return Ok(None);
-        }
-        let groups = column(3).map_or(0, |d| d.value() as i64);
+        };
         if groups != 1 || !column_bool(4) {
             pg_sys::SPI_finish();
             return Err(QuotaError::CitusMisdeclared { groups });
@@ -96,6 +85,7 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
                 table: None,
                 nodes: String::new(),
                 here: false,
+                shard: None,
             }));
         };
         let as_owner = AsRole::enter(owner);
@@ -108,10 +98,17 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
             ],
         );
         let shard = column(1).map_or(0, |d| d.value() as i64);
-        // Until this transaction ends, no move of the shard off this node can pass
-        // its check (shard_leaving) and commit: it waits for this start, or this
-        // start waits for it, and then reads where the shard is after it.
-        lock_shard(shard, pg_sys::ShareLock);
+        drop(as_owner);
+        // Held until `release` (a writer-committed start's charge has committed) or
+        // the transaction's end: a move of the shard off this node refuses to go
+        // meanwhile (shard_leaving), so that no charge is left behind; and a start
+        // that comes during a move waits for it (LOCK_WAIT at most), then reads where
+        // the shard is after it.
+        crate::ledger::locks::lock_tag_bounded(
+            crate::scopes::shard_lock_tag(pg_sys::MyDatabaseId, shard),
+            pg_sys::ShareLock,
+            |seconds| QuotaError::ShardBusy { shard, seconds },
+        );
         let as_caller = AsRole::enter(pg_sys::GetUserId());
         query(
             Some(PLACED_PLAN),
@@ -122,14 +119,35 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
             ],
         );
         drop(as_caller);
-        drop(as_owner);
         let placement = Placement {
             table: Some(column_text(1).unwrap_or_else(|| u32::from(table).to_string())),
             here: column_bool(2),
             nodes: column_text(3).unwrap_or_default(),
+            shard: Some(shard),
         };
         pg_sys::SPI_finish();
         Ok(Some(placement))
+    }
+}
+
+/// Reads DECLARED (its row left in SPI_tuptable): the number of colocation groups of
+/// pg_quota's distributed start functions, None where none is distributed. With the
+/// caller's own privileges (Citus' metadata is readable by all) and search_path
+/// pinned: an operator of the caller's schemas must not stand in for pg_catalog's.
+///
+/// # Safety
+/// Connected to SPI; `ns` is schema quota's OID (or InvalidOid).
+unsafe fn read_declared(ns: pg_sys::Oid) -> Option<i64> {
+    // SAFETY: the caller's.
+    unsafe {
+        let as_caller = AsRole::enter(pg_sys::GetUserId());
+        let found = query(
+            Some(DECLARED_PLAN),
+            DECLARED,
+            &[(pg_sys::OIDOID, pg_sys::Datum::from(ns))],
+        );
+        drop(as_caller);
+        (found == 1).then(|| column(3).map_or(0, |d| d.value() as i64))
     }
 }
 
@@ -147,14 +165,18 @@ pub fn warn_per_node(limits: &crate::core::Limits) {
     }
 }
 
-/// Takes pg_quota's lock on `shard` in `mode`, to the end of the transaction
-/// (scopes::shard_lock_tag: no SQL function can take it).
-fn lock_shard(shard: i64, mode: u32) {
-    // SAFETY: a plain read of backend state.
-    let mut tag = crate::scopes::shard_lock_tag(unsafe { pg_sys::MyDatabaseId }, shard);
-    // SAFETY: a transaction-level lock on a tag of our own; a wait can be cancelled,
-    // and lock_timeout and the deadlock detector apply.
-    unsafe { pg_sys::LockAcquire(&mut tag, mode as i32, false, false) };
+/// Gives back the shard lock `placement` took for a start, once the start's charge
+/// is committed (a writer-committed start): a move that comes later sees the charge.
+/// A transactional start keeps it to its transaction's end, when its charge commits.
+pub fn release(placement: &Option<Placement>) {
+    if let Some(shard) = placement.as_ref().and_then(|p| p.shard) {
+        // SAFETY: a plain read of backend state, and the release of a lock this
+        // transaction holds (LockRelease warns, harmlessly, where it does not).
+        unsafe {
+            let mut tag = crate::scopes::shard_lock_tag(pg_sys::MyDatabaseId, shard);
+            pg_sys::LockRelease(&mut tag, pg_sys::ShareLock as i32, false);
+        }
+    }
 }
 
 /// # Safety
@@ -271,6 +293,9 @@ unsafe fn column_text(n: i32) -> Option<String> {
 /// # Safety
 /// `query` is a Query that parse analysis just produced.
 pub unsafe fn placement_update(query: *const pg_sys::Query) -> Option<(i64, i32, i32)> {
+    if !citus_loaded() {
+        return None;
+    }
     // SAFETY: the caller's; every node is checked for its tag before it is cast.
     unsafe {
         if (*query).commandType != pg_sys::CmdType::CMD_SELECT
@@ -292,11 +317,17 @@ pub unsafe fn placement_update(query: *const pg_sys::Query) -> Option<(i64, i32,
             return None;
         }
         let name = pg_sys::get_func_name((*func).funcid);
-        if name.is_null() || std::ffi::CStr::from_ptr(name) != c"update_placement_metadata" {
+        if name.is_null() {
             return None;
         }
+        // Before Citus 12 (and from an older node during a rolling upgrade):
+        // pg_catalog.citus_internal_update_placement_metadata.
+        let name = std::ffi::CStr::from_ptr(name);
         let schema = pg_sys::get_namespace_name(pg_sys::get_func_namespace((*func).funcid));
-        if schema.is_null() || std::ffi::CStr::from_ptr(schema) != c"citus_internal" {
+        let schema = (!schema.is_null()).then(|| std::ffi::CStr::from_ptr(schema));
+        if !(name == c"update_placement_metadata" && schema == Some(c"citus_internal")
+            || name == c"citus_internal_update_placement_metadata" && schema == Some(c"pg_catalog"))
+        {
             return None;
         }
         // Citus writes the shard as a plain number, which parse analysis leaves as an
@@ -328,12 +359,13 @@ pub unsafe fn placement_update(query: *const pg_sys::Query) -> Option<(i64, i32,
     }
 }
 
-/// This node's group, and the tenants with active tickets and with their own limits
-/// here. Read as the bootstrap superuser (pg_quota's tables are not the move's
-/// user's to read), with search_path pinned, by a query that calls no code but
-/// PostgreSQL's own.
-const HELD_HERE: &str = "
-SELECT (SELECT l.groupid FROM pg_catalog.pg_dist_local_group l), {active}, {own}";
+/// This node's group.
+const LOCAL_GROUP: &std::ffi::CStr = c"SELECT l.groupid FROM pg_catalog.pg_dist_local_group l";
+
+/// The tenants with active tickets and with their own limits here. Read as the
+/// bootstrap superuser (pg_quota's tables are not the move's user's to read), with
+/// search_path pinned, by a query that calls no code but PostgreSQL's own.
+const HELD_HERE: &str = "SELECT {active}, {own}";
 const ACTIVE_HERE: &str = "(SELECT pg_catalog.array_agg(DISTINCT a.tenant) FROM quota.active a
    WHERE a.tenant IS NOT NULL
      AND (a.lease_until IS NULL OR a.lease_until OPERATOR(pg_catalog.>) pg_catalog.now()))";
@@ -388,26 +420,34 @@ pub fn shard_leaving(shard: i64, source: i32) -> Result<(), QuotaError> {
     // until SPI_finish, after the second.
     unsafe {
         connect();
-        let as_caller = AsRole::enter(pg_sys::GetUserId());
-        let found = query(
-            Some(DECLARED_PLAN),
-            DECLARED,
-            &[(pg_sys::OIDOID, pg_sys::Datum::from(ns))],
-        );
-        drop(as_caller);
-        let (true, Some(table), Some(owner)) = (found == 1, column_oid(1), column_oid(2)) else {
+        let found = read_declared(ns).is_some();
+        let (true, Some(table), Some(owner)) = (found, column_oid(1), column_oid(2)) else {
             pg_sys::SPI_finish();
             return Ok(());
         };
-        // Wait for the starts that hold the shard here (see `placement`), and hold
-        // off new ones to the move's end; then read what they left.
-        lock_shard(shard, pg_sys::ExclusiveLock);
+        let as_caller = AsRole::enter(pg_sys::GetUserId());
+        query(None, LOCAL_GROUP, &[]);
+        drop(as_caller);
+        if column(1).map(|d| d.value() as i32) != Some(source) {
+            pg_sys::SPI_finish();
+            return Ok(()); // not the node the shard leaves
+        }
+        // Hold off new starts for the shard's tenants here to the move's end; where a
+        // start holds the lock (a transactional charge not committed yet, a start that
+        // waits for capacity), refuse now rather than wait: its transaction may next
+        // write to the shard, which the move blocks, and the two would deadlock.
+        let mut tag = crate::scopes::shard_lock_tag(pg_sys::MyDatabaseId, shard);
+        if pg_sys::LockAcquire(&mut tag, pg_sys::ExclusiveLock as i32, false, true)
+            == pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
+        {
+            pg_sys::SPI_finish();
+            return Err(QuotaError::ShardMoveBusy { shard });
+        }
         let as_superuser = AsRole::enter(pg_sys::BOOTSTRAP_SUPERUSERID.into());
         query(None, &held, &[]);
         drop(as_superuser);
-        let here = column(1).map(|d| d.value() as i32);
-        let (active, own) = (column(2), column(3));
-        if here != Some(source) || (active.is_none() && own.is_none()) {
+        let (active, own) = (column(1), column(2));
+        if active.is_none() && own.is_none() {
             pg_sys::SPI_finish();
             return Ok(());
         }
@@ -465,12 +505,15 @@ const TENANT_ARG: i32 = 4;
 
 /// Whether the planner must keep a start from Citus' function delegation by planning
 /// it itself (standard_planner) rather than through Citus' planner: a start whose
-/// tenant is or may be NULL. Where pg_quota's start functions are distributed by
+/// tenant is NULL once planned. Where pg_quota's start functions are distributed by
 /// `tenant`, Citus 14 routes `SELECT quota.start(…)` on the value of that argument,
 /// and a NULL there (a start without a tenant: the default) crashes the server in its
-/// shard lookup. Such a start touches no distributed table, so Citus would plan it as
-/// PostgreSQL does anyway; it runs where the client is, as a start without a tenant
-/// always does.
+/// shard lookup. Only a query of the shapes Citus delegates is looked at (a SELECT of
+/// one function call, with no WHERE, no table, no subquery and no CTE: nothing for
+/// Citus to plan but the delegation), and it is judged as Citus will see it, after
+/// the planner's folding: SQL functions inlined, defaults filled in and bound
+/// parameters substituted. Such a start runs where the client is, as a start without
+/// a tenant always does.
 ///
 /// # Safety
 /// `parse` is the Query the planner is handed, `params` its bound parameters or NULL.
@@ -478,115 +521,120 @@ pub unsafe fn tenantless_start(parse: *mut pg_sys::Query, params: pg_sys::ParamL
     if !citus_loaded() {
         return false;
     }
-    // SAFETY: the caller's; every node's tag is checked before it is cast.
+    // SAFETY: the caller's; every node's tag is checked before it is cast; folding
+    // works on copies, with a planner context of our own that holds only the bound
+    // parameters (what eval_const_expressions reads of it).
     unsafe {
-        if (*parse).commandType != pg_sys::CmdType::CMD_SELECT || (*parse).jointree.is_null() {
+        let q = &*parse;
+        if q.commandType != pg_sys::CmdType::CMD_SELECT
+            || q.jointree.is_null()
+            || !(*q.jointree).quals.is_null()
+            || q.hasSubLinks
+            || !q.cteList.is_null()
+        {
             return false;
         }
-        if !(*(*parse).jointree).quals.is_null() {
-            return false; // a form Citus never delegates
-        }
-        start_call(parse).is_some_and(|func| tenant_may_be_null(func, params))
+        let from = pgrx::PgList::<pg_sys::Node>::from_pg((*q.jointree).fromlist);
+        let from_call = match from.len() {
+            0 => None,
+            1 => {
+                let r = from
+                    .get_ptr(0)
+                    .filter(|r| (**r).type_ == pg_sys::NodeTag::T_RangeTblRef);
+                let Some(r) = r else {
+                    return false;
+                };
+                let rtes = pgrx::PgList::<pg_sys::RangeTblEntry>::from_pg(q.rtable);
+                let Some(rte) =
+                    rtes.get_ptr((*r.cast::<pg_sys::RangeTblRef>()).rtindex as usize - 1)
+                else {
+                    return false;
+                };
+                if (*rte).rtekind != pg_sys::RTEKind::RTE_FUNCTION {
+                    return false;
+                }
+                let fns = pgrx::PgList::<pg_sys::RangeTblFunction>::from_pg((*rte).functions);
+                if fns.len() != 1 {
+                    return false;
+                }
+                Some((*fns.get_ptr(0).expect("one function")).funcexpr)
+            }
+            _ => return false,
+        };
+        let glob = pg_sys::palloc0(std::mem::size_of::<pg_sys::PlannerGlobal>())
+            .cast::<pg_sys::PlannerGlobal>();
+        (*glob).type_ = pg_sys::NodeTag::T_PlannerGlobal;
+        (*glob).boundParams = params;
+        let root = pg_sys::palloc0(std::mem::size_of::<pg_sys::PlannerInfo>())
+            .cast::<pg_sys::PlannerInfo>();
+        (*root).type_ = pg_sys::NodeTag::T_PlannerInfo;
+        (*root).glob = glob;
+        let fold = |e: *mut pg_sys::Node| -> Option<*mut pg_sys::FuncExpr> {
+            if e.is_null() {
+                return None;
+            }
+            let folded =
+                pg_sys::eval_const_expressions(root, pg_sys::copyObjectImpl(e.cast()).cast());
+            (!folded.is_null() && (*folded).type_ == pg_sys::NodeTag::T_FuncExpr)
+                .then(|| folded.cast::<pg_sys::FuncExpr>())
+        };
+        let targets = pgrx::PgList::<pg_sys::TargetEntry>::from_pg(q.targetList);
+        let target_call = if targets.len() == 1 {
+            fold((*targets.get_ptr(0).expect("one target")).expr.cast())
+        } else {
+            None
+        };
+        // As Citus picks: the target's call, unless the FROM has one too (then none).
+        let call = match (target_call, from_call) {
+            (Some(_), Some(_)) => return false,
+            (Some(t), None) => t,
+            (None, Some(f)) => match fold(f) {
+                Some(f) => f,
+                None => return false,
+            },
+            (None, None) => return false,
+        };
+        is_start(call) && tenant_is_null(call)
     }
 }
 
-/// The call of a pg_quota start function that Citus could delegate: `SELECT f(…)`
-/// (the call alone in the target list) or `SELECT … FROM f(…)`.
+/// Whether `func` calls one of pg_quota's start functions.
 ///
 /// # Safety
-/// As `keep_tenantless_start_local`.
-unsafe fn start_call(parse: *mut pg_sys::Query) -> Option<*mut pg_sys::FuncExpr> {
-    // SAFETY: the caller's.
+/// `func` is a FuncExpr.
+unsafe fn is_start(func: *mut pg_sys::FuncExpr) -> bool {
+    // SAFETY: the caller's; syscache lookups, NULL where the function is gone.
     unsafe {
-        let mut func = None;
-        let targets = pgrx::PgList::<pg_sys::TargetEntry>::from_pg((*parse).targetList);
-        if targets.len() == 1 {
-            let expr = (*targets.get_ptr(0)?).expr;
-            if !expr.is_null() && (*expr).type_ == pg_sys::NodeTag::T_FuncExpr {
-                func = Some(expr.cast::<pg_sys::FuncExpr>());
-            }
-        }
-        if func.is_none() {
-            let rtes = pgrx::PgList::<pg_sys::RangeTblEntry>::from_pg((*parse).rtable);
-            let rte = rtes.get_ptr(0)?;
-            if rtes.len() != 1 || (*rte).rtekind != pg_sys::RTEKind::RTE_FUNCTION {
-                return None;
-            }
-            let fns = pgrx::PgList::<pg_sys::RangeTblFunction>::from_pg((*rte).functions);
-            let expr = (*fns.get_ptr(0)?).funcexpr;
-            if fns.len() != 1 || expr.is_null() || (*expr).type_ != pg_sys::NodeTag::T_FuncExpr {
-                return None;
-            }
-            func = Some(expr.cast::<pg_sys::FuncExpr>());
-        }
-        let func = func?;
         let name = pg_sys::get_func_name((*func).funcid);
         if name.is_null() {
-            return None;
+            return false;
         }
         let name = std::ffi::CStr::from_ptr(name);
         if name != c"start" && name != c"try_start" {
-            return None;
+            return false;
         }
         let schema = pg_sys::get_namespace_name(pg_sys::get_func_namespace((*func).funcid));
-        (!schema.is_null() && std::ffi::CStr::from_ptr(schema) == c"quota").then_some(func)
+        !schema.is_null() && std::ffi::CStr::from_ptr(schema) == c"quota"
     }
 }
 
-/// Whether the call's tenant is or may be NULL once planned: absent (its default),
-/// a NULL constant, a bound parameter whose value is NULL, or an expression that
-/// folds to NULL or cannot be folded here. A non-NULL constant, or a parameter not
-/// bound yet (a generic plan, which Citus declines to delegate), is not.
+/// Whether the folded call's tenant (its arguments positional and complete, as the
+/// planner leaves them) is a NULL constant, what Citus would route on and crash.
 ///
 /// # Safety
-/// As `keep_tenantless_start_local`; `func` is a node of that Query.
-unsafe fn tenant_may_be_null(func: *mut pg_sys::FuncExpr, params: pg_sys::ParamListInfo) -> bool {
-    // SAFETY: the caller's; tags are checked before casts; a parameter is read as the
-    // executor reads it (through paramFetch where the list has one).
+/// `func` is a folded FuncExpr of a start function.
+unsafe fn tenant_is_null(func: *mut pg_sys::FuncExpr) -> bool {
+    // SAFETY: the caller's; tags are checked before casts.
     unsafe {
         let args = pgrx::PgList::<pg_sys::Node>::from_pg((*func).args);
-        let mut tenant = None;
-        for (i, arg) in args.iter_ptr().enumerate() {
-            if (*arg).type_ == pg_sys::NodeTag::T_NamedArgExpr {
-                let named = arg.cast::<pg_sys::NamedArgExpr>();
-                if (*named).argnumber == TENANT_ARG {
-                    tenant = Some((*named).arg.cast::<pg_sys::Node>());
-                }
-            } else if i as i32 == TENANT_ARG {
-                tenant = Some(arg);
-            }
-        }
-        let Some(mut arg) = tenant else {
-            return true; // the default, NULL
+        let Some(mut arg) = args.get_ptr(TENANT_ARG as usize) else {
+            return false;
         };
         while (*arg).type_ == pg_sys::NodeTag::T_RelabelType {
             arg = (*arg.cast::<pg_sys::RelabelType>())
                 .arg
                 .cast::<pg_sys::Node>();
         }
-        if (*arg).type_ == pg_sys::NodeTag::T_Param {
-            let param = arg.cast::<pg_sys::Param>();
-            if (*param).paramkind != pg_sys::ParamKind::PARAM_EXTERN || params.is_null() {
-                return false;
-            }
-            let id = (*param).paramid;
-            if id < 1 || id > (*params).numParams {
-                return false;
-            }
-            let mut workspace: pg_sys::ParamExternData = std::mem::zeroed();
-            let value = match (*params).paramFetch {
-                Some(fetch) => fetch(params, id, true, &mut workspace),
-                None => (*params).params.as_mut_ptr().add(id as usize - 1),
-            };
-            return value.is_null() || (*value).isnull;
-        }
-        let folded = pg_sys::eval_const_expressions(
-            std::ptr::null_mut(),
-            pg_sys::copyObjectImpl(arg.cast()).cast(),
-        );
-        if folded.is_null() || (*folded).type_ != pg_sys::NodeTag::T_Const {
-            return true;
-        }
-        (*folded.cast::<pg_sys::Const>()).constisnull
+        (*arg).type_ == pg_sys::NodeTag::T_Const && (*arg.cast::<pg_sys::Const>()).constisnull
     }
 }

@@ -240,6 +240,24 @@ pub fn start(
     name: &std::ffi::CStr,
     on_refusal: OnRefusal,
 ) -> Result<Option<pgrx::Uuid>, QuotaError> {
+    let mut placed = None;
+    let result = start_placed(args, name, on_refusal, &mut placed);
+    // On a Citus node, a writer-committed start's charge is committed (or was refused)
+    // by now: a move of its tenant's shard may go and will see it (citus.rs). A
+    // transactional one's commits with its transaction, which keeps the lock.
+    if !args.transactional {
+        crate::citus::release(&placed);
+    }
+    result
+}
+
+/// `start`, keeping in `placed` where a Citus node found its tenant.
+fn start_placed(
+    args: &StartArgs,
+    name: &std::ffi::CStr,
+    on_refusal: OnRefusal,
+    placed: &mut Option<crate::core::citus::Placement>,
+) -> Result<Option<pgrx::Uuid>, QuotaError> {
     shmem::require_callable(name);
     // A standby or a read-only transaction refuses with 25006, as nextval() does:
     // the charge is a write, even though it is not the caller's own.
@@ -292,6 +310,7 @@ pub fn start(
         Some(t) if !exempt => {
             let placement = crate::citus::placement(t)?;
             let distributed = placement.is_some();
+            placed.clone_from(&placement);
             crate::core::citus::admit_here(&server_text(t), placement, "quota.start(tenant => …)")
                 .map_err(QuotaError::TenantElsewhere)?;
             distributed

@@ -23,6 +23,8 @@ pub struct Placement {
     pub nodes: String,
     /// Whether this node holds it.
     pub here: bool,
+    /// The shard, where the table has one for the tenant.
+    pub shard: Option<i64>,
 }
 
 /// A start refused on a node that does not hold its tenant.
@@ -87,6 +89,13 @@ pub fn misdeclared_message(groups: i64) -> String {
         "pg_quota's start functions are distributed by another argument than tenant: no node can count all of a tenant's tickets".to_string()
     }
 }
+
+/// The DETAIL of a start that waited `seconds` for a move of its tenant's shard.
+pub fn shard_busy_detail(seconds: i64) -> String {
+    format!("pg_quota waited {seconds} s for a move of the shard off this node, which holds it until its transaction ends on this node (a two-phase commit still pending included).")
+}
+
+pub const MOVE_BUSY_HINT: &str = "Move the shard again once the transactions that started tickets for its tenants on this node have ended: the move does not wait for them, so that it cannot deadlock with them.";
 
 pub const MISDECLARED_HINT: &str = "Distribute quota.start() and quota.try_start(), every overload called, by their tenant argument ('$5') and colocated with one table: create_distributed_function(…, '$5', colocate_with := …).";
 
@@ -230,6 +239,7 @@ mod tests {
             table: table.map(str::to_string),
             nodes: nodes.to_string(),
             here,
+            shard: Some(7),
         })
     }
 
@@ -288,6 +298,12 @@ mod tests {
         assert!(misdeclared_message(2).contains("in 2 colocation groups, not one"));
         assert!(misdeclared_message(1).contains("by another argument than tenant"));
         assert!(MISDECLARED_HINT.contains("'$5'"));
+    }
+
+    #[test]
+    fn shard_lock_waits_say_what_holds_them() {
+        assert!(shard_busy_detail(5).starts_with("pg_quota waited 5 s for a move of the shard"));
+        assert!(MOVE_BUSY_HINT.contains("cannot deadlock"));
     }
 
     #[test]

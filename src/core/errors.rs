@@ -303,6 +303,13 @@ pub enum QuotaError {
     /// 0.7.1: a tenant's start on a Citus node that does not hold the tenant (core::citus).
     #[error("{0}")]
     TenantElsewhere(Box<super::citus::Elsewhere>),
+    /// 0.7.1: a start waited for a Citus shard move off this node (core::citus).
+    #[error("could not obtain pg_quota's lock on shard {shard}")]
+    ShardBusy { shard: i64, seconds: i64 },
+    /// 0.7.1: a Citus shard move refused while a start for a tenant of the shard is
+    /// in progress on the node it would leave (core::citus).
+    #[error("pg_quota cannot let shard {shard} leave this node now: a start for one of its tenants is in progress here")]
+    ShardMoveBusy { shard: i64 },
     /// 0.7.1: pg_quota's start functions distributed in more than one colocation
     /// group, or by another argument than the tenant (core::citus).
     #[error("{}", super::citus::misdeclared_message(*.groups))]
@@ -427,6 +434,9 @@ impl QuotaError {
             QuotaError::TenantElsewhere(_) => Sqlstate::FeatureNotSupported,
             QuotaError::ShardMoveRefused(_) => Sqlstate::ObjectNotInPrerequisiteState,
             QuotaError::CitusMisdeclared { .. } => Sqlstate::ObjectNotInPrerequisiteState,
+            QuotaError::ShardBusy { .. } | QuotaError::ShardMoveBusy { .. } => {
+                Sqlstate::LockNotAvailable
+            }
             QuotaError::NoWorkerSlot { .. } => Sqlstate::InsufficientResources,
             QuotaError::WriterGone => Sqlstate::OperatorIntervention,
             QuotaError::WriterFailed { code, .. } => Sqlstate::Raised(*code),
@@ -594,6 +604,7 @@ impl QuotaError {
             )),
             QuotaError::TenantElsewhere(e) => Some(e.detail()),
             QuotaError::ShardMoveRefused(e) => Some(e.detail()),
+            QuotaError::ShardBusy { seconds, .. } => Some(super::citus::shard_busy_detail(*seconds)),
             _ => None,
         }
     }
@@ -701,6 +712,7 @@ impl QuotaError {
             QuotaError::TenantElsewhere(e) => Some(e.hint()),
             QuotaError::ShardMoveRefused(e) => Some(e.hint()),
             QuotaError::CitusMisdeclared { .. } => Some(super::citus::MISDECLARED_HINT.to_string()),
+            QuotaError::ShardMoveBusy { .. } => Some(super::citus::MOVE_BUSY_HINT.to_string()),
             QuotaError::NotPreloaded => Some(
                 "Add pg_quota to shared_preload_libraries in postgresql.conf and restart the server."
                     .to_string(),

@@ -25,6 +25,7 @@ if ! citus_available; then
   echo "1..0 # SKIP Citus' source is not on this machine ($CITUS_TARBALL)"
   exit 77
 fi
+use_pg "$CITUS_MAJOR"
 ensure_citus
 
 DIR="${SCRATCH:-$(make_scratch)}/citus"
@@ -135,7 +136,7 @@ expect_eq "finish_for(), distributed by tenant, finishes a ticket of $A from the
 # NULL there; pg_quota keeps such a start from delegation: it runs where the client is.
 nonull=""
 for i in 0 1 2; do
-  nonull+="$(state_on "$i" app "SELECT quota.try_start(label => 'no tenant n$i') IS NULL")"
+  nonull+="$(state_on "$i" app "SELECT quota.try_start(label => 'no tenant n$i')")"
   nonull+=" $(state_on "$i" app "SELECT quota.try_start(tenant => NULL, label => 'null tenant n$i')") "
 done
 expect_eq "starts without a tenant, or with tenant => NULL, from every node: each admitted where its client is (no crash)" \
@@ -151,8 +152,26 @@ on 0 app "PREPARE p(text) AS SELECT quota.try_start(tenant => \$1, label => 'par
 expect_eq "… and one whose tenant is a parameter with a value runs on the tenant's node, where its limit holds" \
   "0 1" "$(n 0 -c "SELECT count(*) FROM quota.ledger WHERE label = 'param tenant'") $(
           n "$NA" -c "SELECT count(*) FROM quota.ledger WHERE label = 'param tenant'")"
-expect_eq "a superuser's start is never refused (I7), off its tenant's node too" 00000 \
-  "$(state_on 0 postgres "BEGIN" "SELECT quota.try_start(tenant => '$A')")"
+# The planner folds what Citus routes on: a SQL function is inlined, a default filled in.
+expect_eq "a start without a tenant through a SQL function the planner inlines, alone and in FROM, and prepared with a NULL parameter: each runs where its client is (no crash)" \
+  "00000 00000 00000 9" "$(state_on 0 app \
+    "CREATE FUNCTION pg_temp.s(t text DEFAULT NULL) RETURNS uuid LANGUAGE sql AS 'SELECT quota.try_start(tenant => t, label => ''inlined'')'" \
+    "SELECT pg_temp.s()") $(state_on 0 app \
+    "CREATE FUNCTION pg_temp.s(t text DEFAULT NULL) RETURNS uuid LANGUAGE sql AS 'SELECT quota.try_start(tenant => t, label => ''inlined'')'" \
+    "SELECT * FROM pg_temp.s(NULL)") $(state_on 0 app \
+    "CREATE FUNCTION pg_temp.s(t text DEFAULT NULL) RETURNS uuid LANGUAGE sql AS 'SELECT quota.try_start(tenant => t, label => ''inlined'')'" \
+    "PREPARE q(text) AS SELECT pg_temp.s(\$1)" "EXECUTE q(NULL)" "EXECUTE q(NULL)" "EXECUTE q(NULL)" "EXECUTE q(NULL)" \
+    "EXECUTE q(NULL)" "EXECUTE q(NULL)" "EXECUTE q(NULL)") $(n 0 -c "SELECT count(*) FROM quota.ledger WHERE label = 'inlined'")"
+# A query that reads a distributed table is Citus' to plan, whatever it starts.
+# (Citus runs the subquery first, then delegates the call with its value.)
+on 0 app "INSERT INTO jobs (tenant) VALUES ('$B')" >/dev/null
+expect_eq "a start whose tenant a subquery reads from the jobs table is planned by Citus: admitted on $B's node, n$NB, not where its client is" \
+  "00000 1 0" "$(state_on 0 app "SELECT quota.try_start(tenant => (SELECT tenant FROM jobs WHERE tenant = '$B' LIMIT 1), label => 'subquery')") $(
+     n "$NB" -c "SELECT count(*) FROM quota.ledger WHERE label = 'subquery'") $(n 0 -c "SELECT count(*) FROM quota.ledger WHERE label = 'subquery'")"
+on 0 app "DELETE FROM jobs WHERE tenant = '$B'" >/dev/null
+on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE label = 'subquery'" >/dev/null
+expect_eq "a superuser's start is never refused (I7), off its tenant's node too: admitted where it runs" "00000 1" \
+  "$(state_on 0 postgres "BEGIN" "SELECT quota.try_start(tenant => '$A')" "COMMIT") $(live 0 "$A")"
 for i in 0 1 2; do
   n "$i" -c "SELECT quota.finish(id) FROM quota.ledger
               WHERE ended_at IS NULL AND (tenant IS NULL OR label = 'param tenant' OR role = 'postgres'::regrole)" >/dev/null
@@ -256,6 +275,7 @@ bg "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U app -d app -c "
     WHILE NOT EXISTS (SELECT 1 FROM race_stop) LOOP
       SELECT coalesce(max(c), 0) INTO k FROM (SELECT count(*) c FROM running GROUP BY tenant) x;
       m := greatest(m, k); s := s + 1;
+      PERFORM pg_sleep(0.002);
     END LOOP;
     RAISE NOTICE 'sampled % % times', m, s;
   END\$\$" > "$RACE/sampler.out" 2>&1
@@ -319,29 +339,28 @@ on 0 postgres "SELECT quota.set_tenant_limits('$A', max_active => 1, role => 'ap
 expect_eq "with $A's tickets ended but its own limits on n$NA, the move is refused still" \
   "55000 t" "$(move) $(grep -q "tenant \"$A\" has its own limits here" <<<"$(move_error)" && echo t || echo f)"
 on 0 postgres "SELECT quota.set_tenant_limits('$A', role => 'app')" >/dev/null
-# A transactional start of $A still in its transaction on n$NA: its charge is not
-# committed, so no snapshot shows it; the move waits for it (pg_quota's shard lock),
-# sees it once committed, and is refused.
+# The enqueue recipe of $A in its transaction on n$NA, its start made, its INSERT not
+# yet: the charge is not committed, so no snapshot shows it. The move is refused at
+# once (55P03) rather than left to wait for it, or to deadlock with it: the
+# transaction's INSERT would next wait for the shard the move blocks. (Once the INSERT
+# is made, Citus' own move waits for the transaction before it gets that far.)
 CL="$DIR/n$NA" PORT=$((BASE + NA)) open_session tx app app
 say tx "BEGIN;"
-say tx "SELECT 'tx:' || quota.start(tenant => '$A', label => 'in flight', transactional => true);"
-CL="$DIR/n$NA" wait_out tx "tx:"
-bg bash -c "$(declare -f on state_on); DIR='$DIR' BASE=$BASE PG_BIN='$PG_BIN'; \
-  state_on 0 postgres \"SELECT citus_move_shard_placement($SHARD, '$DIR/n$NA', $((BASE + NA)), '$DIR/n$TO', $((BASE + TO)), shard_transfer_mode := 'block_writes')\" > '$DIR/move.state'"
-MOVER=$LAST_BG
-waiting=0
-for _ in $(seq 1 200); do
-  waiting=$(n "$NA" -c "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = $((0x5148)) AND NOT granted")
-  [ "$waiting" -gt 0 ] && break
-  sleep 0.1
-done
-expect_eq "a move of $A's shard waits, on n$NA, for the start still in its transaction there" 1 "$waiting"
+say tx "SELECT quota.start(tenant => '$A', label => 'in flight', transactional => true) AS tk \\gset"
+say tx "\\echo started"
+CL="$DIR/n$NA" wait_out tx "started"
+expect_eq "while an enqueue of $A is in its transaction on n$NA, moving its shard is refused at once (55P03)" "55P03 t" \
+  "$(move) $(grep -q "pg_quota cannot let shard $SHARD leave this node now: a start for one of its tenants is in progress here" <<<"$(move_error)" && echo t || echo f)"
+say tx "INSERT INTO jobs (tenant, ticket) VALUES ('$A', :'tk');"
 say tx "COMMIT;"
+say tx "\\echo committed=:SQLSTATE"
+CL="$DIR/n$NA" wait_out tx "committed="
 close_session tx
-wait "$MOVER" 2>/dev/null || true
-expect_eq "… and, once that start committed, is refused: $A holds a ticket there (55000); the shard stays" \
-  "55000 $NA 1" "$(cat "$DIR/move.state") $(node_of "$A") $(live "$NA" "$A")"
+expect_eq "… and the enqueue then commits, its charge and its job on n$NA, where the shard still is" \
+  "committed=00000 $NA 1 1" "$(grep committed= "$DIR/n$NA/tx.out") $(node_of "$A") $(live "$NA" "$A") $(
+     n 0 -c "SELECT count(*) FROM jobs WHERE tenant = '$A'")"
 on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$A' AND ended_at IS NULL" >/dev/null
+on 0 app "DELETE FROM jobs WHERE tenant = '$A'" >/dev/null
 # A REPEATABLE READ transaction on n$NA whose snapshot predates the move.
 CL="$DIR/n$NA" PORT=$((BASE + NA)) open_session rr app app
 say rr "BEGIN ISOLATION LEVEL REPEATABLE READ;"

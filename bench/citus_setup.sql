@@ -1,0 +1,20 @@
+-- scripts/bench --citus: the queue's table and the application's role, on the single
+-- node and on the cluster's coordinator (psql -v citus=on|off). On the cluster the
+-- table is distributed by tenant and pg_quota's start() and finish_for() by their
+-- tenant argument (USER_GUIDE "Citus").
+CREATE TABLE jobs (tenant text NOT NULL, id bigserial, payload text, ticket uuid,
+                   done_at timestamptz, PRIMARY KEY (tenant, id));
+CREATE FUNCTION finish_for(tenant text, ticket uuid, outcome text DEFAULT 'succeeded')
+  RETURNS bool LANGUAGE plpgsql AS 'BEGIN RETURN quota.finish(ticket, outcome); END';
+\if :citus
+SELECT create_distributed_table('jobs', 'tenant');
+SELECT create_distributed_function('quota.start(text,interval,text,interval,text,boolean)',
+                                   '$5', colocate_with := 'jobs', force_delegation := true);
+SELECT create_distributed_function('finish_for(text,uuid,text)', '$1',
+                                   colocate_with := 'jobs', force_delegation := true);
+\endif
+GRANT ALL ON SCHEMA public TO app;
+GRANT ALL ON jobs, jobs_id_seq TO app;
+ALTER ROLE app SET quota.max_active_per_tenant = 1000;
+ALTER ROLE app SET quota.max_retained_per_role = 0;
+ALTER ROLE app SET quota.allow_transactional = on;

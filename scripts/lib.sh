@@ -210,7 +210,9 @@ ensure_citus() {
 # new_citus_cluster DIR BASE: a coordinator (DIR/n0, port BASE) and two workers (n1,
 # n2: BASE+1, BASE+2) of PostgreSQL CITUS_MAJOR (use_pg it first), each preloading
 # 'citus,pg_quota', with a database app where Citus and pg_quota are created (pg_quota
-# on the coordinator, which Citus propagates) and a login role app; stopped at exit.
+# on the coordinator, which Citus propagates) and a login role app (created on the
+# coordinator once the workers are added, so that Citus propagates it, and with it
+# every ALTER ROLE app SET); stopped at exit.
 new_citus_cluster() {
   local dir="$1" base="$2" i
   for i in 0 1 2; do
@@ -218,13 +220,13 @@ new_citus_cluster() {
     new_cluster "$dir/n$i" $((base + i)) "shared_preload_libraries = 'citus,pg_quota'" \
       "wal_level = logical" "max_worker_processes = 32" "max_prepared_transactions = 20" \
       "citus.local_hostname = '$dir/n$i'" "max_connections = 200"
-    pgq "$dir/n$i" $((base + i)) -c "CREATE DATABASE app" -c "CREATE ROLE app LOGIN" >/dev/null
+    pgq "$dir/n$i" $((base + i)) -c "CREATE DATABASE app" >/dev/null
     pgq "$dir/n$i" $((base + i)) -d app -c "CREATE EXTENSION citus" >/dev/null
   done
   pgq "$dir/n0" "$base" -d app -c "SELECT citus_set_coordinator_host('$dir/n0', $base)" \
     -c "SELECT citus_add_node('$dir/n1', $((base + 1)))" \
     -c "SELECT citus_add_node('$dir/n2', $((base + 2)))" \
-    -c "CREATE EXTENSION pg_quota" >/dev/null
+    -c "CREATE EXTENSION pg_quota" -c "CREATE ROLE app LOGIN" >/dev/null
 }
 
 # pgrx_init [MAJOR...]: registers every tested major that is installed (and the given

@@ -152,14 +152,22 @@ unsafe fn read_declared(ns: pg_sys::Oid) -> Option<i64> {
 }
 
 /// Says once per session, as a WARNING, that the role's own active limit and the
-/// database cap count per node (core::citus::per_node_warning), where any is set.
-pub fn warn_per_node(limits: &crate::core::Limits) {
+/// database cap count per node (core::citus::per_node_warning), where either is
+/// chosen: the role limit's default (100, which no setting chose) is not named.
+pub fn warn_per_node(policy: &crate::policy::Policy) {
     // Backends are single-threaded: a plain flag of this one's.
     static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     if WARNED.load(std::sync::atomic::Ordering::Relaxed) {
         return;
     }
-    if let Some(w) = crate::core::citus::per_node_warning(limits.max_active, limits.max_db) {
+    if let Some(w) = crate::core::citus::per_node_warning(
+        if policy.active_is_default {
+            0
+        } else {
+            policy.limits.max_active
+        },
+        policy.limits.max_db,
+    ) {
         WARNED.store(true, std::sync::atomic::Ordering::Relaxed);
         pgrx::warning!("{w}");
     }

@@ -29,6 +29,9 @@ pub struct Policy {
     /// sets it for this role: no layer above, no configuration file, no command line
     /// (0.6.0: a refusal at it says so, and how to turn it off).
     pub retained_is_default: bool,
+    /// The same of quota.max_active_per_role (its boot value 100): a Citus node warns
+    /// only of a limit chosen for the role that counts per node (citus.rs).
+    pub active_is_default: bool,
 }
 
 /// The value of each policy setting (in POLICY's order) in one row of
@@ -102,8 +105,9 @@ pub fn of(role: pg_sys::Oid) -> Policy {
         }
     };
     let value = |s: Setting| -> i64 { i64::from(layers(s).resolve()) };
-    let retained_is_default = layers(Setting::MaxRetainedPerRole).configured().is_none()
-        && gucs::server_is_default(Setting::MaxRetainedPerRole);
+    let is_default = |s: Setting| layers(s).configured().is_none() && gucs::server_is_default(s);
+    let retained_is_default = is_default(Setting::MaxRetainedPerRole);
+    let active_is_default = is_default(Setting::MaxActivePerRole);
     Policy {
         limits: Limits {
             max_active: value(Setting::MaxActivePerRole),
@@ -117,6 +121,7 @@ pub fn of(role: pg_sys::Oid) -> Policy {
         default_lease_secs: value(Setting::DefaultLease),
         allow_transactional: value(Setting::AllowTransactional) != 0,
         retained_is_default,
+        active_is_default,
     }
 }
 

@@ -320,7 +320,7 @@ fn start_placed(
     // The policy of the role charged (after SET ROLE, not the login's; see policy.rs).
     let policy = crate::policy::of(role);
     if distributed {
-        crate::citus::warn_per_node(&policy.limits);
+        crate::citus::warn_per_node(&policy);
     }
     let rels = rels();
     if !rels.v2() {

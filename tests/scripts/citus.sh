@@ -223,11 +223,15 @@ expect_eq "from the coordinator, the application reads $A's usage through usage_
   "$DIR/n$NA:$((BASE + NA)) $(live "$NA" "$A")" "$(on 0 app "SELECT node || ' ' || active FROM usage_of('$A')")"
 
 # --- a role's own limit counts per node, and a start says so ---------------------------
-n 0 -c "ALTER ROLE app SET quota.max_active_per_role = 100" >/dev/null
-warned=$(timeout 30 "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U app -d app \
-  -c "SELECT quota.try_start(tenant => '$A', label => 'w1')" \
-  -c "SELECT quota.try_start(tenant => '$A', label => 'w2')" 2>&1 >/dev/null | grep -c "WARNING:  quota.max_active_per_role = 100 counts per node on this Citus cluster" || true)
-expect_eq "with quota.max_active_per_role set, a session's start for a tenant warns, once, that it counts per node" 1 "$warned"
+warnings() {  # the per-node WARNINGs of a session of two starts for $A
+  timeout 30 "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U app -d app \
+    -c "SELECT quota.try_start(tenant => '$A', label => 'w1')" \
+    -c "SELECT quota.try_start(tenant => '$A', label => 'w2')" 2>&1 >/dev/null | grep "counts per node on this Citus cluster" || true
+}
+expect_eq "at its default (100, which nothing chose), quota.max_active_per_role is not warned of" "" "$(warnings)"
+n 0 -c "ALTER ROLE app SET quota.max_active_per_role = 50" >/dev/null
+expect_eq "with quota.max_active_per_role set, a session's start for a tenant warns, once, that it counts per node" 1 \
+  "$(warnings | grep -c "WARNING:  quota.max_active_per_role = 50 counts per node on this Citus cluster")"
 n 0 -c "ALTER ROLE app RESET quota.max_active_per_role" >/dev/null
 on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE label IN ('w1', 'w2') AND ended_at IS NULL" >/dev/null
 

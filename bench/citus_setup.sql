@@ -5,7 +5,7 @@
 CREATE TABLE jobs (tenant text NOT NULL, id bigserial, payload text, ticket uuid,
                    done_at timestamptz, PRIMARY KEY (tenant, id));
 CREATE FUNCTION finish_for(tenant text, ticket uuid, outcome text DEFAULT 'succeeded')
-  RETURNS bool LANGUAGE plpgsql AS 'BEGIN RETURN quota.finish(ticket, outcome); END';
+  RETURNS bool LANGUAGE plpgsql STRICT AS 'BEGIN RETURN quota.finish(ticket, outcome); END';
 \if :citus
 SELECT create_distributed_table('jobs', 'tenant');
 SELECT create_distributed_function('quota.start(text,interval,text,interval,text,boolean)',

@@ -295,23 +295,30 @@ unsafe fn column_text(n: i32) -> Option<String> {
 /// The shard, source group and target group of Citus' own
 /// `SELECT citus_internal.update_placement_metadata(shard, source, target)`, which a
 /// shard move (citus_move_shard_placement, the rebalancer) sends to every node with
-/// metadata in its transaction; None for any other query (most are told apart by
-/// their shape alone, before any catalog lookup).
+/// metadata in its transaction, as it is about to run: a planned statement whose
+/// plan is a Result of that one call, run by a superuser (Citus' own connections;
+/// pg_quota names tenants in its refusal, and a role that may not run the function
+/// must not take pg_quota's lock by preparing a call of it). None for anything else
+/// (told apart by its shape alone, before any catalog lookup).
 ///
 /// # Safety
-/// `query` is a Query that parse analysis just produced.
-pub unsafe fn placement_update(query: *const pg_sys::Query) -> Option<(i64, i32, i32)> {
+/// `stmt` is the PlannedStmt the executor is starting.
+pub unsafe fn placement_update(stmt: *const pg_sys::PlannedStmt) -> Option<(i64, i32, i32)> {
     if !citus_loaded() {
         return None;
     }
     // SAFETY: the caller's; every node is checked for its tag before it is cast.
     unsafe {
-        if (*query).commandType != pg_sys::CmdType::CMD_SELECT
-            || (!(*query).jointree.is_null() && !(*(*query).jointree).quals.is_null())
+        let plan = (*stmt).planTree;
+        if (*stmt).commandType != pg_sys::CmdType::CMD_SELECT
+            || plan.is_null()
+            || (*plan).type_ != pg_sys::NodeTag::T_Result
+            || !(*plan).lefttree.is_null()
+            || !pg_sys::superuser_arg(pg_sys::GetUserId())
         {
             return None;
         }
-        let targets = pgrx::PgList::<pg_sys::TargetEntry>::from_pg((*query).targetList);
+        let targets = pgrx::PgList::<pg_sys::TargetEntry>::from_pg((*plan).targetlist);
         if targets.len() != 1 {
             return None;
         }
@@ -338,13 +345,12 @@ pub unsafe fn placement_update(query: *const pg_sys::Query) -> Option<(i64, i32,
         {
             return None;
         }
-        // Citus writes the shard as a plain number, which parse analysis leaves as an
-        // int4 constant under an implicit cast to int8: folded here, as the planner
-        // would.
+        // Citus writes the shard as a plain number, an int4 constant under an implicit
+        // cast to int8, which the planner has folded.
         let mut consts = [(pg_sys::InvalidOid, pg_sys::Datum::from(0)); 3];
         for (i, c) in consts.iter_mut().enumerate() {
-            let arg = pg_sys::eval_const_expressions(std::ptr::null_mut(), args.get_ptr(i)?);
-            if arg.is_null() || (*arg).type_ != pg_sys::NodeTag::T_Const {
+            let arg = args.get_ptr(i)?;
+            if (*arg).type_ != pg_sys::NodeTag::T_Const {
                 return None;
             }
             let arg = arg.cast::<pg_sys::Const>();
@@ -511,98 +517,95 @@ fn citus_loaded() -> bool {
 /// label, wait, tenant, …) alike.
 const TENANT_ARG: i32 = 4;
 
-/// Whether the planner must keep a start from Citus' function delegation by planning
-/// it itself (standard_planner) rather than through Citus' planner: a start whose
-/// tenant is NULL once planned. Where pg_quota's start functions are distributed by
-/// `tenant`, Citus 14 routes `SELECT quota.start(…)` on the value of that argument,
-/// and a NULL there (a start without a tenant: the default) crashes the server in its
-/// shard lookup. Only a query of the shapes Citus delegates is looked at (a SELECT of
-/// one function call, with no WHERE, no table, no subquery and no CTE: nothing for
-/// Citus to plan but the delegation), and it is judged as Citus will see it, after
-/// the planner's folding: SQL functions inlined, defaults filled in and bound
-/// parameters substituted. Such a start runs where the client is, as a start without
-/// a tenant always does.
+/// Keeps a start whose tenant is NULL from Citus' function delegation. Where
+/// pg_quota's start functions are distributed by `tenant`, Citus 14 routes
+/// `SELECT quota.start(…)` on the value of that argument, and a NULL there (a start
+/// without a tenant: the default) crashes the server in its shard lookup. Citus
+/// decides on the query as standard_planner leaves it (SQL functions inlined,
+/// defaults filled in, parameters substituted, a WHERE true folded away, subqueries
+/// pulled up): called at the top level's UPPERREL_FINAL, when the Query has that
+/// form, this judges it by Citus' own rules (`delegated_call`), and where the call is
+/// a start with a NULL tenant gives the Query a WHERE true again, which Citus never
+/// delegates and the planner no longer reads. The start runs where the client is, as
+/// a start without a tenant always does.
 ///
 /// # Safety
-/// `parse` is the Query the planner is handed, `params` its bound parameters or NULL.
-pub unsafe fn tenantless_start(parse: *mut pg_sys::Query, params: pg_sys::ParamListInfo) -> bool {
+/// `root` is the planner's, at UPPERREL_FINAL.
+pub unsafe fn keep_tenantless_start_local(root: *mut pg_sys::PlannerInfo) {
     if !citus_loaded() {
-        return false;
+        return;
     }
-    // SAFETY: the caller's; every node's tag is checked before it is cast; folding
-    // works on copies, with a planner context of our own that holds only the bound
-    // parameters (what eval_const_expressions reads of it).
+    // SAFETY: the caller's.
     unsafe {
-        let q = &*parse;
+        if (*root).query_level != 1 || (*root).parse.is_null() {
+            return;
+        }
+        let q = (*root).parse;
+        if delegated_call(q).is_some_and(|call| is_start(call) && tenant_is_null(call)) {
+            (*(*q).jointree).quals = pg_sys::lappend(
+                std::ptr::null_mut(),
+                pg_sys::makeBoolConst(true, false).cast(),
+            )
+            .cast();
+        }
+    }
+}
+
+/// The call Citus' TryToDelegateFunctionCall would delegate in a planned query: a
+/// SELECT with no WHERE, nothing in FROM but one function or an empty result, and a
+/// function call alone in the target list or in FROM (not both).
+///
+/// # Safety
+/// `q` is a Query as standard_planner left it.
+unsafe fn delegated_call(q: *mut pg_sys::Query) -> Option<*mut pg_sys::FuncExpr> {
+    // SAFETY: the caller's; tags are checked before casts.
+    unsafe {
+        let q = &*q;
         if q.commandType != pg_sys::CmdType::CMD_SELECT
             || q.jointree.is_null()
             || !(*q.jointree).quals.is_null()
-            || q.hasSubLinks
-            || !q.cteList.is_null()
         {
-            return false;
+            return None;
         }
+        let func_of = |e: *mut pg_sys::Node| {
+            (!e.is_null() && (*e).type_ == pg_sys::NodeTag::T_FuncExpr)
+                .then(|| e.cast::<pg_sys::FuncExpr>())
+        };
         let from = pgrx::PgList::<pg_sys::Node>::from_pg((*q.jointree).fromlist);
         let from_call = match from.len() {
             0 => None,
             1 => {
-                let r = from
-                    .get_ptr(0)
-                    .filter(|r| (**r).type_ == pg_sys::NodeTag::T_RangeTblRef);
-                let Some(r) = r else {
-                    return false;
-                };
+                let r = from.get_ptr(0)?;
+                if (*r).type_ != pg_sys::NodeTag::T_RangeTblRef {
+                    return None;
+                }
                 let rtes = pgrx::PgList::<pg_sys::RangeTblEntry>::from_pg(q.rtable);
-                let Some(rte) =
-                    rtes.get_ptr((*r.cast::<pg_sys::RangeTblRef>()).rtindex as usize - 1)
-                else {
-                    return false;
-                };
-                if (*rte).rtekind != pg_sys::RTEKind::RTE_FUNCTION {
-                    return false;
+                let rte = rtes.get_ptr((*r.cast::<pg_sys::RangeTblRef>()).rtindex as usize - 1)?;
+                match (*rte).rtekind {
+                    pg_sys::RTEKind::RTE_RESULT => None,
+                    pg_sys::RTEKind::RTE_FUNCTION => {
+                        let fns =
+                            pgrx::PgList::<pg_sys::RangeTblFunction>::from_pg((*rte).functions);
+                        if fns.len() != 1 {
+                            return None;
+                        }
+                        func_of((*fns.get_ptr(0)?).funcexpr)
+                    }
+                    _ => return None,
                 }
-                let fns = pgrx::PgList::<pg_sys::RangeTblFunction>::from_pg((*rte).functions);
-                if fns.len() != 1 {
-                    return false;
-                }
-                Some((*fns.get_ptr(0).expect("one function")).funcexpr)
             }
-            _ => return false,
-        };
-        let glob = pg_sys::palloc0(std::mem::size_of::<pg_sys::PlannerGlobal>())
-            .cast::<pg_sys::PlannerGlobal>();
-        (*glob).type_ = pg_sys::NodeTag::T_PlannerGlobal;
-        (*glob).boundParams = params;
-        let root = pg_sys::palloc0(std::mem::size_of::<pg_sys::PlannerInfo>())
-            .cast::<pg_sys::PlannerInfo>();
-        (*root).type_ = pg_sys::NodeTag::T_PlannerInfo;
-        (*root).glob = glob;
-        let fold = |e: *mut pg_sys::Node| -> Option<*mut pg_sys::FuncExpr> {
-            if e.is_null() {
-                return None;
-            }
-            let folded =
-                pg_sys::eval_const_expressions(root, pg_sys::copyObjectImpl(e.cast()).cast());
-            (!folded.is_null() && (*folded).type_ == pg_sys::NodeTag::T_FuncExpr)
-                .then(|| folded.cast::<pg_sys::FuncExpr>())
+            _ => return None,
         };
         let targets = pgrx::PgList::<pg_sys::TargetEntry>::from_pg(q.targetList);
         let target_call = if targets.len() == 1 {
-            fold((*targets.get_ptr(0).expect("one target")).expr.cast())
+            func_of((*targets.get_ptr(0)?).expr.cast())
         } else {
             None
         };
-        // As Citus picks: the target's call, unless the FROM has one too (then none).
-        let call = match (target_call, from_call) {
-            (Some(_), Some(_)) => return false,
-            (Some(t), None) => t,
-            (None, Some(f)) => match fold(f) {
-                Some(f) => f,
-                None => return false,
-            },
-            (None, None) => return false,
-        };
-        is_start(call) && tenant_is_null(call)
+        match (target_call, from_call) {
+            (Some(_), Some(_)) => None,
+            (t, f) => t.or(f),
+        }
     }
 }
 
@@ -626,11 +629,11 @@ unsafe fn is_start(func: *mut pg_sys::FuncExpr) -> bool {
     }
 }
 
-/// Whether the folded call's tenant (its arguments positional and complete, as the
+/// Whether the planned call's tenant (its arguments positional and complete, as the
 /// planner leaves them) is a NULL constant, what Citus would route on and crash.
 ///
 /// # Safety
-/// `func` is a folded FuncExpr of a start function.
+/// `func` is a planned FuncExpr of a start function.
 unsafe fn tenant_is_null(func: *mut pg_sys::FuncExpr) -> bool {
     // SAFETY: the caller's; tags are checked before casts.
     unsafe {

@@ -244,8 +244,9 @@ pub fn start(
     let result = start_placed(args, name, on_refusal, &mut placed);
     // On a Citus node, a writer-committed start's charge is committed (or was refused)
     // by now: a move of its tenant's shard may go and will see it (citus.rs). A
-    // transactional one's commits with its transaction, which keeps the lock.
-    if !args.transactional {
+    // transactional one's commits with its transaction, which keeps the lock, unless
+    // it charged nothing.
+    if !args.transactional || matches!(result, Ok(None)) {
         crate::citus::release(&placed);
     }
     result

@@ -22,8 +22,8 @@ use pgrx::prelude::*;
 
 static mut PREV_OBJECT_ACCESS_HOOK: pg_sys::object_access_hook_type = None;
 static mut PREV_PROCESS_UTILITY_HOOK: pg_sys::ProcessUtility_hook_type = None;
-static mut PREV_POST_PARSE_ANALYZE_HOOK: pg_sys::post_parse_analyze_hook_type = None;
-static mut PREV_PLANNER_HOOK: pg_sys::planner_hook_type = None;
+static mut PREV_EXECUTOR_START_HOOK: pg_sys::ExecutorStart_hook_type = None;
+static mut PREV_CREATE_UPPER_PATHS_HOOK: pg_sys::create_upper_paths_hook_type = None;
 // Single-threaded backend state: the roles this transaction dropped, with the
 // subtransaction nesting level that dropped them, and the databases it dropped.
 static mut DROPPED_ROLES: Vec<(pg_sys::Oid, i32)> = Vec::new();
@@ -37,54 +37,57 @@ pub fn init() {
         pg_sys::object_access_hook = Some(object_access);
         PREV_PROCESS_UTILITY_HOOK = pg_sys::ProcessUtility_hook;
         pg_sys::ProcessUtility_hook = Some(process_utility);
-        PREV_POST_PARSE_ANALYZE_HOOK = pg_sys::post_parse_analyze_hook;
-        pg_sys::post_parse_analyze_hook = Some(post_parse_analyze);
-        PREV_PLANNER_HOOK = pg_sys::planner_hook;
-        pg_sys::planner_hook = Some(planner);
+        PREV_EXECUTOR_START_HOOK = pg_sys::ExecutorStart_hook;
+        pg_sys::ExecutorStart_hook = Some(executor_start);
+        PREV_CREATE_UPPER_PATHS_HOOK = pg_sys::create_upper_paths_hook;
+        pg_sys::create_upper_paths_hook = Some(create_upper_paths);
     }
 }
 
-/// Before Citus plans a query (pg_quota is preloaded after Citus, so its planner hook
-/// runs first): a start without a tenant is planned by PostgreSQL's planner alone,
-/// out of reach of Citus' function delegation, which would crash on it (citus.rs).
-/// Every other query goes on down the chain untouched.
+/// While PostgreSQL plans a query, once its final form is known (the top level's
+/// UPPERREL_FINAL): a start whose tenant is NULL in that form is kept from Citus'
+/// function delegation, which would crash on it and which decides on that same form
+/// after standard_planner returns (citus.rs). Every other query is left as it is.
 #[pg_guard]
-unsafe extern "C-unwind" fn planner(
-    parse: *mut pg_sys::Query,
-    query_string: *const std::ffi::c_char,
-    cursor_options: i32,
-    bound_params: pg_sys::ParamListInfo,
-) -> *mut pg_sys::PlannedStmt {
-    // SAFETY: the planner's own arguments, passed on; the Query is ours to adjust
-    // before planning, as every planner hook's is.
+unsafe extern "C-unwind" fn create_upper_paths(
+    root: *mut pg_sys::PlannerInfo,
+    stage: pg_sys::UpperRelationKind::Type,
+    input_rel: *mut pg_sys::RelOptInfo,
+    output_rel: *mut pg_sys::RelOptInfo,
+    extra: *mut std::ffi::c_void,
+) {
+    // SAFETY: we pass the call on unchanged; the planner's root is ours to read, and
+    // its Query's jointree quals are no longer read by the planner at this stage.
     unsafe {
-        match PREV_PLANNER_HOOK {
-            Some(prev) if !crate::citus::tenantless_start(parse, bound_params) => {
-                prev(parse, query_string, cursor_options, bound_params)
-            }
-            _ => pg_sys::standard_planner(parse, query_string, cursor_options, bound_params),
+        if let Some(prev) = PREV_CREATE_UPPER_PATHS_HOOK {
+            prev(root, stage, input_rel, output_rel, extra);
+        }
+        if stage == pg_sys::UpperRelationKind::UPPERREL_FINAL {
+            crate::citus::keep_tenantless_start_local(root);
         }
     }
 }
 
 /// Citus moves a shard by sending every node with metadata, in the move's
 /// transaction, `SELECT citus_internal.update_placement_metadata(shard, source,
-/// target)`. On the node the shard leaves, pg_quota refuses it where a tenant of the
-/// shard holds tickets or its own limits here, which the move would leave behind
-/// (citus.rs; USER_GUIDE "Citus"), so that the move fails whole. Every other query
-/// is told apart by its shape alone.
+/// target)`. On the node the shard leaves, pg_quota refuses it, as it starts to run,
+/// where a tenant of the shard holds tickets or its own limits here, which the move
+/// would leave behind (citus.rs; USER_GUIDE "Citus"), so that the move fails whole.
+/// Every other statement is told apart by its plan's shape alone.
 #[pg_guard]
-unsafe extern "C-unwind" fn post_parse_analyze(
-    pstate: *mut pg_sys::ParseState,
-    query: *mut pg_sys::Query,
-    jstate: *mut pg_sys::JumbleState,
-) {
-    // SAFETY: we pass the call on unchanged, then only read the Query and catalogs.
+unsafe extern "C-unwind" fn executor_start(query_desc: *mut pg_sys::QueryDesc, eflags: i32) {
+    // SAFETY: we pass the call on unchanged, then only read the plan and catalogs.
     unsafe {
-        if let Some(prev) = PREV_POST_PARSE_ANALYZE_HOOK {
-            prev(pstate, query, jstate);
+        match PREV_EXECUTOR_START_HOOK {
+            Some(prev) => prev(query_desc, eflags),
+            None => pg_sys::standard_ExecutorStart(query_desc, eflags),
         }
-        if let Some((shard, source, _target)) = crate::citus::placement_update(query) {
+        if eflags & pg_sys::EXEC_FLAG_EXPLAIN_ONLY as i32 != 0 {
+            return;
+        }
+        if let Some((shard, source, _target)) =
+            crate::citus::placement_update((*query_desc).plannedstmt)
+        {
             crate::error::boundary(|| crate::citus::shard_leaving(shard, source));
         }
     }

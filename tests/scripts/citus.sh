@@ -63,7 +63,7 @@ n 0 -c "GRANT ALL ON SCHEMA public TO app" \
     -c "SELECT create_distributed_function('quota.try_start(integer,interval,text,interval,text,boolean,text)', '\$5', colocate_with := 'jobs')" \
     -c "SELECT create_distributed_function('quota.set_tenant_limits(text,integer,integer,regrole)', '\$1', colocate_with := 'jobs')" \
     -c "CREATE FUNCTION finish_for(tenant text, ticket uuid, outcome text DEFAULT 'succeeded') RETURNS bool
-          LANGUAGE plpgsql AS 'BEGIN RETURN quota.finish(ticket, outcome); END'" \
+          LANGUAGE plpgsql STRICT AS 'BEGIN RETURN quota.finish(ticket, outcome); END'" \
     -c "SELECT create_distributed_function('finish_for(text,uuid,text)', '\$1', colocate_with := 'jobs')" \
     -c "ALTER ROLE app SET quota.max_active_per_tenant = 2" \
     -c "ALTER ROLE app SET quota.allow_transactional = on" >/dev/null
@@ -140,9 +140,10 @@ for i in 0 1 2; do
   nonull+=" $(state_on "$i" app "SELECT quota.try_start(tenant => NULL, label => 'null tenant n$i')") "
 done
 expect_eq "starts without a tenant, or with tenant => NULL, from every node: each admitted where its client is (no crash)" \
-  "00000 00000 00000 00000 00000 00000 2 2" \
+  "00000 00000 00000 00000 00000 00000 2 2 2" \
   "$(xargs <<<"$nonull") $(n 0 -c "SELECT count(*) FROM quota.ledger WHERE label LIKE '%tenant n0'") $(
-     n 1 -c "SELECT count(DISTINCT label) FROM quota.ledger WHERE label LIKE '%tenant n1'")"
+     n 1 -c "SELECT count(DISTINCT label) FROM quota.ledger WHERE label LIKE '%tenant n1'") $(
+     n 2 -c "SELECT count(DISTINCT label) FROM quota.ledger WHERE label LIKE '%tenant n2'")"
 expect_eq "a prepared start whose tenant is a NULL parameter, executed past the generic-plan threshold, runs where its client is" \
   "00000 7" "$(state_on 0 app "PREPARE p(text) AS SELECT quota.try_start(tenant => \$1, label => 'param')" \
       "EXECUTE p(NULL)" "EXECUTE p(NULL)" "EXECUTE p(NULL)" "EXECUTE p(NULL)" "EXECUTE p(NULL)" "EXECUTE p(NULL)" "EXECUTE p(NULL)") $(
@@ -162,6 +163,11 @@ expect_eq "a start without a tenant through a SQL function the planner inlines, 
     "CREATE FUNCTION pg_temp.s(t text DEFAULT NULL) RETURNS uuid LANGUAGE sql AS 'SELECT quota.try_start(tenant => t, label => ''inlined'')'" \
     "PREPARE q(text) AS SELECT pg_temp.s(\$1)" "EXECUTE q(NULL)" "EXECUTE q(NULL)" "EXECUTE q(NULL)" "EXECUTE q(NULL)" \
     "EXECUTE q(NULL)" "EXECUTE q(NULL)" "EXECUTE q(NULL)") $(n 0 -c "SELECT count(*) FROM quota.ledger WHERE label = 'inlined'")"
+expect_eq "… and in the forms the planner reduces to one call (WHERE true, a CTE, a subquery pulled up), and a STRICT wrapper's NULL: no crash" \
+  "00000 00000 00000 00000 3" "$(state_on 0 app "SELECT quota.try_start(label => 'reduced') WHERE true") $(
+     state_on 0 app "WITH c AS (SELECT 1) SELECT quota.try_start(label => 'reduced')") $(
+     state_on 0 app "SELECT quota.try_start(tenant => s.t, label => 'reduced') FROM (SELECT NULL::text AS t) s") $(
+     state_on 0 app "SELECT finish_for(NULL, NULL)") $(n 0 -c "SELECT count(*) FROM quota.ledger WHERE label = 'reduced'")"
 # A query that reads a distributed table is Citus' to plan, whatever it starts.
 # (Citus runs the subquery first, then delegates the call with its value.)
 on 0 app "INSERT INTO jobs (tenant) VALUES ('$B')" >/dev/null
@@ -171,7 +177,7 @@ expect_eq "a start whose tenant a subquery reads from the jobs table is planned 
 on 0 app "DELETE FROM jobs WHERE tenant = '$B'" >/dev/null
 on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE label = 'subquery'" >/dev/null
 expect_eq "a superuser's start is never refused (I7), off its tenant's node too: admitted where it runs" "00000 1" \
-  "$(state_on 0 postgres "BEGIN" "SELECT quota.try_start(tenant => '$A')" "COMMIT") $(live 0 "$A")"
+  "$(state_on 0 postgres "BEGIN" "SELECT quota.try_start(tenant => '$A')") $(live 0 "$A")"
 for i in 0 1 2; do
   n "$i" -c "SELECT quota.finish(id) FROM quota.ledger
               WHERE ended_at IS NULL AND (tenant IS NULL OR label = 'param tenant' OR role = 'postgres'::regrole)" >/dev/null
@@ -207,7 +213,7 @@ on 0 app "SELECT finish_for('$B', ticket) FROM jobs WHERE tenant = '$B'" >/dev/n
 # and one tenant's usage for the application, from its node (usage_of(), distributed by
 # tenant like the starts).
 n 0 -c "CREATE FUNCTION usage_of(tenant text) RETURNS TABLE (node text, active numeric, retained numeric)
-          LANGUAGE plpgsql AS \$\$BEGIN
+          LANGUAGE plpgsql STRICT AS \$\$BEGIN
             RETURN QUERY SELECT (SELECT nodename || ':' || nodeport FROM pg_dist_node
                                   WHERE groupid = (SELECT groupid FROM pg_dist_local_group) AND noderole = 'primary'),
                                 coalesce(sum(u.active), 0), coalesce(sum(u.retained), 0)
@@ -228,7 +234,8 @@ warnings() {  # the per-node WARNINGs of a session of two starts for $A
     -c "SELECT quota.try_start(tenant => '$A', label => 'w1')" \
     -c "SELECT quota.try_start(tenant => '$A', label => 'w2')" 2>&1 >/dev/null | grep "counts per node on this Citus cluster" || true
 }
-expect_eq "at its default (100, which nothing chose), quota.max_active_per_role is not warned of" "" "$(warnings)"
+expect_eq "at its default (100, which nothing chose), quota.max_active_per_role is not warned of (the session's starts ran)" " 1" \
+  "$(warnings) $(n "$NA" -c "SELECT count(*) > 0 FROM quota.ledger WHERE label IN ('w1', 'w2')" | sed 's/t/1/')"
 n 0 -c "ALTER ROLE app SET quota.max_active_per_role = 50" >/dev/null
 expect_eq "with quota.max_active_per_role set, a session's start for a tenant warns, once, that it counts per node" 1 \
   "$(warnings | grep -c "WARNING:  quota.max_active_per_role = 50 counts per node on this Citus cluster")"
@@ -328,21 +335,39 @@ expect_eq "$A's node, stopped in a crash and restarted, kept its two tickets: a 
 # admitted where its shard now lives.
 SHARD=$(n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$A')")
 TO=$(other "$NA")
+# move: one move of the shard; sets MOVE_STATE (its SQLSTATE) and MOVE_ERROR.
 move() {
-  state_on 0 postgres "SELECT citus_move_shard_placement($SHARD, '$DIR/n$NA', $((BASE + NA)), '$DIR/n$TO', $((BASE + TO)), shard_transfer_mode := 'block_writes')"
+  local out
+  out=$(timeout 60 "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U postgres -d app -v ON_ERROR_STOP=0 \
+    -c "SELECT citus_move_shard_placement($SHARD, '$DIR/n$NA', $((BASE + NA)), '$DIR/n$TO', $((BASE + TO)), shard_transfer_mode := 'block_writes')" \
+    -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
+  MOVE_STATE=$(sed -n 's/^SQLSTATE=//p' <<<"$out")
+  MOVE_ERROR=$(grep ERROR <<<"$out" || true)
 }
-move_error() {
-  timeout 60 "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U postgres -d app -c "SELECT citus_move_shard_placement($SHARD, '$DIR/n$NA', $((BASE + NA)), '$DIR/n$TO', $((BASE + TO)), shard_transfer_mode := 'block_writes')" 2>&1 | grep ERROR || true
-}
-expect_eq "while $A holds active tickets on n$NA, moving its shard $SHARD away is refused (55000)" 55000 "$(move)"
-check "… by the node it would leave, which says why ($(move_error))" \
-  grep -q "pg_quota cannot let shard $SHARD leave this node: tenant \"$A\" holds active tickets here" <<<"$(move_error)"
+move
+expect_eq "while $A holds active tickets on n$NA, moving its shard $SHARD away is refused (55000)" 55000 "$MOVE_STATE"
+check "… by the node it would leave, which says why ($MOVE_ERROR)" \
+  grep -q "pg_quota cannot let shard $SHARD leave this node: tenant \"$A\" holds active tickets here" <<<"$MOVE_ERROR"
 expect_eq "… and the move failed whole: the shard is still on n$NA, with $A's two tickets" "$NA 2" "$(node_of "$A") $(live "$NA" "$A")"
 on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$A' AND ended_at IS NULL" >/dev/null
 on 0 postgres "SELECT quota.set_tenant_limits('$A', max_active => 1, role => 'app')" >/dev/null
+move
 expect_eq "with $A's tickets ended but its own limits on n$NA, the move is refused still" \
-  "55000 t" "$(move) $(grep -q "tenant \"$A\" has its own limits here" <<<"$(move_error)" && echo t || echo f)"
+  "55000 t" "$MOVE_STATE $(grep -q "tenant \"$A\" has its own limits here" <<<"$MOVE_ERROR" && echo t || echo f)"
 on 0 postgres "SELECT quota.set_tenant_limits('$A', role => 'app')" >/dev/null
+# A writer-committed start in a transaction still open on n$NA: its charge committed
+# on its own, and the start gave the shard lock back; the move sees the ticket (55000),
+# and is not refused as busy (55P03).
+CL="$DIR/n$NA" PORT=$((BASE + NA)) open_session wc app app
+say wc "BEGIN;"
+say wc "SELECT 'wc:' || quota.start(tenant => '$A', label => 'writer committed');"
+CL="$DIR/n$NA" wait_out wc "wc:"
+move
+expect_eq "a writer-committed start in a transaction still open on n$NA holds no lock: the move sees its ticket (55000), not a start in progress" \
+  "55000 t" "$MOVE_STATE $(grep -q "tenant \"$A\" holds active tickets here" <<<"$MOVE_ERROR" && echo t || echo f)"
+say wc "COMMIT;"
+close_session wc
+on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$A' AND ended_at IS NULL" >/dev/null
 # The enqueue recipe of $A in its transaction on n$NA, its start made, its INSERT not
 # yet: the charge is not committed, so no snapshot shows it. The move is refused at
 # once (55P03) rather than left to wait for it, or to deadlock with it: the
@@ -353,8 +378,9 @@ say tx "BEGIN;"
 say tx "SELECT quota.start(tenant => '$A', label => 'in flight', transactional => true) AS tk \\gset"
 say tx "\\echo started"
 CL="$DIR/n$NA" wait_out tx "started"
+move
 expect_eq "while an enqueue of $A is in its transaction on n$NA, moving its shard is refused at once (55P03)" "55P03 t" \
-  "$(move) $(grep -q "pg_quota cannot let shard $SHARD leave this node now: a start for one of its tenants is in progress here" <<<"$(move_error)" && echo t || echo f)"
+  "$MOVE_STATE $(grep -q "pg_quota cannot let shard $SHARD leave this node now: a start for one of its tenants is in progress here" <<<"$MOVE_ERROR" && echo t || echo f)"
 say tx "INSERT INTO jobs (tenant, ticket) VALUES ('$A', :'tk');"
 say tx "COMMIT;"
 say tx "\\echo committed=:SQLSTATE"
@@ -370,7 +396,20 @@ CL="$DIR/n$NA" PORT=$((BASE + NA)) open_session rr app app
 say rr "BEGIN ISOLATION LEVEL REPEATABLE READ;"
 say rr "SELECT 'snapshot:' || count(*) FROM pg_dist_placement;"
 CL="$DIR/n$NA" wait_out rr "snapshot:"
-expect_eq "with neither, the move goes: $A's shard is on n$TO" "00000 $TO" "$(move) $(node_of "$A")"
+# Nothing a role can prepare takes pg_quota's shard lock: only a superuser's call of
+# Citus' function, as it runs.
+LOCAL_NA=$(n "$NA" -c "SELECT groupid FROM pg_dist_local_group")
+CL="$DIR/n$NA" PORT=$((BASE + NA)) open_session prep app app
+say prep "BEGIN;"
+say prep "PREPARE x AS SELECT citus_internal.update_placement_metadata($SHARD, $LOCAL_NA, 0);"
+say prep "\\echo prepared"
+CL="$DIR/n$NA" wait_out prep "prepared"
+expect_eq "a role's PREPARE of Citus' placement update on n$NA takes no lock: $A's start is admitted" t "$(try 0 "$A" prepared)"
+say prep "ROLLBACK;"
+close_session prep
+on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE label = 'prepared'" >/dev/null
+move
+expect_eq "with neither, the move goes: $A's shard is on n$TO" "00000 $TO" "$MOVE_STATE $(node_of "$A")"
 say rr "SELECT 'rr:' || coalesce(quota.try_start(tenant => '$A', label => 'rr')::text, 'refused');"
 say rr "\\echo rr-state=:SQLSTATE"
 CL="$DIR/n$NA" wait_out rr "rr-state="

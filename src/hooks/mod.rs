@@ -1,6 +1,8 @@
 //! Layer 5, the paths: hooks into PostgreSQL's DDL, so that DBA operations keep working
 //! while pg_quota is in use (I9). guard.rs holds what DDL may do to pg_quota's own
-//! tables.
+//! tables. And, on a Citus node (0.7.1, citus.rs), a planner hook that keeps a start
+//! without a tenant from Citus' delegation, and an executor hook that checks Citus'
+//! shard moves off the node.
 //!
 //! - A ledger writer is a session connected to its database. It must leave before
 //!   commands that need the database to themselves: DROP DATABASE, CREATE DATABASE

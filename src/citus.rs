@@ -88,8 +88,8 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
                 shard: None,
             }));
         };
-        let as_owner = AsRole::enter(owner);
         query(
+            owner,
             Some(SHARD_OF_PLAN),
             SHARD_OF,
             &[
@@ -98,7 +98,6 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
             ],
         );
         let shard = column(1).map_or(0, |d| d.value() as i64);
-        drop(as_owner);
         // Held until `release` (a writer-committed start's charge has committed) or
         // the transaction's end: a move of the shard off this node refuses to go
         // meanwhile (shard_leaving), so that no charge is left behind; and a start
@@ -109,8 +108,8 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
             pg_sys::ShareLock,
             |seconds| QuotaError::ShardBusy { shard, seconds },
         );
-        let as_caller = AsRole::enter(pg_sys::GetUserId());
         query(
+            pg_sys::GetUserId(),
             Some(PLACED_PLAN),
             PLACED,
             &[
@@ -118,7 +117,6 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
                 (pg_sys::INT8OID, pg_sys::Datum::from(shard)),
             ],
         );
-        drop(as_caller);
         let placement = Placement {
             table: Some(column_text(1).unwrap_or_else(|| u32::from(table).to_string())),
             here: column_bool(2),
@@ -132,21 +130,19 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
 
 /// Reads DECLARED (its row left in SPI_tuptable): the number of colocation groups of
 /// pg_quota's distributed start functions, None where none is distributed. With the
-/// caller's own privileges (Citus' metadata is readable by all) and search_path
-/// pinned: an operator of the caller's schemas must not stand in for pg_catalog's.
+/// caller's own privileges: Citus' metadata is readable by all.
 ///
 /// # Safety
 /// Connected to SPI; `ns` is schema quota's OID (or InvalidOid).
 unsafe fn read_declared(ns: pg_sys::Oid) -> Option<i64> {
     // SAFETY: the caller's.
     unsafe {
-        let as_caller = AsRole::enter(pg_sys::GetUserId());
         let found = query(
+            pg_sys::GetUserId(),
             Some(DECLARED_PLAN),
             DECLARED,
             &[(pg_sys::OIDOID, pg_sys::Datum::from(ns))],
         );
-        drop(as_caller);
         (found == 1).then(|| column(3).map_or(0, |d| d.value() as i64))
     }
 }
@@ -196,13 +192,16 @@ unsafe fn connect() {
     }
 }
 
-/// Runs `sql` read-only with `args` under the latest snapshot; the number of rows (at
-/// most one is kept). With a slot, its plan is prepared once and kept.
+/// Runs `sql` read-only as `role`, with search_path pinned (catalog::AsRole: an
+/// operator of the caller's schemas must not stand in for pg_catalog's), with `args`
+/// under the latest snapshot; the number of rows (at most one is kept). With a slot,
+/// its plan is prepared once and kept.
 ///
 /// # Safety
 /// Connected to SPI; the datums are valid for their types; a slot always names the
 /// same `sql` and argument types.
 unsafe fn query(
+    role: pg_sys::Oid,
     slot: Option<usize>,
     sql: &std::ffi::CStr,
     args: &[(pg_sys::Oid, pg_sys::Datum)],
@@ -211,6 +210,7 @@ unsafe fn query(
     static mut KEPT: [pg_sys::SPIPlanPtr; 3] = [std::ptr::null_mut(); 3];
     let mut types: Vec<pg_sys::Oid> = args.iter().map(|a| a.0).collect();
     let mut values: Vec<pg_sys::Datum> = args.iter().map(|a| a.1).collect();
+    let _as_role = AsRole::enter(role);
     // SAFETY: the caller's; an error raises ERROR, and the return codes are checked.
     // KEPT is this backend's alone.
     unsafe {
@@ -331,18 +331,15 @@ pub unsafe fn placement_update(stmt: *const pg_sys::PlannedStmt) -> Option<(i64,
         if args.len() != 3 {
             return None;
         }
-        let name = pg_sys::get_func_name((*func).funcid);
-        if name.is_null() {
-            return None;
-        }
         // Before Citus 12 (and from an older node during a rolling upgrade):
         // pg_catalog.citus_internal_update_placement_metadata.
-        let name = std::ffi::CStr::from_ptr(name);
-        let schema = pg_sys::get_namespace_name(pg_sys::get_func_namespace((*func).funcid));
-        let schema = (!schema.is_null()).then(|| std::ffi::CStr::from_ptr(schema));
-        if !(name == c"update_placement_metadata" && schema == Some(c"citus_internal")
-            || name == c"citus_internal_update_placement_metadata" && schema == Some(c"pg_catalog"))
-        {
+        if !func_is(
+            (*func).funcid,
+            &[
+                (c"citus_internal", c"update_placement_metadata"),
+                (c"pg_catalog", c"citus_internal_update_placement_metadata"),
+            ],
+        ) {
             return None;
         }
         // Citus writes the shard as a plain number, an int4 constant under an implicit
@@ -439,9 +436,7 @@ pub fn shard_leaving(shard: i64, source: i32) -> Result<(), QuotaError> {
             pg_sys::SPI_finish();
             return Ok(());
         };
-        let as_caller = AsRole::enter(pg_sys::GetUserId());
-        query(None, LOCAL_GROUP, &[]);
-        drop(as_caller);
+        query(pg_sys::GetUserId(), None, LOCAL_GROUP, &[]);
         if column(1).map(|d| d.value() as i32) != Some(source) {
             pg_sys::SPI_finish();
             return Ok(()); // not the node the shard leaves
@@ -457,9 +452,7 @@ pub fn shard_leaving(shard: i64, source: i32) -> Result<(), QuotaError> {
             pg_sys::SPI_finish();
             return Err(QuotaError::ShardMoveBusy { shard });
         }
-        let as_superuser = AsRole::enter(pg_sys::BOOTSTRAP_SUPERUSERID.into());
-        query(None, &held, &[]);
-        drop(as_superuser);
+        query(pg_sys::BOOTSTRAP_SUPERUSERID.into(), None, &held, &[]);
         let (active, own) = (column(1), column(2));
         if active.is_none() && own.is_none() {
             pg_sys::SPI_finish();
@@ -467,8 +460,8 @@ pub fn shard_leaving(shard: i64, source: i32) -> Result<(), QuotaError> {
         }
         // SAFETY: an empty text[] in the current (SPI's) memory context.
         let empty = || pg_sys::Datum::from(pg_sys::construct_empty_array(pg_sys::TEXTOID));
-        let as_owner = AsRole::enter(owner);
         query(
+            owner,
             None,
             OF_SHARD,
             &[
@@ -478,7 +471,6 @@ pub fn shard_leaving(shard: i64, source: i32) -> Result<(), QuotaError> {
                 (pg_sys::INT8OID, pg_sys::Datum::from(shard)),
             ],
         );
-        drop(as_owner);
         let split = |s: Option<String>| -> Vec<String> {
             s.map(|s| s.split('\u{1f}').map(str::to_string).collect())
                 .unwrap_or_default()
@@ -614,18 +606,34 @@ unsafe fn delegated_call(q: *mut pg_sys::Query) -> Option<*mut pg_sys::FuncExpr>
 /// # Safety
 /// `func` is a FuncExpr.
 unsafe fn is_start(func: *mut pg_sys::FuncExpr) -> bool {
-    // SAFETY: the caller's; syscache lookups, NULL where the function is gone.
+    // SAFETY: the caller's.
     unsafe {
-        let name = pg_sys::get_func_name((*func).funcid);
+        func_is(
+            (*func).funcid,
+            &[(c"quota", c"start"), (c"quota", c"try_start")],
+        )
+    }
+}
+
+/// Whether function `funcid` is one of `names` (schema, name); false where it is gone.
+fn func_is(funcid: pg_sys::Oid, names: &[(&std::ffi::CStr, &std::ffi::CStr)]) -> bool {
+    // SAFETY: syscache lookups, NULL where the function or its schema is gone; the
+    // names are NUL-terminated and palloc'd in the current context.
+    unsafe {
+        let name = pg_sys::get_func_name(funcid);
         if name.is_null() {
             return false;
         }
         let name = std::ffi::CStr::from_ptr(name);
-        if name != c"start" && name != c"try_start" {
+        if !names.iter().any(|(_, n)| *n == name) {
             return false;
         }
-        let schema = pg_sys::get_namespace_name(pg_sys::get_func_namespace((*func).funcid));
-        !schema.is_null() && std::ffi::CStr::from_ptr(schema) == c"quota"
+        let schema = pg_sys::get_namespace_name(pg_sys::get_func_namespace(funcid));
+        if schema.is_null() {
+            return false;
+        }
+        let schema = std::ffi::CStr::from_ptr(schema);
+        names.iter().any(|(sc, n)| *n == name && *sc == schema)
     }
 }
 

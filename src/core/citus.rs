@@ -173,13 +173,20 @@ pub fn shard_may_leave(
     }))
 }
 
-/// At most five names, then how many more.
-fn names(tenants: &[String]) -> String {
+/// "tenant \"t1\" holds active tickets here", "tenants \"t1\", \"t2\" hold …": at most
+/// five names, then how many more; `verbs` for one tenant and for several.
+fn clause(tenants: &[String], verbs: (&str, &str), what: &str) -> String {
     let shown: Vec<String> = tenants.iter().take(5).map(|t| format!("\"{t}\"")).collect();
-    match tenants.len() {
+    let names = match tenants.len() {
         n if n > 5 => format!("{} and {} more", shown.join(", "), n - 5),
         _ => shown.join(", "),
-    }
+    };
+    let (s, verb) = if tenants.len() == 1 {
+        ("", verbs.0)
+    } else {
+        ("s", verbs.1)
+    };
+    format!("tenant{s} {names} {verb} {what} here")
 }
 
 impl std::fmt::Display for MoveRefused {
@@ -191,27 +198,13 @@ impl std::fmt::Display for MoveRefused {
         )?;
         let mut parts = Vec::new();
         if !self.active.is_empty() {
-            parts.push(format!(
-                "tenant{} {} {} active tickets here",
-                if self.active.len() == 1 { "" } else { "s" },
-                names(&self.active),
-                if self.active.len() == 1 {
-                    "holds"
-                } else {
-                    "hold"
-                }
-            ));
+            parts.push(clause(&self.active, ("holds", "hold"), "active tickets"));
         }
         if !self.own_limits.is_empty() {
-            parts.push(format!(
-                "tenant{} {} {} own limits here",
-                if self.own_limits.len() == 1 { "" } else { "s" },
-                names(&self.own_limits),
-                if self.own_limits.len() == 1 {
-                    "has its"
-                } else {
-                    "have their"
-                }
+            parts.push(clause(
+                &self.own_limits,
+                ("has its", "have their"),
+                "own limits",
             ));
         }
         write!(f, "{}", parts.join("; "))

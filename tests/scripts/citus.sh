@@ -32,15 +32,10 @@ DIR="${SCRATCH:-$(make_scratch)}/citus"
 BASE=$((5870 + PORT_OFFSET))
 # n I [psql args...]: psql on node I (0: the coordinator), database app.
 n() { local i="$1"; shift; pgq "$DIR/n$i" $((BASE + i)) -d app -At "$@"; }
-# on I USER SQL...: one session on node I as USER; output only, errors dropped.
-on() {
-  local i="$1" user="$2"; shift 2; local a=() q
-  for q in "$@"; do a+=(-c "$q"); done
-  timeout 30 "$PG_BIN/psql" -X -q -At -h "$DIR/n$i" -p $((BASE + i)) -U "$user" -d app \
-    -v ON_ERROR_STOP=0 "${a[@]}" 2>/dev/null || true
-}
-# state_on I USER SQL...: the SQLSTATE of the last statement.
-state_on() { on "$@" '\echo SQLSTATE=:SQLSTATE' | sed -n 's/^SQLSTATE=//p' | tail -n1; }
+# on I USER SQL...: lib.sh's `as` on node I, database app (one session; output only,
+# errors dropped); state_on I USER SQL...: its `state`, the last statement's SQLSTATE.
+on() { local i="$1"; shift; CL="$DIR/n$i" PORT=$((BASE + i)) as "$1" app "${@:2}"; }
+state_on() { local i="$1"; shift; CL="$DIR/n$i" PORT=$((BASE + i)) state "$1" app "${@:2}"; }
 
 new_citus_cluster "$DIR" "$BASE"
 expect_eq "CREATE EXTENSION pg_quota on the coordinator is propagated: every node has it, of one version" \

@@ -117,51 +117,65 @@ def run(servers, script):
     return sum(jobs), cpu, jobs
 
 
+RECIPES = [("statements", "citus_job.sql", "citus_jobt.sql"),
+           ("whole calls", "citus_fjob.sql", "citus_fjobt.sql")]
+
+
 def main():
     single = nodes(ARGS.single)
     cluster = nodes(ARGS.cluster)
     setups = [("single node", single), ("cluster of 3", cluster)]
-    rows = {name: {"JOB": [], "JOBT": []} for name, _ in setups}
-    hops = None
+    rows = {(r, name): {"JOB": [], "JOBT": []} for r, _, _ in RECIPES for name, _ in setups}
+    hops = {}
     for _ in range(ARGS.rounds):
-        for name, servers in setups:
-            for w, script in (("JOB", "citus_job.sql"), ("JOBT", "citus_jobt.sql")):
-                before = [admitted(n) for n in servers] if w == "JOBT" and name != "single node" else None
-                jobs, cpu, per_node = run(servers, script)
-                rows[name][w].append((jobs, cpu))
-                if before is not None:
-                    hops = (per_node, [admitted(n) - b for n, b in zip(servers, before)])
-    added = {}
+        for recipe, job, jobt in RECIPES:
+            for name, servers in setups:
+                for w, script in (("JOB", job), ("JOBT", jobt)):
+                    on_cluster = w == "JOBT" and name != "single node"
+                    before = [admitted(n) for n in servers] if on_cluster else None
+                    jobs, cpu, per_node = run(servers, script)
+                    rows[(recipe, name)][w].append((jobs, cpu))
+                    if before is not None:
+                        hops[recipe] = (per_node, [admitted(n) - b for n, b in zip(servers, before)])
     lines = ["# pg_quota on a Citus cluster: what it adds to a job's CPU (scripts/bench --citus)", ""]
     if ARGS.machine:
         lines += [f"Machine: {ARGS.machine}", ""]
     lines += [f"{ARGS.clients} clients (on the cluster {ARGS.clients // len(cluster)} on each of its "
               f"{len(cluster)} nodes, the coordinator included), {ARGS.seconds} s per run, "
               f"{ARGS.rounds} rounds; CPU is every server process's (user + system), in "
-              "microseconds per job; tenants drawn from 1,000.", "",
-              "| setup | round | JOB jobs/s | JOB us/job | JOBT jobs/s | JOBT us/job | added us/job |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, _ in setups:
-        per = []
-        for i, ((jj, jc), (tj, tc)) in enumerate(zip(rows[name]["JOB"], rows[name]["JOBT"])):
-            job_us, jobt_us = jc * 1e6 / max(jj, 1), tc * 1e6 / max(tj, 1)
-            per.append(jobt_us - job_us)
-            lines.append(f"| {name} | {i + 1} | {jj / ARGS.seconds:.0f} | {job_us:.0f} | "
-                         f"{tj / ARGS.seconds:.0f} | {jobt_us:.0f} | {jobt_us - job_us:.0f} |")
-        added[name] = statistics.median(per)
-    ratio = added["cluster of 3"] / max(added["single node"], 1e-9)
-    lines += ["", f"Median added CPU per job: single node {added['single node']:.0f} us, "
-              f"cluster {added['cluster of 3']:.0f} us; ratio {ratio:.2f} (the issue's bound: 1.3).", ""]
-    if hops:
-        ran, adm = hops
-        lines += ["Hops, from the last cluster round's JOBT: jobs run by each node's clients, "
-                  "and starts admitted by each node (quota.stats):", "",
-                  "| node | jobs its clients ran | starts it admitted |", "|---|---:|---:|"]
-        for i, (r, a) in enumerate(zip(ran, adm)):
-            lines.append(f"| {'coordinator' if i == 0 else f'worker {i}'} | {r} | {a} |")
-        lines += ["", "Every start is admitted on its tenant's node (the coordinator holds no "
-                  "shards, so it admits none): a start makes one hop from the coordinator, "
-                  "and from a worker for the tenants of the other worker.", ""]
+              "microseconds per job; tenants drawn from 1,000. Two recipes (USER_GUIDE "
+              "\"Citus\"): statements (a start alone in its statement, then the INSERT, in "
+              "one transaction; the UPDATE and finish_for() in another) and whole calls "
+              "(enqueue() and complete(), each distributed by tenant and run whole on the "
+              "tenant's node; JOB runs the same calls with pg_quota off).", ""]
+    for recipe, _, _ in RECIPES:
+        added = {}
+        lines += [f"## Recipe: {recipe}", "",
+                  "| setup | round | JOB jobs/s | JOB us/job | JOBT jobs/s | JOBT us/job | added us/job |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for name, _ in setups:
+            per = []
+            r = rows[(recipe, name)]
+            for i, ((jj, jc), (tj, tc)) in enumerate(zip(r["JOB"], r["JOBT"])):
+                job_us, jobt_us = jc * 1e6 / max(jj, 1), tc * 1e6 / max(tj, 1)
+                per.append(jobt_us - job_us)
+                lines.append(f"| {name} | {i + 1} | {jj / ARGS.seconds:.0f} | {job_us:.0f} | "
+                             f"{tj / ARGS.seconds:.0f} | {jobt_us:.0f} | {jobt_us - job_us:.0f} |")
+            added[name] = statistics.median(per)
+        ratio = added["cluster of 3"] / max(added["single node"], 1e-9)
+        lines += ["", f"Median added CPU per job: single node {added['single node']:.0f} us, "
+                  f"cluster {added['cluster of 3']:.0f} us; ratio {ratio:.2f} (the issue's bound: 1.3).", ""]
+        if recipe in hops:
+            ran, adm = hops[recipe]
+            lines += ["Hops, from the last cluster round's JOBT: jobs run by each node's clients, "
+                      "and starts admitted by each node (quota.stats):", "",
+                      "| node | jobs its clients ran | starts it admitted |", "|---|---:|---:|"]
+            for i, (r, a) in enumerate(zip(ran, adm)):
+                lines.append(f"| {'coordinator' if i == 0 else f'worker {i}'} | {r} | {a} |")
+            lines.append("")
+    lines += ["Every start is admitted on its tenant's node (the coordinator holds no "
+              "shards, so it admits none): a start makes one hop from the coordinator, "
+              "and from a worker for the tenants of the other worker.", ""]
     os.makedirs(ARGS.out, exist_ok=True)
     with open(os.path.join(ARGS.out, "citus.md"), "w") as f:
         f.write("\n".join(lines))

@@ -18,3 +18,30 @@ GRANT ALL ON jobs, jobs_id_seq TO app;
 ALTER ROLE app SET quota.max_active_per_tenant = 1000;
 ALTER ROLE app SET quota.max_retained_per_role = 0;
 ALTER ROLE app SET quota.allow_transactional = on;
+-- The recipe of whole calls (USER_GUIDE "Citus"): one call enqueues, one completes,
+-- each distributed by tenant, so Citus runs each whole on the tenant's node, where
+-- the start or finish and the row's change are one local transaction. `admit`
+-- switches pg_quota off for JOB's run of the same calls (citus_fjob.sql).
+CREATE FUNCTION enqueue(tenant text, payload text, admit bool) RETURNS bigint
+  LANGUAGE plpgsql STRICT AS $$
+DECLARE tk uuid; job bigint;
+BEGIN
+  IF admit THEN
+    tk := quota.start(tenant => tenant, label => 'job', transactional => true);
+  END IF;
+  INSERT INTO jobs (tenant, payload, ticket) VALUES (tenant, payload, tk) RETURNING id INTO job;
+  RETURN job;
+END $$;
+CREATE FUNCTION complete(tenant text, job bigint) RETURNS bool LANGUAGE plpgsql STRICT AS $$
+DECLARE tk uuid;
+BEGIN
+  UPDATE jobs j SET done_at = now() WHERE j.tenant = complete.tenant AND j.id = job
+  RETURNING j.ticket INTO tk;
+  RETURN tk IS NULL OR quota.finish(tk);
+END $$;
+\if :citus
+SELECT create_distributed_function('enqueue(text,text,bool)', '$1',
+                                   colocate_with := 'jobs', force_delegation := true);
+SELECT create_distributed_function('complete(text,bigint)', '$1',
+                                   colocate_with := 'jobs', force_delegation := true);
+\endif

@@ -8,7 +8,7 @@
 use pgrx::pg_sys;
 
 use crate::catalog::{name_text, AsRole};
-use crate::core::citus::Placement;
+use crate::core::citus::{Declared, Placed, Placement, Remembered};
 use crate::core::QuotaError;
 use crate::ledger::scan::text_datum;
 
@@ -17,7 +17,8 @@ use crate::ledger::scan::text_datum;
 /// they are in, and whether each is distributed by its tenant argument. Only
 /// start() and try_start() count: set_tenant_limits() follows (USER_GUIDE "Citus").
 const DECLARED: &std::ffi::CStr = c"
-SELECT r.logicalrelid::pg_catalog.oid, k.relowner, c.groups, c.by_tenant
+SELECT r.logicalrelid::pg_catalog.oid, k.relowner, c.groups, c.by_tenant,
+       pg_catalog.to_regprocedure('pg_catalog.get_shard_id_for_distribution_column(pg_catalog.regclass,pg_catalog.\"any\")')::pg_catalog.oid
   FROM (SELECT pg_catalog.min(o.colocationid) AS colocationid,
                pg_catalog.count(DISTINCT o.colocationid) AS groups,
                pg_catalog.bool_and(o.distribution_argument_index = 4) AS by_tenant
@@ -32,11 +33,6 @@ SELECT r.logicalrelid::pg_catalog.oid, k.relowner, c.groups, c.by_tenant
                       ORDER BY d.logicalrelid LIMIT 1) r ON true
   LEFT JOIN pg_catalog.pg_class k ON k.oid = r.logicalrelid";
 
-/// The tenant's shard of the table. Run as the table's owner:
-/// get_shard_id_for_distribution_column() wants SELECT on it, which a role that only
-/// starts tickets need not have.
-const SHARD_OF: &std::ffi::CStr = c"SELECT pg_catalog.get_shard_id_for_distribution_column($1, $2)";
-
 /// The nodes that hold shard $2 of table $1, and whether this one does.
 const PLACED: &std::ffi::CStr = c"
 SELECT $1::pg_catalog.regclass::pg_catalog.text,
@@ -49,82 +45,310 @@ SELECT $1::pg_catalog.regclass::pg_catalog.text,
 /// The slots of the plans kept for the backend's life (SPI_keepplan): the plan cache
 /// replans them when a catalog they read changes.
 const DECLARED_PLAN: usize = 0;
-const SHARD_OF_PLAN: usize = 1;
-const PLACED_PLAN: usize = 2;
+const PLACED_PLAN: usize = 1;
+
+/// Bumped by each relcache invalidation of a relation in WATCHED (Citus sends one
+/// for the table whose shards, placements or distribution change, and for
+/// pg_dist_object, pg_dist_node, pg_dist_local_group and pg_dist_colocation on any
+/// change of theirs), of every relation (a reset of the invalidation queue), and by
+/// any change of pg_proc or pg_namespace: what placement() remembers
+/// (core::citus::Remembered) is then read again.
+static mut GENERATION: u64 = 1;
+/// The table the start functions are colocated with, then Citus' catalogs.
+static mut WATCHED: [pg_sys::Oid; 1 + CATALOGS.len()] = [pg_sys::InvalidOid; 1 + CATALOGS.len()];
+static mut REGISTERED: bool = false;
+const CATALOGS: [&std::ffi::CStr; 7] = [
+    c"pg_dist_object",
+    c"pg_dist_partition",
+    c"pg_dist_shard",
+    c"pg_dist_placement",
+    c"pg_dist_node",
+    c"pg_dist_local_group",
+    c"pg_dist_colocation",
+];
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn relcache_changed(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    // SAFETY: single-threaded backend state.
+    unsafe {
+        if relid == pg_sys::InvalidOid || (*std::ptr::addr_of!(WATCHED)).contains(&relid) {
+            GENERATION += 1;
+        }
+    }
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn syscache_changed(_arg: pg_sys::Datum, _cache: i32, _hash: u32) {
+    // SAFETY: single-threaded backend state.
+    unsafe { GENERATION += 1 };
+}
+
+/// The generation now, with every invalidation committed so far taken in (as a lock
+/// acquisition takes them in): what is remembered from this generation is what
+/// Citus' metadata says as committed now.
+fn generation() -> u64 {
+    // SAFETY: single-threaded backend state; the callbacks are registered once per
+    // backend; AcceptInvalidationMessages has nothing to do in the common case.
+    unsafe {
+        if !REGISTERED {
+            pg_sys::CacheRegisterRelcacheCallback(Some(relcache_changed), pg_sys::Datum::from(0));
+            for cache in [
+                pg_sys::SysCacheIdentifier::PROCOID,
+                pg_sys::SysCacheIdentifier::NAMESPACEOID,
+            ] {
+                pg_sys::CacheRegisterSyscacheCallback(
+                    cache as i32,
+                    Some(syscache_changed),
+                    pg_sys::Datum::from(0),
+                );
+            }
+            REGISTERED = true;
+        }
+        pg_sys::AcceptInvalidationMessages();
+        GENERATION
+    }
+}
+
+/// The generation as it is, without taking invalidations in: after a read, whether
+/// one came in meanwhile.
+fn generation_now() -> u64 {
+    // SAFETY: single-threaded backend state.
+    unsafe { GENERATION }
+}
+
+thread_local! {
+    /// DECLARED by schema quota's OID; a tenant's shard; a shard's placement.
+    static DECLARED_SEEN: std::cell::RefCell<Remembered<u32, Declared>> =
+        std::cell::RefCell::new(Remembered::new(4));
+    static SHARD_SEEN: std::cell::RefCell<Remembered<Vec<u8>, i64>> =
+        std::cell::RefCell::new(Remembered::new(16_384));
+    static PLACED_SEEN: std::cell::RefCell<Remembered<i64, Placed>> =
+        std::cell::RefCell::new(Remembered::new(16_384));
+}
 
 /// Where `tenant` lives, if pg_quota's start functions are distributed by tenant in
 /// this database; None where they are not (or Citus is not here). Citus' metadata is
 /// read as committed now, as Citus itself reads it to route a call, not as of the
 /// transaction's snapshot: a REPEATABLE READ transaction sees a move or a new
-/// distribution as soon as Citus does.
+/// distribution as soon as Citus does. What was read is remembered for the backend
+/// until Citus' metadata changes (GENERATION), so a start reads it once per tenant.
 pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
-    // SAFETY: a catalog probe of pg_extension, inside the caller's transaction.
-    if !citus_loaded()
-        || unsafe { pg_sys::get_extension_oid(c"citus".as_ptr(), true) } == pg_sys::InvalidOid
-    {
+    if !citus_loaded() {
         return Ok(None);
     }
     // SAFETY: schema quota's OID, InvalidOid if it is gone (then nothing matches).
-    let ns = unsafe { pg_sys::get_namespace_oid(c"quota".as_ptr(), true) };
-    // SAFETY: SPI inside the caller's transaction; an ERROR unwinds through it and the
-    // transaction's abort cleans SPI up. Columns are read by the query's own types.
-    unsafe {
-        connect();
-        let Some(groups) = read_declared(ns) else {
-            pg_sys::SPI_finish();
-            return Ok(None);
-        };
-        if groups != 1 || !column_bool(4) {
-            pg_sys::SPI_finish();
-            return Err(QuotaError::CitusMisdeclared { groups });
+    let ns = u32::from(unsafe { pg_sys::get_namespace_oid(c"quota".as_ptr(), true) });
+    let seen = generation();
+    let declared = match DECLARED_SEEN.with_borrow_mut(|m| m.get(seen, &ns)) {
+        Some(d) => d,
+        None => {
+            // SAFETY: a catalog probe of pg_extension, inside the caller's transaction.
+            // Not remembered where Citus is not installed: nothing would say when it is.
+            if unsafe { pg_sys::get_extension_oid(c"citus".as_ptr(), true) } == pg_sys::InvalidOid {
+                return Ok(None);
+            }
+            // SAFETY: single-threaded backend state; syscache lookups of Citus'
+            // catalogs, watched before they are read.
+            unsafe {
+                let watched = &mut *std::ptr::addr_of_mut!(WATCHED);
+                for (w, name) in watched[1..].iter_mut().zip(CATALOGS) {
+                    *w = pg_sys::get_relname_relid(
+                        name.as_ptr(),
+                        pg_sys::PG_CATALOG_NAMESPACE.into(),
+                    );
+                }
+            }
+            // SAFETY: SPI inside the caller's transaction; an ERROR unwinds through it
+            // and the transaction's abort cleans SPI up.
+            let d = unsafe { read_declared_now(ns.into()) };
+            if let Declared::With { table, .. } = d {
+                // SAFETY: single-threaded backend state.
+                unsafe { (*std::ptr::addr_of_mut!(WATCHED))[0] = table.into() };
+            }
+            DECLARED_SEEN.with_borrow_mut(|m| m.keep(seen, generation_now(), ns, d));
+            d
         }
+    };
+    let (table, owner, shard_fn) = match declared {
+        Declared::No => return Ok(None),
+        Declared::Misdeclared { groups } => return Err(QuotaError::CitusMisdeclared { groups }),
         // A table dropped since its colocation was read has no owner: as no table.
-        let (Some(table), Some(owner)) = (column_oid(1), column_oid(2)) else {
-            pg_sys::SPI_finish();
+        Declared::NoTable => {
             return Ok(Some(Placement {
                 table: None,
                 nodes: String::new(),
                 here: false,
                 shard: None,
-            }));
-        };
-        query(
+            }))
+        }
+        Declared::With {
+            table,
             owner,
-            Some(SHARD_OF_PLAN),
-            SHARD_OF,
-            &[
-                (pg_sys::OIDOID, pg_sys::Datum::from(table)),
-                (pg_sys::TEXTOID, text_datum(tenant)),
-            ],
-        );
-        let shard = column(1).map_or(0, |d| d.value() as i64);
-        // Held until `release` (a writer-committed start's charge has committed) or
-        // the transaction's end: a move of the shard off this node refuses to go
-        // meanwhile (shard_leaving), so that no charge is left behind; and a start
-        // that comes during a move waits for it (LOCK_WAIT at most), then reads where
-        // the shard is after it.
-        crate::ledger::locks::lock_tag_bounded(
-            crate::scopes::shard_lock_tag(pg_sys::MyDatabaseId, shard),
-            pg_sys::ShareLock,
-            |seconds| QuotaError::ShardBusy { shard, seconds },
-        );
-        query(
-            pg_sys::GetUserId(),
-            Some(PLACED_PLAN),
-            PLACED,
-            &[
-                (pg_sys::OIDOID, pg_sys::Datum::from(table)),
-                (pg_sys::INT8OID, pg_sys::Datum::from(shard)),
-            ],
-        );
-        let placement = Placement {
-            table: Some(column_text(1).unwrap_or_else(|| u32::from(table).to_string())),
-            here: column_bool(2),
-            nodes: column_text(3).unwrap_or_default(),
-            shard: Some(shard),
+            shard_fn,
+        } => (
+            pg_sys::Oid::from(table),
+            pg_sys::Oid::from(owner),
+            pg_sys::Oid::from(shard_fn),
+        ),
+    };
+    let shard = match SHARD_SEEN.with_borrow_mut(|m| m.get(seen, tenant)) {
+        Some(shard) => shard,
+        None => {
+            // SAFETY: a call of Citus' function with an argument of its types.
+            let shard = unsafe { shard_of(shard_fn, table, owner, tenant) };
+            SHARD_SEEN.with_borrow_mut(|m| m.keep(seen, generation_now(), tenant.to_vec(), shard));
+            shard
+        }
+    };
+    // Held until `release` (a writer-committed start's charge has committed) or the
+    // transaction's end: a move of the shard off this node refuses to go meanwhile
+    // (shard_leaving), so that no charge is left behind; and a start that comes during
+    // a move waits for it (LOCK_WAIT at most), then reads where the shard is after it:
+    // the move's invalidations are sent before its locks are given back.
+    // SAFETY: a plain read of backend state.
+    let db = unsafe { pg_sys::MyDatabaseId };
+    crate::ledger::locks::lock_tag_bounded(
+        crate::scopes::shard_lock_tag(db, shard),
+        pg_sys::ShareLock,
+        |seconds| QuotaError::ShardBusy { shard, seconds },
+    );
+    let locked = generation();
+    let placed = match PLACED_SEEN.with_borrow_mut(|m| m.get(locked, &shard)) {
+        Some(p) => p,
+        None => {
+            // SAFETY: SPI inside the caller's transaction, as above.
+            let placed = unsafe {
+                connect();
+                query(
+                    pg_sys::GetUserId(),
+                    Some(PLACED_PLAN),
+                    PLACED,
+                    &[
+                        (pg_sys::OIDOID, pg_sys::Datum::from(table)),
+                        (pg_sys::INT8OID, pg_sys::Datum::from(shard)),
+                    ],
+                );
+                let placed = Placed {
+                    table: column_text(1).unwrap_or_else(|| u32::from(table).to_string()),
+                    here: column_bool(2),
+                    nodes: column_text(3).unwrap_or_default(),
+                };
+                pg_sys::SPI_finish();
+                placed
+            };
+            PLACED_SEEN
+                .with_borrow_mut(|m| m.keep(locked, generation_now(), shard, placed.clone()));
+            placed
+        }
+    };
+    Ok(Some(Placement {
+        table: Some(placed.table),
+        here: placed.here,
+        nodes: placed.nodes,
+        shard: Some(shard),
+    }))
+}
+
+/// DECLARED as it reads now.
+///
+/// # Safety
+/// Inside a transaction; `ns` is schema quota's OID (or InvalidOid).
+unsafe fn read_declared_now(ns: pg_sys::Oid) -> Declared {
+    // SAFETY: the caller's.
+    unsafe {
+        connect();
+        let d = match read_declared(ns) {
+            None => Declared::No,
+            Some(groups) if groups != 1 || !column_bool(4) => Declared::Misdeclared { groups },
+            Some(_) => match (column_oid(1), column_oid(2)) {
+                (Some(table), Some(owner)) => Declared::With {
+                    table: table.into(),
+                    owner: owner.into(),
+                    shard_fn: column_oid(5).map_or(0, u32::from),
+                },
+                _ => Declared::NoTable,
+            },
         };
         pg_sys::SPI_finish();
-        Ok(Some(placement))
+        d
+    }
+}
+
+/// The tenant's shard of `table`: Citus' get_shard_id_for_distribution_column()
+/// (`func`), called through fmgr rather than SPI (it answers from Citus' own
+/// metadata cache), as the table's owner: it wants SELECT on the table, which a role
+/// that only starts tickets need not have.
+///
+/// # Safety
+/// Inside a transaction; `func` is that function's OID, `table` a distributed table,
+/// `owner` its owner. An ERROR unwinds through it; the abort restores the user.
+unsafe fn shard_of(
+    func: pg_sys::Oid,
+    table: pg_sys::Oid,
+    owner: pg_sys::Oid,
+    tenant: &[u8],
+) -> i64 {
+    if func == pg_sys::InvalidOid {
+        pgrx::error!("pg_quota: Citus' get_shard_id_for_distribution_column(regclass, \"any\") is missing");
+    }
+    let value = text_datum(tenant);
+    // SAFETY: the caller's. The function reads its second argument's type from the
+    // call's expression (get_fn_expr_argtype), so the FmgrInfo carries one: a FuncExpr
+    // of a regclass and a text constant, in the current memory context.
+    unsafe {
+        let mut flinfo: pg_sys::FmgrInfo = std::mem::zeroed();
+        pg_sys::fmgr_info(func, &mut flinfo);
+        let mut args = pg_sys::lappend(
+            std::ptr::null_mut(),
+            pg_sys::makeConst(
+                pg_sys::REGCLASSOID,
+                -1,
+                pg_sys::InvalidOid,
+                4,
+                pg_sys::Datum::from(table),
+                false,
+                true,
+            )
+            .cast(),
+        );
+        args = pg_sys::lappend(
+            args,
+            pg_sys::makeConst(
+                pg_sys::TEXTOID,
+                -1,
+                pg_sys::DEFAULT_COLLATION_OID.into(),
+                -1,
+                value,
+                false,
+                false,
+            )
+            .cast(),
+        );
+        flinfo.fn_expr = pg_sys::makeFuncExpr(
+            func,
+            pg_sys::INT8OID,
+            args,
+            pg_sys::InvalidOid,
+            pg_sys::DEFAULT_COLLATION_OID.into(),
+            pg_sys::CoercionForm::COERCE_EXPLICIT_CALL,
+        )
+        .cast();
+        let (mut user, mut context) = (pg_sys::InvalidOid, 0);
+        pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
+        pg_sys::SetUserIdAndSecContext(
+            owner,
+            context
+                | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32
+                | pg_sys::SECURITY_RESTRICTED_OPERATION as i32,
+        );
+        let shard = pg_sys::FunctionCall2Coll(
+            &mut flinfo,
+            pg_sys::InvalidOid,
+            pg_sys::Datum::from(table),
+            value,
+        );
+        pg_sys::SetUserIdAndSecContext(user, context);
+        shard.value() as i64
     }
 }
 
@@ -207,7 +431,7 @@ unsafe fn query(
     args: &[(pg_sys::Oid, pg_sys::Datum)],
 ) -> u64 {
     // Backends are single-threaded: this one's kept plans.
-    static mut KEPT: [pg_sys::SPIPlanPtr; 3] = [std::ptr::null_mut(); 3];
+    static mut KEPT: [pg_sys::SPIPlanPtr; 2] = [std::ptr::null_mut(); 2];
     let mut types: Vec<pg_sys::Oid> = args.iter().map(|a| a.0).collect();
     let mut values: Vec<pg_sys::Datum> = args.iter().map(|a| a.1).collect();
     let _as_role = AsRole::enter(role);

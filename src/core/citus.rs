@@ -221,8 +221,122 @@ impl MoveRefused {
     }
 }
 
+/// A backend's memory of what Citus' metadata said, so that a start reads that
+/// metadata once per backend rather than three queries each time (issue 35's cost).
+/// Valid for one generation: the pgrx layer counts the relcache invalidations that
+/// Citus sends for every change of the tables, shards, placements, nodes and
+/// distributed functions it reads, and a generation other than the one the memory
+/// was filled in empties it. A value read while an invalidation came in (the
+/// generation moved during the read) is used for that start, not kept. At most
+/// `cap` keys: full, it starts again empty.
+#[derive(Debug)]
+pub struct Remembered<K, V> {
+    generation: u64,
+    map: std::collections::HashMap<K, V>,
+    cap: usize,
+}
+
+impl<K: std::hash::Hash + Eq, V: Clone> Remembered<K, V> {
+    pub fn new(cap: usize) -> Self {
+        Self {
+            generation: 0,
+            map: std::collections::HashMap::new(),
+            cap,
+        }
+    }
+
+    /// What is remembered for `key`, if it was read in `generation`.
+    pub fn get<Q>(&mut self, generation: u64, key: &Q) -> Option<V>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: std::hash::Hash + Eq + ?Sized,
+    {
+        self.turn(generation);
+        self.map.get(key).cloned()
+    }
+
+    /// Remembers `value`, read from `read_in` on, where the generation is still
+    /// `read_in` now.
+    pub fn keep(&mut self, read_in: u64, now: u64, key: K, value: V) {
+        if read_in != now {
+            return;
+        }
+        self.turn(now);
+        if self.map.len() >= self.cap && !self.map.contains_key(&key) {
+            self.map.clear();
+        }
+        self.map.insert(key, value);
+    }
+
+    fn turn(&mut self, generation: u64) {
+        if self.generation != generation {
+            self.map.clear();
+            self.generation = generation;
+        }
+    }
+}
+
+/// What DECLARED says of pg_quota's start functions, as a backend remembers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Declared {
+    /// Not distributed (or Citus not installed): tenants are admitted anywhere.
+    No,
+    /// Distributed across `groups` colocation groups, or by another argument.
+    Misdeclared { groups: i64 },
+    /// Colocated with a group that has no table any more.
+    NoTable,
+    /// Colocated with `table` (an OID), owned by `owner`; `shard_fn` is Citus'
+    /// get_shard_id_for_distribution_column() (0 where it is missing).
+    With {
+        table: u32,
+        owner: u32,
+        shard_fn: u32,
+    },
+}
+
+/// Where a shard is, as a backend remembers it: the table's name, whether this node
+/// holds the shard, and the nodes that do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placed {
+    pub table: String,
+    pub here: bool,
+    pub nodes: String,
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn remembered_values_last_one_generation() {
+        let mut m: Remembered<Vec<u8>, i64> = Remembered::new(4);
+        assert_eq!(m.get(1, b"t1".as_slice()), None);
+        m.keep(1, 1, b"t1".to_vec(), 7);
+        assert_eq!(m.get(1, b"t1".as_slice()), Some(7));
+        // An invalidation came: everything read before it is forgotten.
+        assert_eq!(m.get(2, b"t1".as_slice()), None);
+        assert_eq!(m.get(1, b"t1".as_slice()), None);
+    }
+
+    #[test]
+    fn a_value_read_across_an_invalidation_is_not_kept() {
+        let mut m: Remembered<i64, bool> = Remembered::new(4);
+        m.keep(3, 4, 10, true);
+        assert_eq!(m.get(4, &10), None);
+        assert_eq!(m.get(3, &10), None);
+    }
+
+    #[test]
+    fn remembered_values_are_bounded() {
+        let mut m: Remembered<i64, i64> = Remembered::new(3);
+        for k in 0..3 {
+            m.keep(1, 1, k, k);
+        }
+        assert_eq!(m.get(1, &2), Some(2));
+        m.keep(1, 1, 2, 20); // a key already there does not empty it
+        assert_eq!(m.get(1, &0), Some(0));
+        m.keep(1, 1, 3, 3); // full: starts again with the new key alone
+        assert_eq!((m.get(1, &0), m.get(1, &3)), (None, Some(3)));
+    }
+
     use super::*;
 
     const CALL: &str = "quota.try_start(tenant => …)";

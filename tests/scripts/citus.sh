@@ -12,6 +12,8 @@
 # - with clients on every node racing, a tenant never runs more than its limit;
 # - the enqueue recipe: a force-delegated transactional start and the job's INSERT in
 #   one transaction, from any node, commit and roll back together;
+# - the recipe of whole calls: enqueue() and complete(), distributed by tenant, each a
+#   transaction local to the tenant's node, from any node;
 # - a tenant's own limit, set through a distributed set_tenant_limits(), holds where it
 #   is admitted;
 # - the tenant's node, stopped in a crash and restarted, keeps its tickets;
@@ -203,6 +205,42 @@ expect_eq "… and $B is at its limit: a third enqueue is refused (53400), from 
      state_on "$(other "$NB")" app "BEGIN" "SELECT quota.start(tenant => '$B', transactional => true)")"
 on 0 app "SELECT finish_for('$B', ticket) FROM jobs WHERE tenant = '$B'" >/dev/null
 
+# --- the recipe of whole calls: enqueue() and complete(), each run on the tenant's node --
+# Distributed by tenant, each call runs whole on the tenant's node, from any node: the
+# transactional start and the job's INSERT (or the DELETE and the finish) are one
+# transaction local to that node.
+on 0 app "DELETE FROM jobs WHERE tenant = '$B'" >/dev/null
+n 0 -c "CREATE FUNCTION enqueue(tenant text, fail bool DEFAULT false) RETURNS bigint LANGUAGE plpgsql STRICT AS \$\$
+          DECLARE tk uuid; job bigint;
+          BEGIN
+            tk := quota.start(tenant => tenant, label => 'whole', transactional => true);
+            INSERT INTO jobs (tenant, ticket) VALUES (tenant, tk) RETURNING id INTO job;
+            IF fail THEN RAISE EXCEPTION 'the job fails after its start'; END IF;
+            RETURN job;
+          END\$\$" \
+    -c "CREATE FUNCTION complete(tenant text, job bigint) RETURNS bool LANGUAGE plpgsql STRICT AS \$\$
+          DECLARE tk uuid;
+          BEGIN
+            DELETE FROM jobs j WHERE j.tenant = complete.tenant AND j.id = job RETURNING j.ticket INTO tk;
+            RETURN quota.finish(tk);
+          END\$\$" \
+    -c "SELECT create_distributed_function('enqueue(text,bool)', '\$1', colocate_with := 'jobs', force_delegation := true)" \
+    -c "SELECT create_distributed_function('complete(text,bigint)', '\$1', colocate_with := 'jobs', force_delegation := true)" >/dev/null
+before=$(admitted "$NB")
+expect_eq "an enqueue() of $B that fails after its start on $B's node, then two from the coordinator and the other worker: two jobs" \
+  "P0001 00000 00000" "$(state_on "$NB" app "SELECT enqueue('$B', true)") $(state_on 0 app "SELECT enqueue('$B')") $(
+     state_on "$(other "$NB")" app "SELECT enqueue('$B')")"
+expect_eq "… charged on $B's node alone, each with its job, the failed call's charge gone with it" "2 2 0 0 2" \
+  "$(n "$NB" -c "SELECT count(*) FROM quota.ledger WHERE label = 'whole' AND ended_at IS NULL") $(
+     n 0 -c "SELECT count(*) FROM jobs WHERE tenant = '$B'") $(n 0 -c "SELECT count(*) FROM quota.ledger WHERE label = 'whole'") $(
+     n "$(other "$NB")" -c "SELECT count(*) FROM quota.ledger WHERE label = 'whole'") $(($(admitted "$NB") - before))"
+expect_eq "… and $B at its limit: a third enqueue() is refused (53400) from the coordinator, with no job" "53400 2" \
+  "$(state_on 0 app "SELECT enqueue('$B')") $(n 0 -c "SELECT count(*) FROM jobs WHERE tenant = '$B'")"
+expect_eq "complete() of one job from the other worker ends its ticket on $B's node, and frees its slot for an enqueue() from the coordinator" \
+  "t 00000 2" "$(on "$(other "$NB")" app "SELECT complete('$B', $(n 0 -c "SELECT min(id) FROM jobs WHERE tenant = '$B'"))") $(
+     state_on 0 app "SELECT enqueue('$B')") $(n "$NB" -c "SELECT count(*) FROM quota.ledger WHERE label = 'whole' AND ended_at IS NULL")"
+for id in $(n 0 -c "SELECT id FROM jobs WHERE tenant = '$B'"); do on 0 app "SELECT complete('$B', $id)" >/dev/null; done
+
 # --- usage seen from any node -----------------------------------------------------------
 # The whole cluster, for the DBA (run_command_on_all_nodes, each row naming its node),
 # and one tenant's usage for the application, from its node (usage_of(), distributed by
@@ -388,9 +426,25 @@ on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$A'
 on 0 app "DELETE FROM jobs WHERE tenant = '$A'" >/dev/null
 # A REPEATABLE READ transaction on n$NA whose snapshot predates the move.
 CL="$DIR/n$NA" PORT=$((BASE + NA)) open_session rr app app
+# Before it begins, the session starts and finishes a ticket of $A: its backend now remembers
+# where $A's shard is (what it read of Citus' metadata), and must forget it on the move.
+say rr "BEGIN;"  # run here, not delegated: try_start() is not force-delegated
+say rr "SELECT 'primed:' || coalesce(quota.finish(quota.try_start(tenant => '$A', label => 'primed'))::text, 'refused');"
+say rr "COMMIT;"
+CL="$DIR/n$NA" wait_out rr "primed:"
+expect_eq "the session on n$NA starts and finishes a ticket of $A before the move" \
+  "primed:true" "$(grep -o 'primed:.*' "$DIR/n$NA/rr.out")"
 say rr "BEGIN ISOLATION LEVEL REPEATABLE READ;"
 say rr "SELECT 'snapshot:' || count(*) FROM pg_dist_placement;"
 CL="$DIR/n$NA" wait_out rr "snapshot:"
+# A session on n$TO, in a transaction block (try_start() is not force-delegated, so
+# it runs there): refused before the move, which its backend remembers.
+CL="$DIR/n$TO" PORT=$((BASE + TO)) open_session dst app app
+say dst "BEGIN;"
+say dst "SELECT quota.try_start(tenant => '$A', label => 'dst');"
+say dst "\\echo before=:SQLSTATE"
+say dst "ROLLBACK;"
+CL="$DIR/n$TO" wait_out dst "before="
 # Nothing a role can prepare takes pg_quota's shard lock: only a superuser's call of
 # Citus' function, as it runs.
 LOCAL_NA=$(n "$NA" -c "SELECT groupid FROM pg_dist_local_group")
@@ -409,8 +463,18 @@ say rr "SELECT 'rr:' || coalesce(quota.try_start(tenant => '$A', label => 'rr'):
 say rr "\\echo rr-state=:SQLSTATE"
 CL="$DIR/n$NA" wait_out rr "rr-state="
 close_session rr
-expect_eq "a REPEATABLE READ transaction on n$NA that began before the move cannot start $A there: 0A000 (Citus' metadata is read as committed now)" \
+expect_eq "a REPEATABLE READ transaction on n$NA that began before the move, and whose backend read $A's placement before it, cannot start $A there: 0A000 (Citus' metadata is read as committed now; what the backend remembered is forgotten)" \
   "0A000 0" "$(sed -n 's/^rr-state=//p' "$DIR/n$NA/rr.out") $(n "$NA" -c "SELECT count(*) FROM quota.ledger WHERE label = 'rr'")"
+say dst "BEGIN;"
+say dst "SELECT 'dst:' || coalesce(quota.try_start(tenant => '$A', label => 'dst')::text, 'refused');"
+say dst "\\echo after=:SQLSTATE"
+say dst "COMMIT;"
+CL="$DIR/n$TO" wait_out dst "after="
+close_session dst
+expect_eq "the session on n$TO that was refused $A before the move (its backend remembered where $A was) is admitted after it" \
+  "0A000 00000 1" "$(sed -n 's/^before=//p' "$DIR/n$TO/dst.out") $(sed -n 's/^after=//p' "$DIR/n$TO/dst.out") $(
+     n "$TO" -c "SELECT count(*) FROM quota.ledger WHERE label = 'dst' AND ended_at IS NULL")"
+on "$TO" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE label = 'dst'" >/dev/null
 got=""
 for i in 0 1 2; do got+="$(try "$i" "$A" "moved n$i") "; done
 expect_eq "$A is admitted where its shard now lives, to its limit of 2" "f t t" "$(tr ' ' '\n' <<<"$got" | grep . | sort | xargs)"

@@ -215,18 +215,23 @@ ensure_citus() {
 # every ALTER ROLE app SET); stopped at exit.
 new_citus_cluster() {
   local dir="$1" base="$2" i
-  for i in 0 1 2; do
-    # citus.local_hostname: a shard move connects to its own node; no TCP here.
-    new_cluster "$dir/n$i" $((base + i)) "shared_preload_libraries = 'citus,pg_quota'" \
-      "wal_level = logical" "max_worker_processes = 32" "max_prepared_transactions = 20" \
-      "citus.local_hostname = '$dir/n$i'" "max_connections = 200"
-    pgq "$dir/n$i" $((base + i)) -c "CREATE DATABASE app" >/dev/null
-    pgq "$dir/n$i" $((base + i)) -d app -c "CREATE EXTENSION citus" >/dev/null
-  done
+  for i in 0 1 2; do new_citus_node "$dir/n$i" $((base + i)); done
   pgq "$dir/n0" "$base" -d app -c "SELECT citus_set_coordinator_host('$dir/n0', $base)" \
     -c "SELECT citus_add_node('$dir/n1', $((base + 1)))" \
     -c "SELECT citus_add_node('$dir/n2', $((base + 2)))" \
     -c "CREATE EXTENSION pg_quota" -c "CREATE ROLE app LOGIN" >/dev/null
+}
+
+# new_citus_node DIR PORT: a node for a Citus cluster, preloading 'citus,pg_quota',
+# with database app and Citus in it; citus_add_node() makes it a worker.
+new_citus_node() {
+  local dir="$1" port="$2"
+  # citus.local_hostname: a shard move connects to its own node; no TCP here.
+  new_cluster "$dir" "$port" "shared_preload_libraries = 'citus,pg_quota'" \
+    "wal_level = logical" "max_worker_processes = 32" "max_prepared_transactions = 20" \
+    "citus.local_hostname = '$dir'" "max_connections = 200"
+  pgq "$dir" "$port" -c "CREATE DATABASE app" >/dev/null
+  pgq "$dir" "$port" -d app -c "CREATE EXTENSION citus" >/dev/null
 }
 
 # pgrx_init [MAJOR...]: registers every tested major that is installed (and the given

@@ -18,7 +18,9 @@
 #   is admitted;
 # - the tenant's node, stopped in a crash and restarted, keeps its tickets;
 # - a move of the tenant's shard is refused while the tenant holds tickets or its own
-#   limits on the node the shard would leave, and goes once they are gone.
+#   limits on the node the shard would leave, and goes once they are gone;
+# - a worker added with citus_add_node() gets pg_quota, and admits the tenants whose
+#   shard moves to it.
 # Where Citus' source is not on the machine, the suite is skipped (exit 77), not passed.
 # majors: 18
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
@@ -479,5 +481,23 @@ got=""
 for i in 0 1 2; do got+="$(try "$i" "$A" "moved n$i") "; done
 expect_eq "$A is admitted where its shard now lives, to its limit of 2" "f t t" "$(tr ' ' '\n' <<<"$got" | grep . | sort | xargs)"
 expect_eq "… on n$TO, and nowhere else" "2 0 0" "$(live "$TO" "$A") $(live "$NA" "$A") $(live 0 "$A")"
+
+# --- adding a worker --------------------------------------------------------------------
+# citus_add_node() of a new worker: Citus creates pg_quota there, and the role with its
+# limits; a tenant whose shard moves to it is admitted there, from any node.
+on "$TO" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$A' AND ended_at IS NULL" >/dev/null
+new_citus_node "$DIR/n3" $((BASE + 3))
+n 0 -c "SELECT citus_add_node('$DIR/n3', $((BASE + 3)))" >/dev/null
+expect_eq "a worker added with citus_add_node() gets pg_quota, of the cluster's version, and the role's limits" \
+  "$(n 0 -c "SELECT extversion FROM pg_extension WHERE extname = 'pg_quota'") 2" \
+  "$(n 3 -c "SELECT extversion FROM pg_extension WHERE extname = 'pg_quota'") $(on 3 app "SHOW quota.max_active_per_tenant")"
+NA=$TO; TO=3
+move
+expect_eq "with $A's tickets ended, its shard moves from n$NA to the new worker" "00000 3" "$MOVE_STATE $(node_of "$A")"
+got=""
+for i in 0 1 2 3; do got+="$(try "$i" "$A" "added n$i") "; done
+expect_eq "$A is admitted where its shard now lives, to its limit of 2, from any node" "f f t t" \
+  "$(tr ' ' '\n' <<<"$got" | grep . | sort | xargs)"
+expect_eq "… on the new worker alone" "2 0 0" "$(live 3 "$A") $(live "$NA" "$A") $(live 0 "$A")"
 
 finish_checks

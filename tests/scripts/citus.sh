@@ -20,7 +20,8 @@
 # - a move of the tenant's shard is refused while the tenant holds tickets or its own
 #   limits on the node the shard would leave, and goes once they are gone;
 # - a worker added with citus_add_node() gets pg_quota, and admits the tenants whose
-#   shard moves to it.
+#   shard moves to it;
+# - ALTER EXTENSION pg_quota UPDATE on the coordinator updates every node at once.
 # Where Citus' source is not on the machine, the suite is skipped (exit 77), not passed.
 # majors: 18
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
@@ -499,5 +500,16 @@ for i in 0 1 2 3; do got+="$(try "$i" "$A" "added n$i") "; done
 expect_eq "$A is admitted where its shard now lives, to its limit of 2, from any node" "f f t t" \
   "$(tr ' ' '\n' <<<"$got" | grep . | sort | xargs)"
 expect_eq "… on the new worker alone" "2 0 0" "$(live 3 "$A") $(live "$NA" "$A") $(live 0 "$A")"
+
+# --- updating pg_quota across the cluster ---------------------------------------------
+# ALTER EXTENSION pg_quota UPDATE on the coordinator is Citus' to propagate: every node
+# is updated in the one distributed transaction, so no two nodes answer on two
+# versions. (Last: it drops the extension, and what the suite built with it.)
+versions() { for i in 0 1 2 3; do n "$i" -c "SELECT extversion FROM pg_extension WHERE extname = 'pg_quota'"; done | xargs; }
+CURRENT=$(n 0 -c "SELECT default_version FROM pg_available_extensions WHERE name = 'pg_quota'")
+n 0 -c "DROP EXTENSION pg_quota CASCADE" -c "CREATE EXTENSION pg_quota VERSION '0.6.1'" >/dev/null 2>&1
+expect_eq "CREATE EXTENSION pg_quota VERSION '0.6.1' on the coordinator reaches every node" "0.6.1 0.6.1 0.6.1 0.6.1" "$(versions)"
+expect_eq "ALTER EXTENSION pg_quota UPDATE on the coordinator updates every node to $CURRENT" \
+  "00000 $CURRENT $CURRENT $CURRENT $CURRENT" "$(state_on 0 postgres "ALTER EXTENSION pg_quota UPDATE") $(versions)"
 
 finish_checks

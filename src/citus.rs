@@ -289,7 +289,9 @@ unsafe fn shard_of(
     tenant: &[u8],
 ) -> i64 {
     if func == pg_sys::InvalidOid {
-        pgrx::error!("pg_quota: Citus' get_shard_id_for_distribution_column(regclass, \"any\") is missing");
+        pgrx::error!(
+            "pg_quota: Citus' get_shard_id_for_distribution_column(regclass, \"any\") is missing"
+        );
     }
     let value = text_datum(tenant);
     // SAFETY: the caller's. The function reads its second argument's type from the
@@ -333,21 +335,13 @@ unsafe fn shard_of(
             pg_sys::CoercionForm::COERCE_EXPLICIT_CALL,
         )
         .cast();
-        let (mut user, mut context) = (pg_sys::InvalidOid, 0);
-        pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
-        pg_sys::SetUserIdAndSecContext(
-            owner,
-            context
-                | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32
-                | pg_sys::SECURITY_RESTRICTED_OPERATION as i32,
-        );
+        let _owner = AsRole::user(owner);
         let shard = pg_sys::FunctionCall2Coll(
             &mut flinfo,
             pg_sys::InvalidOid,
             pg_sys::Datum::from(table),
             value,
         );
-        pg_sys::SetUserIdAndSecContext(user, context);
         shard.value() as i64
     }
 }

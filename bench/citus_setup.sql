@@ -35,9 +35,11 @@ END $$;
 CREATE FUNCTION complete(tenant text, job bigint) RETURNS bool LANGUAGE plpgsql STRICT AS $$
 DECLARE tk uuid;
 BEGIN
-  UPDATE jobs j SET done_at = now() WHERE j.tenant = complete.tenant AND j.id = job
+  UPDATE jobs j SET done_at = now()
+   WHERE j.tenant = complete.tenant AND j.id = job AND j.done_at IS NULL
   RETURNING j.ticket INTO tk;
-  RETURN tk IS NULL OR quota.finish(tk);
+  IF NOT FOUND THEN RAISE EXCEPTION 'no job % of tenant % to complete', job, tenant; END IF;
+  RETURN tk IS NULL OR quota.finish(tk);  -- JOB's jobs have no ticket
 END $$;
 \if :citus
 SELECT create_distributed_function('enqueue(text,text,bool)', '$1',

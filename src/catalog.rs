@@ -85,14 +85,16 @@ pub unsafe fn name_text(p: *const std::ffi::c_char) -> String {
 pub(crate) struct AsRole {
     user: pg_sys::Oid,
     context: i32,
-    nest: Option<i32>,
+    nest: i32,
 }
 
 impl AsRole {
     pub(crate) fn enter(role: pg_sys::Oid) -> AsRole {
-        // SAFETY: sets a GUC at a nesting level of its own, restored in drop (or by
-        // the abort).
-        let nest = unsafe {
+        let mut user = pg_sys::InvalidOid;
+        let mut context = 0;
+        // SAFETY: reads and sets the backend's current user and a GUC at a nesting
+        // level of its own, both restored in drop (or by the abort).
+        unsafe {
             let nest = pg_sys::NewGUCNestLevel();
             pg_sys::set_config_option(
                 c"search_path".as_ptr(),
@@ -104,23 +106,6 @@ impl AsRole {
                 0,
                 false,
             );
-            nest
-        };
-        AsRole {
-            nest: Some(nest),
-            ..AsRole::user(role)
-        }
-    }
-
-    /// As `enter`, search_path left as it is: for a call of C code that resolves no
-    /// name (catalog lookups by OID), where pinning the path would cost more than the
-    /// call.
-    pub(crate) fn user(role: pg_sys::Oid) -> AsRole {
-        let mut user = pg_sys::InvalidOid;
-        let mut context = 0;
-        // SAFETY: reads and sets the backend's current user, restored in drop (or by
-        // the abort).
-        unsafe {
             pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
             pg_sys::SetUserIdAndSecContext(
                 role,
@@ -128,11 +113,11 @@ impl AsRole {
                     | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32
                     | pg_sys::SECURITY_RESTRICTED_OPERATION as i32,
             );
-        }
-        AsRole {
-            user,
-            context,
-            nest: None,
+            AsRole {
+                user,
+                context,
+                nest,
+            }
         }
     }
 }
@@ -143,8 +128,8 @@ impl Drop for AsRole {
         // GUC level is left to the abort, which pops it (AtEOXact_GUC there).
         unsafe {
             pg_sys::SetUserIdAndSecContext(self.user, self.context);
-            if let (Some(nest), false) = (self.nest, std::thread::panicking()) {
-                pg_sys::AtEOXact_GUC(true, nest);
+            if !std::thread::panicking() {
+                pg_sys::AtEOXact_GUC(true, self.nest);
             }
         }
     }

@@ -50,12 +50,14 @@ const PLACED_PLAN: usize = 1;
 /// Bumped by each relcache invalidation of a relation in WATCHED (Citus sends one
 /// for the table whose shards, placements or distribution change, and for
 /// pg_dist_object, pg_dist_node, pg_dist_local_group and pg_dist_colocation on any
-/// change of theirs), of every relation (a reset of the invalidation queue), and by
-/// any change of pg_proc or pg_namespace: what placement() remembers
-/// (core::citus::Remembered) is then read again.
+/// change of theirs), of every relation (a reset of the invalidation queue), or of any
+/// relation while Citus' metadata is being read (READING: the table read may not be
+/// watched yet): what placement() remembers (core::citus::Remembered) is then read
+/// again. Dropping Citus drops its catalogs, which invalidates them too.
 static mut GENERATION: u64 = 1;
 /// The table the start functions are colocated with, then Citus' catalogs.
 static mut WATCHED: [pg_sys::Oid; 1 + CATALOGS.len()] = [pg_sys::InvalidOid; 1 + CATALOGS.len()];
+static mut READING: bool = false;
 static mut REGISTERED: bool = false;
 const CATALOGS: [&std::ffi::CStr; 7] = [
     c"pg_dist_object",
@@ -67,41 +69,26 @@ const CATALOGS: [&std::ffi::CStr; 7] = [
     c"pg_dist_colocation",
 ];
 
-#[pgrx::pg_guard]
-unsafe extern "C-unwind" fn relcache_changed(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
-    // SAFETY: single-threaded backend state.
+/// This module's crate::inval::Handler.
+unsafe fn relcache_changed(relid: pg_sys::Oid) {
+    // SAFETY: single-threaded backend state, read by value.
     unsafe {
-        if relid == pg_sys::InvalidOid || (*std::ptr::addr_of!(WATCHED)).contains(&relid) {
+        let watched = std::ptr::addr_of!(WATCHED).read();
+        if READING || relid == pg_sys::InvalidOid || watched.contains(&relid) {
             GENERATION += 1;
         }
     }
-}
-
-#[pgrx::pg_guard]
-unsafe extern "C-unwind" fn syscache_changed(_arg: pg_sys::Datum, _cache: i32, _hash: u32) {
-    // SAFETY: single-threaded backend state.
-    unsafe { GENERATION += 1 };
 }
 
 /// The generation now, with every invalidation committed so far taken in (as a lock
 /// acquisition takes them in): what is remembered from this generation is what
 /// Citus' metadata says as committed now.
 fn generation() -> u64 {
-    // SAFETY: single-threaded backend state; the callbacks are registered once per
+    // SAFETY: single-threaded backend state; the handler is registered once per
     // backend; AcceptInvalidationMessages has nothing to do in the common case.
     unsafe {
         if !REGISTERED {
-            pg_sys::CacheRegisterRelcacheCallback(Some(relcache_changed), pg_sys::Datum::from(0));
-            for cache in [
-                pg_sys::SysCacheIdentifier::PROCOID,
-                pg_sys::SysCacheIdentifier::NAMESPACEOID,
-            ] {
-                pg_sys::CacheRegisterSyscacheCallback(
-                    cache as i32,
-                    Some(syscache_changed),
-                    pg_sys::Datum::from(0),
-                );
-            }
+            crate::inval::on_relcache(relcache_changed);
             REGISTERED = true;
         }
         pg_sys::AcceptInvalidationMessages();
@@ -109,11 +96,20 @@ fn generation() -> u64 {
     }
 }
 
-/// The generation as it is, without taking invalidations in: after a read, whether
-/// one came in meanwhile.
-fn generation_now() -> u64 {
-    // SAFETY: single-threaded backend state.
-    unsafe { GENERATION }
+/// Runs `read` (a read of Citus' metadata) with every relcache invalidation that
+/// comes in meanwhile counted; its value, and the generation as it is then (without
+/// taking invalidations in): where that moved during the read, what it read is used
+/// but not kept.
+fn reading<T>(read: impl FnOnce() -> T) -> (T, u64) {
+    // SAFETY: single-threaded backend state. An ERROR inside leaves READING set,
+    // which only makes the memo forget more, until the next read resets it.
+    unsafe { READING = true };
+    let value = read();
+    // SAFETY: as above.
+    unsafe {
+        READING = false;
+        (value, GENERATION)
+    }
 }
 
 thread_local! {
@@ -121,7 +117,7 @@ thread_local! {
     static DECLARED_SEEN: std::cell::RefCell<Remembered<u32, Declared>> =
         std::cell::RefCell::new(Remembered::new(4));
     static SHARD_SEEN: std::cell::RefCell<Remembered<Vec<u8>, i64>> =
-        std::cell::RefCell::new(Remembered::new(16_384));
+        std::cell::RefCell::new(Remembered::new(4_096));
     static PLACED_SEEN: std::cell::RefCell<Remembered<i64, Placed>> =
         std::cell::RefCell::new(Remembered::new(16_384));
 }
@@ -147,25 +143,27 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
             if unsafe { pg_sys::get_extension_oid(c"citus".as_ptr(), true) } == pg_sys::InvalidOid {
                 return Ok(None);
             }
-            // SAFETY: single-threaded backend state; syscache lookups of Citus'
-            // catalogs, watched before they are read.
-            unsafe {
-                let watched = &mut *std::ptr::addr_of_mut!(WATCHED);
-                for (w, name) in watched[1..].iter_mut().zip(CATALOGS) {
-                    *w = pg_sys::get_relname_relid(
-                        name.as_ptr(),
-                        pg_sys::PG_CATALOG_NAMESPACE.into(),
-                    );
+            let (d, now) = reading(|| {
+                let mut watched = [pg_sys::InvalidOid; 1 + CATALOGS.len()];
+                // SAFETY: syscache lookups of Citus' catalogs; SPI inside the caller's
+                // transaction (an ERROR unwinds through it, and the transaction's abort
+                // cleans SPI up); then single-threaded backend state, written at once.
+                unsafe {
+                    for (w, name) in watched[1..].iter_mut().zip(CATALOGS) {
+                        *w = pg_sys::get_relname_relid(
+                            name.as_ptr(),
+                            pg_sys::PG_CATALOG_NAMESPACE.into(),
+                        );
+                    }
+                    let d = read_declared_now(ns.into());
+                    if let Declared::With { table, .. } = d {
+                        watched[0] = table.into();
+                    }
+                    std::ptr::addr_of_mut!(WATCHED).write(watched);
+                    d
                 }
-            }
-            // SAFETY: SPI inside the caller's transaction; an ERROR unwinds through it
-            // and the transaction's abort cleans SPI up.
-            let d = unsafe { read_declared_now(ns.into()) };
-            if let Declared::With { table, .. } = d {
-                // SAFETY: single-threaded backend state.
-                unsafe { (*std::ptr::addr_of_mut!(WATCHED))[0] = table.into() };
-            }
-            DECLARED_SEEN.with_borrow_mut(|m| m.keep(seen, generation_now(), ns, d));
+            });
+            DECLARED_SEEN.with_borrow_mut(|m| m.keep(seen, now, ns, d));
             d
         }
     };
@@ -195,8 +193,8 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
         Some(shard) => shard,
         None => {
             // SAFETY: a call of Citus' function with an argument of its types.
-            let shard = unsafe { shard_of(shard_fn, table, owner, tenant) };
-            SHARD_SEEN.with_borrow_mut(|m| m.keep(seen, generation_now(), tenant.to_vec(), shard));
+            let (shard, now) = reading(|| unsafe { shard_of(shard_fn, table, owner, tenant) });
+            SHARD_SEEN.with_borrow_mut(|m| m.keep(seen, now, tenant.to_vec(), shard));
             shard
         }
     };
@@ -217,7 +215,7 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
         Some(p) => p,
         None => {
             // SAFETY: SPI inside the caller's transaction, as above.
-            let placed = unsafe {
+            let (placed, now) = reading(|| unsafe {
                 connect();
                 query(
                     pg_sys::GetUserId(),
@@ -235,9 +233,8 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
                 };
                 pg_sys::SPI_finish();
                 placed
-            };
-            PLACED_SEEN
-                .with_borrow_mut(|m| m.keep(locked, generation_now(), shard, placed.clone()));
+            });
+            PLACED_SEEN.with_borrow_mut(|m| m.keep(locked, now, shard, placed.clone()));
             placed
         }
     };
@@ -277,7 +274,9 @@ unsafe fn read_declared_now(ns: pg_sys::Oid) -> Declared {
 /// The tenant's shard of `table`: Citus' get_shard_id_for_distribution_column()
 /// (`func`), called through fmgr rather than SPI (it answers from Citus' own
 /// metadata cache), as the table's owner: it wants SELECT on the table, which a role
-/// that only starts tickets need not have.
+/// that only starts tickets need not have; with search_path pinned (AsRole), since
+/// it converts the tenant with the distribution column's input function, which a
+/// domain's check may run.
 ///
 /// # Safety
 /// Inside a transaction; `func` is that function's OID, `table` a distributed table,
@@ -335,7 +334,7 @@ unsafe fn shard_of(
             pg_sys::CoercionForm::COERCE_EXPLICIT_CALL,
         )
         .cast();
-        let _owner = AsRole::user(owner);
+        let _owner = AsRole::enter(owner);
         let shard = pg_sys::FunctionCall2Coll(
             &mut flinfo,
             pg_sys::InvalidOid,

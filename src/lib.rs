@@ -16,6 +16,7 @@ mod compat;
 mod encoding;
 mod error;
 mod gucs;
+mod inval;
 mod policy;
 mod syncrep;
 mod timestamps;

@@ -63,8 +63,8 @@ static mut GENERATION: u64 = 0;
 static mut TABLE_OID: pg_sys::Oid = pg_sys::InvalidOid;
 static mut CALLBACK_REGISTERED: bool = false;
 
-#[pgrx::pg_guard]
-unsafe extern "C-unwind" fn relcache_changed(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+/// This module's crate::inval::Handler.
+unsafe fn relcache_changed(relid: pg_sys::Oid) {
     // SAFETY: single-threaded backend state.
     unsafe {
         if relid == pg_sys::InvalidOid || relid == TABLE_OID {
@@ -97,7 +97,7 @@ pub fn of(role: pg_sys::Oid, tenant: &[u8]) -> Override {
     // common case), so a change committed before this call is seen.
     let (cache, dirty) = unsafe {
         if !CALLBACK_REGISTERED {
-            pg_sys::CacheRegisterRelcacheCallback(Some(relcache_changed), pg_sys::Datum::from(0));
+            crate::inval::on_relcache(relcache_changed);
             CALLBACK_REGISTERED = true;
         }
         pg_sys::AcceptInvalidationMessages();

@@ -149,8 +149,8 @@ static mut CACHED: Option<Rels> = None;
 static mut CACHED_TAGS: Option<Tags> = None;
 static mut CALLBACK_REGISTERED: bool = false;
 
-#[pgrx::pg_guard]
-unsafe extern "C-unwind" fn relcache_changed(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+/// This module's crate::inval::Handler.
+unsafe fn relcache_changed(relid: pg_sys::Oid) {
     // SAFETY: single-threaded backend state.
     unsafe {
         // Tags found while the relations were not cached (an invalidation came in
@@ -438,7 +438,7 @@ pub fn rels() -> Rels {
     // SAFETY: single-threaded backend state; the callback is registered once.
     unsafe {
         if !CALLBACK_REGISTERED {
-            pg_sys::CacheRegisterRelcacheCallback(Some(relcache_changed), pg_sys::Datum::from(0));
+            crate::inval::on_relcache(relcache_changed);
             CALLBACK_REGISTERED = true;
         }
         if let Some(r) = CACHED {

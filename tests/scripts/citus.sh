@@ -53,7 +53,8 @@ expect_eq "CREATE EXTENSION pg_quota on the coordinator is propagated: every nod
 # calls it in the job's transaction); set_tenant_limits() by its tenant ($1); and the
 # application's finish_for(), which finishes a ticket on its tenant's node.
 n 0 -c "GRANT ALL ON SCHEMA public TO app" \
-    -c "CREATE TABLE jobs (tenant text NOT NULL, id bigserial, ticket uuid, PRIMARY KEY (tenant, id))" \
+    -c "CREATE TABLE jobs (tenant text NOT NULL, id bigserial, ticket uuid, payload text CHECK (payload IS DISTINCT FROM 'bad'),
+                           done_at timestamptz, PRIMARY KEY (tenant, id))" \
     -c "SELECT create_distributed_table('jobs', 'tenant', shard_count := 4)" \
     -c "CREATE TABLE running (tenant text NOT NULL, ticket uuid NOT NULL)" \
     -c "SELECT create_distributed_table('running', 'tenant', colocate_with := 'jobs')" \
@@ -213,36 +214,55 @@ on 0 app "SELECT finish_for('$B', ticket) FROM jobs WHERE tenant = '$B'" >/dev/n
 # transactional start and the job's INSERT (or the DELETE and the finish) are one
 # transaction local to that node.
 on 0 app "DELETE FROM jobs WHERE tenant = '$B'" >/dev/null
-n 0 -c "CREATE FUNCTION enqueue(tenant text, fail bool DEFAULT false) RETURNS bigint LANGUAGE plpgsql STRICT AS \$\$
+# USER_GUIDE's two functions, as written there.
+n 0 -c "CREATE FUNCTION enqueue(tenant text, payload text) RETURNS bigint LANGUAGE plpgsql STRICT AS \$\$
           DECLARE tk uuid; job bigint;
           BEGIN
-            tk := quota.start(tenant => tenant, label => 'whole', transactional => true);
-            INSERT INTO jobs (tenant, ticket) VALUES (tenant, tk) RETURNING id INTO job;
-            IF fail THEN RAISE EXCEPTION 'the job fails after its start'; END IF;
+            tk := quota.start(tenant => tenant, label => 'job', transactional => true);
+            INSERT INTO jobs (tenant, payload, ticket) VALUES (tenant, payload, tk) RETURNING id INTO job;
             RETURN job;
           END\$\$" \
     -c "CREATE FUNCTION complete(tenant text, job bigint) RETURNS bool LANGUAGE plpgsql STRICT AS \$\$
           DECLARE tk uuid;
           BEGIN
-            DELETE FROM jobs j WHERE j.tenant = complete.tenant AND j.id = job RETURNING j.ticket INTO tk;
+            UPDATE jobs j SET done_at = now()
+             WHERE j.tenant = complete.tenant AND j.id = job AND j.done_at IS NULL
+            RETURNING j.ticket INTO tk;
+            IF NOT FOUND THEN RETURN false; END IF;
             RETURN quota.finish(tk);
           END\$\$" \
-    -c "SELECT create_distributed_function('enqueue(text,bool)', '\$1', colocate_with := 'jobs', force_delegation := true)" \
+    -c "SELECT create_distributed_function('enqueue(text,text)', '\$1', colocate_with := 'jobs', force_delegation := true)" \
     -c "SELECT create_distributed_function('complete(text,bigint)', '\$1', colocate_with := 'jobs', force_delegation := true)" >/dev/null
 before=$(admitted "$NB")
-expect_eq "an enqueue() of $B that fails after its start on $B's node, then two from the coordinator and the other worker: two jobs" \
-  "P0001 00000 00000" "$(state_on "$NB" app "SELECT enqueue('$B', true)") $(state_on 0 app "SELECT enqueue('$B')") $(
-     state_on "$(other "$NB")" app "SELECT enqueue('$B')")"
+ledger_b() { n "$NB" -c "SELECT count(*) FROM quota.ledger WHERE tenant = '$B' AND label = 'job' AND ended_at IS NULL"; }
+expect_eq "an enqueue() of $B that fails after its start (the job's CHECK) on $B's node, then two from the coordinator and the other worker" \
+  "23514 00000 00000" "$(state_on "$NB" app "SELECT enqueue('$B', 'bad')") $(state_on 0 app "SELECT enqueue('$B', 'one')") $(
+     state_on "$(other "$NB")" app "SELECT enqueue('$B', 'two')")"
 expect_eq "… charged on $B's node alone, each with its job, the failed call's charge gone with it" "2 2 0 0 2" \
-  "$(n "$NB" -c "SELECT count(*) FROM quota.ledger WHERE label = 'whole' AND ended_at IS NULL") $(
-     n 0 -c "SELECT count(*) FROM jobs WHERE tenant = '$B'") $(n 0 -c "SELECT count(*) FROM quota.ledger WHERE label = 'whole'") $(
-     n "$(other "$NB")" -c "SELECT count(*) FROM quota.ledger WHERE label = 'whole'") $(($(admitted "$NB") - before))"
+  "$(ledger_b) $(n 0 -c "SELECT count(*) FROM jobs WHERE tenant = '$B'") $(
+     n 0 -c "SELECT count(*) FROM quota.ledger WHERE tenant = '$B'") $(
+     n "$(other "$NB")" -c "SELECT count(*) FROM quota.ledger WHERE tenant = '$B'") $(($(admitted "$NB") - before))"
 expect_eq "… and $B at its limit: a third enqueue() is refused (53400) from the coordinator, with no job" "53400 2" \
-  "$(state_on 0 app "SELECT enqueue('$B')") $(n 0 -c "SELECT count(*) FROM jobs WHERE tenant = '$B'")"
-expect_eq "complete() of one job from the other worker ends its ticket on $B's node, and frees its slot for an enqueue() from the coordinator" \
-  "t 00000 2" "$(on "$(other "$NB")" app "SELECT complete('$B', $(n 0 -c "SELECT min(id) FROM jobs WHERE tenant = '$B'"))") $(
-     state_on 0 app "SELECT enqueue('$B')") $(n "$NB" -c "SELECT count(*) FROM quota.ledger WHERE label = 'whole' AND ended_at IS NULL")"
-for id in $(n 0 -c "SELECT id FROM jobs WHERE tenant = '$B'"); do on 0 app "SELECT complete('$B', $id)" >/dev/null; done
+  "$(state_on 0 app "SELECT enqueue('$B', 'three')") $(n 0 -c "SELECT count(*) FROM jobs WHERE tenant = '$B'")"
+JOB1=$(n 0 -c "SELECT id FROM jobs WHERE tenant = '$B' AND payload = 'one'")
+expect_eq "complete() of a job from the other worker ends its ticket on $B's node; completed again, it returns false; an enqueue() from the coordinator takes the freed slot" \
+  "t f 00000 2" "$(on "$(other "$NB")" app "SELECT complete('$B', $JOB1)") $(on 0 app "SELECT complete('$B', $JOB1)") $(
+     state_on 0 app "SELECT enqueue('$B', 'four')") $(ledger_b)"
+for id in $(n 0 -c "SELECT id FROM jobs WHERE tenant = '$B' AND done_at IS NULL"); do on 0 app "SELECT complete('$B', $id)" >/dev/null; done
+on 0 app "DELETE FROM jobs WHERE tenant = '$B'" >/dev/null
+# What a backend read of Citus' metadata, it remembers: in one transaction on $B's
+# node, after two starts of $B (its limit), five more (refused, each placed first)
+# read none of Citus' catalogs (the transaction's own scan counts), until Citus'
+# metadata changes.
+scans="(SELECT sum(pg_stat_get_xact_numscans(c.oid)) FROM pg_class c
+         WHERE c.relnamespace = 'pg_catalog'::regnamespace AND c.relname IN ('pg_dist_object', 'pg_dist_placement', 'pg_dist_local_group'))"
+expect_eq "a backend that placed $B once reads none of Citus' catalogs for its next five starts of $B" "t t t 0 0" \
+  "$(on "$NB" app "BEGIN" "SELECT quota.try_start(tenant => '$B', label => 'memo') IS NOT NULL" \
+      "SELECT quota.try_start(tenant => '$B', label => 'memo') IS NOT NULL" \
+      "SELECT set_config('memo.scans', ($scans)::text, false) IS NOT NULL" \
+      "SELECT count(quota.try_start(tenant => '$B', label => 'memo')) FROM generate_series(1, 5)" \
+      "SELECT $scans - current_setting('memo.scans')::numeric" "COMMIT" | xargs)"
+on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE label = 'memo' AND ended_at IS NULL" >/dev/null
 
 # --- usage seen from any node -----------------------------------------------------------
 # The whole cluster, for the DBA (run_command_on_all_nodes, each row naming its node),

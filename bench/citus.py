@@ -65,6 +65,18 @@ def server_cpu(datadir):
     return out
 
 
+def is_pg_quota(pid, seen={}):
+    """Whether the process is one of pg_quota's background workers (its title names
+    pg_quota), as first seen."""
+    if pid not in seen:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                seen[pid] = b"pg_quota" in f.read()
+        except OSError:
+            seen[pid] = False
+    return seen[pid]
+
+
 def psql(node, sql):
     d, port = node
     return subprocess.run([os.path.join(ARGS.pgbin, "psql"), "-X", "-At", "-h", d, "-p", str(port),
@@ -114,7 +126,8 @@ def run(servers, script):
             raise SystemExit(f"pgbench failed:\n{out}\n{err}")
         jobs.append(int(m.group(1)))
     cpu = sum(c - before.get(pid, 0.0) for pid, c in last.items())
-    return sum(jobs), cpu, jobs
+    workers = sum(c - before.get(pid, 0.0) for pid, c in last.items() if is_pg_quota(pid))
+    return sum(jobs), cpu, jobs, workers
 
 
 RECIPES = [("statements", "citus_job.sql", "citus_jobt.sql"),
@@ -133,8 +146,8 @@ def main():
                 for w, script in (("JOB", job), ("JOBT", jobt)):
                     on_cluster = w == "JOBT" and name != "single node"
                     before = [admitted(n) for n in servers] if on_cluster else None
-                    jobs, cpu, per_node = run(servers, script)
-                    rows[(recipe, name)][w].append((jobs, cpu))
+                    jobs, cpu, per_node, workers = run(servers, script)
+                    rows[(recipe, name)][w].append((jobs, cpu, workers))
                     if before is not None:
                         hops[recipe] = (per_node, [admitted(n) - b for n, b in zip(servers, before)])
     lines = ["# pg_quota on a Citus cluster: what it adds to a job's CPU (scripts/bench --citus)", ""]
@@ -151,16 +164,19 @@ def main():
     for recipe, _, _ in RECIPES:
         added = {}
         lines += [f"## Recipe: {recipe}", "",
-                  "| setup | round | JOB jobs/s | JOB us/job | JOBT jobs/s | JOBT us/job | added us/job |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| setup | round | JOB jobs/s | JOB us/job | JOBT jobs/s | JOBT us/job | added us/job "
+                  "| of which pg_quota's background workers |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for name, _ in setups:
             per = []
             r = rows[(recipe, name)]
-            for i, ((jj, jc), (tj, tc)) in enumerate(zip(r["JOB"], r["JOBT"])):
+            for i, ((jj, jc, jw), (tj, tc, tw)) in enumerate(zip(r["JOB"], r["JOBT"])):
                 job_us, jobt_us = jc * 1e6 / max(jj, 1), tc * 1e6 / max(tj, 1)
+                workers_us = tw * 1e6 / max(tj, 1) - jw * 1e6 / max(jj, 1)
                 per.append(jobt_us - job_us)
                 lines.append(f"| {name} | {i + 1} | {jj / ARGS.seconds:.0f} | {job_us:.0f} | "
-                             f"{tj / ARGS.seconds:.0f} | {jobt_us:.0f} | {jobt_us - job_us:.0f} |")
+                             f"{tj / ARGS.seconds:.0f} | {jobt_us:.0f} | {jobt_us - job_us:.0f} | "
+                             f"{workers_us:.0f} |")
             added[name] = statistics.median(per)
         ratio = added["cluster of 3"] / max(added["single node"], 1e-9)
         lines += ["", f"Median added CPU per job: single node {added['single node']:.0f} us, "

@@ -21,13 +21,15 @@ ALTER ROLE app SET quota.allow_transactional = on;
 -- The recipe of whole calls (USER_GUIDE "Citus"): one call enqueues, one completes,
 -- each distributed by tenant, so Citus runs each whole on the tenant's node, where
 -- the start or finish and the row's change are one local transaction. `admit`
--- switches pg_quota off for JOB's run of the same calls (citus_fjob.sql).
+-- switches pg_quota off for JOB's run of the same calls (citus_fjob.sql). The start
+-- is the weighted overload, which is not distributed: Citus plans a call of a
+-- distributed function anew each time its arguments are parameters (USER_GUIDE).
 CREATE FUNCTION enqueue(tenant text, payload text, admit bool) RETURNS bigint
   LANGUAGE plpgsql STRICT AS $$
 DECLARE tk uuid; job bigint;
 BEGIN
   IF admit THEN
-    tk := quota.start(tenant => tenant, label => 'job', transactional => true);
+    tk := quota.start(weight => 1, tenant => tenant, label => 'job', transactional => true);
   END IF;
   INSERT INTO jobs (tenant, payload, ticket) VALUES (tenant, payload, tk) RETURNING id INTO job;
   RETURN job;

@@ -218,7 +218,7 @@ on 0 app "DELETE FROM jobs WHERE tenant = '$B'" >/dev/null
 n 0 -c "CREATE FUNCTION enqueue(tenant text, payload text) RETURNS bigint LANGUAGE plpgsql STRICT AS \$\$
           DECLARE tk uuid; job bigint;
           BEGIN
-            tk := quota.start(tenant => tenant, label => 'job', transactional => true);
+            tk := quota.start(weight => 1, tenant => tenant, label => 'job', transactional => true);
             INSERT INTO jobs (tenant, payload, ticket) VALUES (tenant, payload, tk) RETURNING id INTO job;
             RETURN job;
           END\$\$" \

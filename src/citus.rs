@@ -52,8 +52,13 @@ const PLACED_PLAN: usize = 1;
 /// pg_dist_object, pg_dist_node, pg_dist_local_group and pg_dist_colocation on any
 /// change of theirs), of every relation (a reset of the invalidation queue), or of any
 /// relation while Citus' metadata is being read (READING: the table read may not be
-/// watched yet): what placement() remembers (core::citus::Remembered) is then read
-/// again. Dropping Citus drops its catalogs, which invalidates them too.
+/// watched yet), and by any change of pg_proc (DECLARED picks the start functions by
+/// name: a distributed function renamed to quota.start changes no catalog of Citus'):
+/// what placement() remembers (core::citus::Remembered) is then read again. Dropping
+/// Citus drops its catalogs, which invalidates them too. READING is a flag: a read
+/// nested in a read (a domain check of the distribution column that starts a ticket)
+/// ends it early, and an ERROR in a read leaves it set to the next read; either only
+/// makes the memory forget more.
 static mut GENERATION: u64 = 1;
 /// The table the start functions are colocated with, then Citus' catalogs.
 static mut WATCHED: [pg_sys::Oid; 1 + CATALOGS.len()] = [pg_sys::InvalidOid; 1 + CATALOGS.len()];
@@ -68,6 +73,12 @@ const CATALOGS: [&std::ffi::CStr; 7] = [
     c"pg_dist_local_group",
     c"pg_dist_colocation",
 ];
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn proc_changed(_arg: pg_sys::Datum, _cache: i32, _hash: u32) {
+    // SAFETY: single-threaded backend state.
+    unsafe { GENERATION += 1 };
+}
 
 /// This module's crate::inval::Handler.
 unsafe fn relcache_changed(relid: pg_sys::Oid) {
@@ -89,6 +100,11 @@ fn generation() -> u64 {
     unsafe {
         if !REGISTERED {
             crate::inval::on_relcache(relcache_changed);
+            pg_sys::CacheRegisterSyscacheCallback(
+                pg_sys::SysCacheIdentifier::PROCOID as i32,
+                Some(proc_changed),
+                pg_sys::Datum::from(0),
+            );
             REGISTERED = true;
         }
         pg_sys::AcceptInvalidationMessages();

@@ -7,7 +7,9 @@ use pgrx::pg_sys;
 
 /// What a cache does on an invalidation of relation `relid` (InvalidOid: of every
 /// relation). Called inside AcceptInvalidationMessages: it may only mark its cache
-/// stale, never read a catalog or raise an error.
+/// stale, never read a catalog, raise an error or panic (the callback's guard would
+/// turn a panic into an ERROR in the middle of the queue's processing, and the
+/// messages already taken off it would be lost).
 pub type Handler = unsafe fn(relid: pg_sys::Oid);
 
 /// pg_quota's caches that take invalidations; each registers once.

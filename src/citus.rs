@@ -2,8 +2,10 @@
 //! core::citus::admit_here; what a shard move would leave behind on this node; and a
 //! start without a tenant kept from Citus' delegation. Nothing is read where Citus
 //! is not loaded in this server; where it is not installed in the database, a start
-//! for a tenant costs one catalog probe more, and where pg_quota's start functions
-//! are not distributed, one query of Citus' metadata (a kept plan).
+//! for a tenant costs one catalog probe more. Otherwise what was read is remembered
+//! per backend until Citus invalidates it: a start reads Citus' metadata only the
+//! first time its backend meets the tenant (its shard, through fmgr) or the shard
+//! (its nodes, a kept plan).
 
 use pgrx::pg_sys;
 

@@ -1,6 +1,6 @@
 //! Layer 1: names from the catalogs, for messages and log lines, read from the server
 //! encoding (encoding.rs); and `AsRole`, for the few queries pg_quota runs with a
-//! table owner's privileges (tenant_limits.rs, citus.rs).
+//! table owner's privileges (tenant_limits.rs, citus/).
 
 use pgrx::pg_sys;
 

@@ -30,7 +30,7 @@ pub struct Policy {
     /// (0.6.0: a refusal at it says so, and how to turn it off).
     pub retained_is_default: bool,
     /// The same of quota.max_active_per_role (its boot value 100): a Citus node warns
-    /// only of a limit chosen for the role that counts per node (citus.rs).
+    /// only of a limit chosen for the role that counts per node (citus/placement.rs).
     pub active_is_default: bool,
 }
 

@@ -243,7 +243,7 @@ pub fn start(
     let mut placed = None;
     let result = start_placed(args, name, on_refusal, &mut placed);
     // On a Citus node, a writer-committed start's charge is committed (or was refused)
-    // by now: a move of its tenant's shard may go and will see it (citus.rs). A
+    // by now: a move of its tenant's shard may go and will see it (citus/moves.rs). A
     // transactional one's commits with its transaction, which keeps the lock, unless
     // it charged nothing.
     if !args.transactional || matches!(result, Ok(None)) {

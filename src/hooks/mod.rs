@@ -1,6 +1,6 @@
 //! Layer 5, the paths: hooks into PostgreSQL's DDL, so that DBA operations keep working
 //! while pg_quota is in use (I9). guard.rs holds what DDL may do to pg_quota's own
-//! tables. And, on a Citus node (0.7.1, citus.rs), a planner hook that keeps a start
+//! tables. And, on a Citus node (0.7.1, citus/planner.rs), a planner hook that keeps a start
 //! without a tenant from Citus' delegation, and an executor hook that checks Citus'
 //! shard moves off the node.
 //!
@@ -49,7 +49,7 @@ pub fn init() {
 /// While PostgreSQL plans a query, once its final form is known (the top level's
 /// UPPERREL_FINAL): a start whose tenant is NULL in that form is kept from Citus'
 /// function delegation, which would crash on it and which decides on that same form
-/// after standard_planner returns (citus.rs). Every other query is left as it is.
+/// after standard_planner returns (citus/planner.rs). Every other query is left as it is.
 #[pg_guard]
 unsafe extern "C-unwind" fn create_upper_paths(
     root: *mut pg_sys::PlannerInfo,
@@ -74,7 +74,7 @@ unsafe extern "C-unwind" fn create_upper_paths(
 /// transaction, `SELECT citus_internal.update_placement_metadata(shard, source,
 /// target)`. On the node the shard leaves, pg_quota refuses it, as it starts to run,
 /// where a tenant of the shard holds tickets or its own limits here, which the move
-/// would leave behind (citus.rs; USER_GUIDE "Citus"), so that the move fails whole.
+/// would leave behind (citus/moves.rs; USER_GUIDE "Citus"), so that the move fails whole.
 /// Every other statement is told apart by its plan's shape alone.
 #[pg_guard]
 unsafe extern "C-unwind" fn executor_start(query_desc: *mut pg_sys::QueryDesc, eflags: i32) {

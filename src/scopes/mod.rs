@@ -804,7 +804,7 @@ pub const CAP_LOCK_FIELD4: u16 = 0x5143; // "QC"
 /// 0.7.0: the lock that serializes changes of the tenants' own limits.
 pub const OVERRIDES_LOCK_FIELD4: u16 = 0x514F; // "QO"
 /// 0.7.1: the lock a start holds (shared) on its tenant's Citus shard, and a move of
-/// that shard off the node (exclusive), so that neither passes the other (citus.rs).
+/// that shard off the node (exclusive), so that neither passes the other (citus/moves.rs).
 pub const SHARD_LOCK_FIELD4: u16 = 0x5148; // "QH"
 
 /// The tag of the lock that quota.set_tenant_limits() holds (exclusively, to the end

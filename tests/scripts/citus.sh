@@ -9,7 +9,8 @@
 # - a start that Citus runs where the client is (inside a transaction block without
 #   force_delegation, in PL/pgSQL) is refused with 0A000 on a node that does not hold
 #   the tenant, rather than admitted by a ledger that does not see its tickets;
-# - with clients on every node racing, a tenant never runs more than its limit;
+# - with clients on every node racing, a tenant never runs more than its limit, with
+#   starts alone in their statements and with the recipe of whole calls;
 # - the enqueue recipe: a force-delegated transactional start and the job's INSERT in
 #   one transaction, from any node, commit and roll back together;
 # - the recipe of whole calls: enqueue() and complete(), distributed by tenant, each a
@@ -18,7 +19,8 @@
 #   is admitted;
 # - the tenant's node, stopped in a crash and restarted, keeps its tickets;
 # - a move of the tenant's shard is refused while the tenant holds tickets or its own
-#   limits on the node the shard would leave, and goes once they are gone;
+#   limits on the node the shard would leave, and goes once they are gone; a start
+#   that comes during a move waits for it, then is refused on the node the shard left;
 # - a worker added with citus_add_node() gets pg_quota, and admits the tenants whose
 #   shard moves to it;
 # - ALTER EXTENSION pg_quota UPDATE on the coordinator updates every node at once.
@@ -85,6 +87,8 @@ for t in t1 t2 t3 t4 t5 t6 t7 t8 t9; do
 done
 check "the tenants $A and $B live on different workers" test -n "$A" -a -n "$B"
 NA=$(node_of "$A"); NB=$(node_of "$B")
+C=$(for t in t1 t2 t3 t4 t5 t6 t7 t8 t9; do [ "$t" = "$A" ] || [ "$t" = "$B" ] || echo "$t"; done | head -1)
+NC=$(node_of "$C")  # the race's tenant of whole calls
 other() { echo $((3 - $1)); }  # the other worker
 live() { n "$1" -c "SELECT count(*) FROM quota.ledger WHERE tenant = '$2' AND ended_at IS NULL"; }
 # try I TENANT [LABEL]: a try_start() alone in its statement on node I, as app (so that
@@ -314,8 +318,10 @@ on 0 postgres "SELECT quota.set_tenant_limits('$B', role => 'app')" >/dev/null
 # Each client runs its loop in one psql session: a start for a tenant, alone in its
 # statement (delegated) or in a transaction block (run where the client is); while it
 # holds a ticket, a row in running (on the tenant's node, in the tenant's shard); then
-# the row goes and finish_for() ends the ticket. A sampler on the coordinator counts
-# running rows per tenant as often as it can.
+# the row goes and finish_for() ends the ticket. Beside them, clients of the recipe of
+# whole calls for $C: enqueue() (its transactional start and the job's row, in one
+# transaction), then complete(). A sampler on the coordinator counts, per tenant,
+# running rows and $C's jobs not yet completed, as often as it can.
 on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE ended_at IS NULL" >/dev/null
 on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE ended_at IS NULL" >/dev/null
 client() {  # client NODE TENANT delegated|block ITERATIONS
@@ -334,17 +340,31 @@ client() {  # client NODE TENANT delegated|block ITERATIONS
     echo "\\endif"
   done
 }
+whole_client() {  # whole_client TENANT ITERATIONS: enqueue(), then complete(), each alone
+  local t="$1" k
+  echo "\\set VERBOSITY sqlstate"
+  for k in $(seq 1 "$2"); do
+    echo "SELECT enqueue('$t', 'race') AS job \\gset"  # refused: 53400, and job unset
+    echo "\\if :{?job}"
+    echo "SELECT pg_sleep(0.005);"
+    echo "SELECT complete('$t', :job);"
+    echo "\\unset job"
+    echo "\\endif"
+  done
+}
 RACE="$DIR/race"; mkdir -p "$RACE"; chmod 777 "$RACE"
 n 0 -c "CREATE TABLE race_stop (x int)" -c "GRANT ALL ON race_stop TO app" >/dev/null
 bg "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U app -d app -c "
-  DO \$\$DECLARE m int := 0; k int; s int := 0;
+  DO \$\$DECLARE m int := 0; k int; s int := 0; w int := 0;
   BEGIN
     WHILE NOT EXISTS (SELECT 1 FROM race_stop) LOOP
       SELECT coalesce(max(c), 0) INTO k FROM (SELECT count(*) c FROM running GROUP BY tenant) x;
-      m := greatest(m, k); s := s + 1;
+      m := greatest(m, k);
+      SELECT count(*) INTO k FROM jobs WHERE tenant = '$C' AND payload = 'race' AND done_at IS NULL;
+      w := greatest(w, k); s := s + 1;
       PERFORM pg_sleep(0.002);
     END LOOP;
-    RAISE NOTICE 'sampled % % times', m, s;
+    RAISE NOTICE 'sampled % % times, whole calls %', m, s, w;
   END\$\$" > "$RACE/sampler.out" 2>&1
 SAMPLER=$LAST_BG
 clients=()
@@ -358,18 +378,38 @@ for t in "$A" "$B"; do
     done
   done
 done
+for i in 0 1 2; do
+  for k in 1 2; do
+    whole_client "$C" 120 > "$RACE/$C-$i-$k-whole.sql"
+    bg timeout 150 "$PG_BIN/psql" -X -q -At -h "$DIR/n$i" -p $((BASE + i)) -U app -d app \
+      -v ON_ERROR_STOP=0 -f "$RACE/$C-$i-$k-whole.sql" > "$RACE/$C-$i-$k-whole.out" 2> "$RACE/$C-$i-$k-whole.err"
+    clients+=("$LAST_BG")
+  done
+done
 for p in "${clients[@]}"; do wait "$p" 2>/dev/null || true; done
 n 0 -c "INSERT INTO race_stop VALUES (1)" >/dev/null
 wait "$SAMPLER" 2>/dev/null || true
-read -r most samples < <(sed -n 's/.*sampled \([0-9]*\) \([0-9]*\) times.*/\1 \2/p' "$RACE/sampler.out")
-finished=$(cat "$RACE"/*.out | grep -c '^t$' || true)
+read -r most samples whole < <(sed -n 's/.*sampled \([0-9]*\) \([0-9]*\) times, whole calls \([0-9]*\).*/\1 \2 \3/p' "$RACE/sampler.out")
+finished=$(cat "$RACE"/*-delegated.out "$RACE"/*-block.out | grep -c '^t$' || true)
+completed=$(cat "$RACE"/*-whole.out | grep -c '^t$' || true)
+refused=$(cat "$RACE"/*-whole.err | grep -c 'ERROR:  53400$' || true)
 elsewhere=$(cat "$RACE"/*-block.err | grep -c "is held by node" || true)
-other_errors=$(cat "$RACE"/*.err | grep ERROR | grep -vc "is held by node" || true)
+other_errors=$(cat "$RACE"/*.err | grep ERROR | grep -v "is held by node" | grep -vc 'ERROR:  53400$' || true)
 echo "# race: $finished tickets finished; block starts refused on a node without their tenant: $elsewhere; most running at once for a tenant: ${most:-?} in ${samples:-?} samples"
+echo "# race of whole calls for $C (n$NC): $completed jobs completed, $refused enqueues refused; most not completed at once: ${whole:-?}"
 check "with clients on every node, no tenant ever ran more than its limit of 2 at once (most seen: ${most:-none}, ${samples:-0} samples)" \
   test "${most:-9}" -le 2 -a "${samples:-0}" -gt 100
 check "the race finished work ($finished tickets) and refused the block starts made on the wrong nodes ($elsewhere)" \
   test "$finished" -gt 50 -a "$elsewhere" -gt 0
+check "with clients of whole calls on every node, $C never had more than its limit of 2 jobs enqueued and not completed (most seen: ${whole:-none})" \
+  test "${whole:-9}" -le 2
+check "… the race of whole calls completed jobs ($completed) and refused enqueues at the limit ($refused)" \
+  test "$completed" -gt 50 -a "$refused" -gt 0
+expect_eq "… each completed job's ticket on $C's node alone, one to a job, all ended" "$completed $completed 0 0" \
+  "$(n 0 -c "SELECT count(*) FROM jobs WHERE tenant = '$C' AND payload = 'race' AND done_at IS NOT NULL") $(
+     n "$NC" -c "SELECT count(*) FROM quota.ledger WHERE tenant = '$C' AND ended_at IS NOT NULL") $(
+     n "$NC" -c "SELECT count(*) FROM quota.ledger WHERE tenant = '$C' AND ended_at IS NULL") $(
+     elsewhere_c=0; for i in 0 1 2; do [ "$i" = "$NC" ] || elsewhere_c=$((elsewhere_c + $(n "$i" -c "SELECT count(*) FROM quota.ledger WHERE tenant = '$C'"))); done; echo $elsewhere_c)"
 expect_eq "no client met another error" 0 "$other_errors"
 left=0
 for i in 1 2; do left=$((left + $(n "$i" -c "SELECT count(*) FROM quota.ledger WHERE label LIKE 'race%' AND ended_at IS NULL"))); done
@@ -447,6 +487,48 @@ expect_eq "… and the enqueue then commits, its charge and its job on n$NA, whe
      n 0 -c "SELECT count(*) FROM jobs WHERE tenant = '$A'")"
 on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$A' AND ended_at IS NULL" >/dev/null
 on 0 app "DELETE FROM jobs WHERE tenant = '$A'" >/dev/null
+# A start that comes while a move is under way on n$NA waits for it, then reads where
+# the shard is after it. The move's metadata update on n$NA is held open here: Citus'
+# own call, made by a superuser on a connection named as Citus names its own (its
+# placement moves to n$TO in n$NA's catalog alone; the rows stay where they are), then
+# committed, then undone the same way. The waiting session read $A's placement before,
+# so its backend remembers it here: only what it reads after the lock may decide.
+LOCAL_NA=$(n "$NA" -c "SELECT groupid FROM pg_dist_local_group")
+LOCAL_TO=$(n "$TO" -c "SELECT groupid FROM pg_dist_local_group")
+CL="$DIR/n$NA" PORT=$((BASE + NA)) open_session mv app app
+say mv "BEGIN;"  # run here, not delegated: try_start() is not force-delegated
+say mv "SELECT 'primed:' || coalesce(quota.finish(quota.try_start(tenant => '$A', label => 'primed'))::text, 'refused');"
+say mv "COMMIT;"  # the finish with it
+say mv "BEGIN;"
+CL="$DIR/n$NA" wait_out mv "primed:"
+CITUS_APP="citus_internal gpid=10000000001"  # what EnsureCitusInitiatedOperation() checks
+PGAPPNAME="$CITUS_APP" CL="$DIR/n$NA" PORT=$((BASE + NA)) open_session meta postgres app
+say meta "BEGIN;"
+say meta "SELECT citus_internal.update_placement_metadata($SHARD, $LOCAL_NA, $LOCAL_TO);"
+say meta "\\echo updated=:SQLSTATE"
+CL="$DIR/n$NA" wait_out meta "updated="
+say mv "SELECT quota.try_start(tenant => '$A', label => 'during move');"
+say mv "\\echo during=:SQLSTATE"
+waited=not-waiting
+for _ in $(seq 60); do
+  if [ "$(n "$NA" -c "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%during move%' AND pid <> pg_backend_pid()")" = 1 ]; then
+    waited=waiting; break
+  fi
+  sleep 0.05
+done
+expect_eq "while a move's metadata update for $A's shard is under way on n$NA (its own lock taken), a start of $A there waits for it" \
+  "updated=00000 waiting none" "$(grep -o 'updated=.*' "$DIR/n$NA/meta.out") $waited $(grep -o 'during=.*' "$DIR/n$NA/mv.out" || echo none)"
+say meta "COMMIT;"
+close_session meta
+CL="$DIR/n$NA" wait_out mv "during="
+say mv "ROLLBACK;"
+close_session mv
+expect_eq "… and once the move commits, the start reads where the shard is now, not what its backend remembered: refused (0A000), nothing charged" \
+  "during=0A000 0" "$(grep -o 'during=.*' "$DIR/n$NA/mv.out") $(n "$NA" -c "SELECT count(*) FROM quota.ledger WHERE label = 'during move'")"
+PGAPPNAME="$CITUS_APP" n "$NA" -c "SELECT citus_internal.update_placement_metadata($SHARD, $LOCAL_TO, $LOCAL_NA)" >/dev/null
+expect_eq "… and with the metadata put back, $A is admitted on n$NA again" \
+  "t 1" "$(try "$NA" "$A" "put back") $(live "$NA" "$A")"
+on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$A' AND ended_at IS NULL" >/dev/null
 # A REPEATABLE READ transaction on n$NA whose snapshot predates the move.
 CL="$DIR/n$NA" PORT=$((BASE + NA)) open_session rr app app
 # Before it begins, the session starts and finishes a ticket of $A: its backend now remembers
@@ -470,7 +552,6 @@ say dst "ROLLBACK;"
 CL="$DIR/n$TO" wait_out dst "before="
 # Nothing a role can prepare takes pg_quota's shard lock: only a superuser's call of
 # Citus' function, as it runs.
-LOCAL_NA=$(n "$NA" -c "SELECT groupid FROM pg_dist_local_group")
 CL="$DIR/n$NA" PORT=$((BASE + NA)) open_session prep app app
 say prep "BEGIN;"
 say prep "PREPARE x AS SELECT citus_internal.update_placement_metadata($SHARD, $LOCAL_NA, 0);"

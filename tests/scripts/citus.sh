@@ -17,6 +17,8 @@
 #   transaction local to the tenant's node, from any node;
 # - a tenant's own limit, set through a distributed set_tenant_limits(), holds where it
 #   is admitted;
+# - quota.claim_job() and quota.finish_job() triggers on a distributed table renew and
+#   finish on the tenant's node; across two nodes, the statement fails whole;
 # - the tenant's node, stopped in a crash and restarted, keeps its tickets;
 # - a move of the tenant's shard is refused while the tenant holds tickets or its own
 #   limits on the node the shard would leave, and goes once they are gone; a start
@@ -416,6 +418,63 @@ for i in 1 2; do left=$((left + $(n "$i" -c "SELECT count(*) FROM quota.ledger W
 expect_eq "every ticket of the race is on its tenant's node, and all ended" "0 0 0 0" \
   "$(n 0 -c "SELECT count(*) FROM quota.ledger WHERE label LIKE 'race%'") $(n "$(other "$NA")" -c "SELECT count(*) FROM quota.ledger WHERE tenant = '$A'") $(
      n "$(other "$NB")" -c "SELECT count(*) FROM quota.ledger WHERE tenant = '$B'") $left"
+
+# --- the queue's own claim and completion, by pg_quota's triggers ------------------------
+# On a table distributed by tenant, quota.claim_job() and quota.finish_job() fire on
+# the shard, on the tenant's node, where its ticket is: a claim or a completion routed
+# to one tenant renews or finishes there, from any node. A statement that writes on two
+# nodes is committed by Citus with two-phase commit, which pg_quota refuses to prepare
+# once a renewal or a finish is in the transaction (0A000): it fails whole.
+D=$([ "$NC" = "$NA" ] && echo "$B" || echo "$A"); ND=$(node_of "$D")
+n 0 -c "CREATE TABLE tjobs (tenant text NOT NULL, id bigserial, ticket uuid, status text NOT NULL DEFAULT 'todo',
+                            PRIMARY KEY (tenant, id))" \
+    -c "SELECT create_distributed_table('tjobs', 'tenant', colocate_with := 'jobs')" \
+    -c "GRANT ALL ON tjobs, tjobs_id_seq TO app" >/dev/null
+expect_eq "without citus.enable_unsafe_triggers, Citus refuses a trigger on a distributed table" \
+  "triggers are not supported on distributed tables" \
+  "$(n 0 -c "CREATE TRIGGER quota_job_done AFTER UPDATE OF status ON tjobs FOR EACH ROW
+              EXECUTE FUNCTION quota.finish_job('ticket', 'succeeded')" 2>&1 | sed -n 's/^.*ERROR:  //p')"
+expect_eq "with it, quota.claim_job() and quota.finish_job() triggers on the distributed table reach every shard (both on each of 4)" "4x2 4" \
+  "$(n 0 -c "SET citus.enable_unsafe_triggers = on" \
+     -c "CREATE TRIGGER quota_job_claimed BEFORE UPDATE OF status ON tjobs FOR EACH ROW
+           WHEN (NEW.status = 'doing' AND OLD.status = 'todo') EXECUTE FUNCTION quota.claim_job('ticket', '5 minutes')" \
+     -c "CREATE TRIGGER quota_job_done AFTER UPDATE OF status ON tjobs FOR EACH ROW
+           WHEN (NEW.status = 'done' AND OLD.status <> 'done') EXECUTE FUNCTION quota.finish_job('ticket', 'succeeded')" \
+     -c "SELECT result FROM run_command_on_shards('tjobs', \$\$SELECT count(*) FROM pg_trigger WHERE tgrelid = '%s'::regclass AND tgname LIKE 'quota_job_%%'\$\$)" | sort | uniq -c | awk '{print $1 "x" $2}') $(
+     n 0 -c "SELECT count(*) FROM pg_dist_shard WHERE logicalrelid = 'tjobs'::regclass")"
+# tj_enqueue NODE TENANT: a writer-committed start with a lease of a minute, alone in its
+# statement (delegated to the tenant's node), then the job's row with its ticket; the id.
+tj_enqueue() {
+  local tk
+  tk=$(on "$1" app "SELECT quota.try_start(tenant => '$2', label => 'tj', lease => '1 minute')")
+  [ -n "$tk" ] && on "$1" app "INSERT INTO tjobs (tenant, ticket) VALUES ('$2', '$tk') RETURNING id"
+}
+tj_ticket() { n 0 -c "SELECT ticket FROM tjobs WHERE tenant = '$1' AND id = $2"; }
+tj_lease() { n "$1" -c "SELECT CASE WHEN ended_at IS NOT NULL THEN 'ended:' || outcome WHEN lease_until > now() + interval '4 minutes' THEN 'renewed' ELSE 'minute' END FROM quota.ledger WHERE id = '$2'"; }
+C1=$(tj_enqueue 0 "$C"); C2=$(tj_enqueue "$(other "$NC")" "$C"); D1=$(tj_enqueue 0 "$D")
+expect_eq "two jobs of $C and one of $D enqueued, each ticket on its tenant's node; $C is at its limit" \
+  "minute minute minute f" "$(tj_lease "$NC" "$(tj_ticket "$C" "$C1")") $(tj_lease "$NC" "$(tj_ticket "$C" "$C2")") $(
+     tj_lease "$ND" "$(tj_ticket "$D" "$D1")") $(try 0 "$C")"
+expect_eq "a claim of $C's job from the other worker renews its ticket on $C's node (claim_job(), in the claim's UPDATE)" \
+  "00000 renewed" "$(state_on "$(other "$NC")" app "UPDATE tjobs SET status = 'doing' WHERE tenant = '$C' AND id = $C1") $(
+     tj_lease "$NC" "$(tj_ticket "$C" "$C1")")"
+expect_eq "its completion from the coordinator, rolled back, leaves the ticket active" "renewed" \
+  "$(on 0 app "BEGIN" "UPDATE tjobs SET status = 'done' WHERE tenant = '$C' AND id = $C1" "ROLLBACK" >/dev/null; tj_lease "$NC" "$(tj_ticket "$C" "$C1")")"
+expect_eq "committed, it finishes the ticket on $C's node (finish_job()), and a start of $C is admitted in its slot" \
+  "00000 ended:succeeded t" "$(state_on 0 app "UPDATE tjobs SET status = 'done' WHERE tenant = '$C' AND id = $C1") $(
+     tj_lease "$NC" "$(tj_ticket "$C" "$C1")") $(try 0 "$C" "tj slot")"
+on "$NC" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE label = 'tj slot' AND ended_at IS NULL" >/dev/null
+two_nodes() {  # the state of one statement that claims (doing) or completes (done) $C2 and $D1
+  state_on 0 app "UPDATE tjobs SET status = '$1' WHERE (tenant = '$C' AND id = $C2) OR (tenant = '$D' AND id = $D1)"
+}
+expect_eq "a claim of jobs of $C and $D (two nodes) in one statement fails whole (0A000: two-phase commit after a renewal): both jobs as they were, neither ticket renewed" \
+  "0A000 todo todo minute minute" "$(two_nodes doing) $(n 0 -c "SELECT string_agg(status, ' ' ORDER BY tenant = '$D') FROM tjobs WHERE id IN ($C2, $D1) AND tenant IN ('$C', '$D')") $(
+     tj_lease "$NC" "$(tj_ticket "$C" "$C2")") $(tj_lease "$ND" "$(tj_ticket "$D" "$D1")")"
+expect_eq "… as does their completion in one statement (two-phase commit after a finish): neither ticket finished" \
+  "0A000 minute minute" "$(two_nodes done) $(tj_lease "$NC" "$(tj_ticket "$C" "$C2")") $(tj_lease "$ND" "$(tj_ticket "$D" "$D1")")"
+expect_eq "… and one statement per tenant completes each, on its own node" "ended:succeeded ended:succeeded" \
+  "$(on 0 app "UPDATE tjobs SET status = 'done' WHERE tenant = '$C' AND id = $C2" "UPDATE tjobs SET status = 'done' WHERE tenant = '$D' AND id = $D1" >/dev/null
+     tj_lease "$NC" "$(tj_ticket "$C" "$C2")") $(tj_lease "$ND" "$(tj_ticket "$D" "$D1")")"
 
 # --- the tenant's node crashes and comes back -----------------------------------------
 on 0 app "SELECT quota.try_start(tenant => '$A', label => 'kept1')" "SELECT quota.try_start(tenant => '$A', label => 'kept2')" >/dev/null

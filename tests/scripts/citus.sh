@@ -25,6 +25,7 @@
 #   that comes during a move waits for it, then is refused on the node the shard left;
 # - a worker added with citus_add_node() gets pg_quota, and admits the tenants whose
 #   shard moves to it;
+# - the coordinator's standby, promoted after a crash, serves as the coordinator;
 # - ALTER EXTENSION pg_quota UPDATE on the coordinator updates every node at once.
 # Where Citus' source is not on the machine, the suite is skipped (exit 77), not passed.
 # majors: 18
@@ -661,15 +662,49 @@ expect_eq "$A is admitted where its shard now lives, to its limit of 2, from any
   "$(tr ' ' '\n' <<<"$got" | grep . | sort | xargs)"
 expect_eq "… on the new worker alone" "2 0 0" "$(live 3 "$A") $(live "$NA" "$A") $(live 0 "$A")"
 
+# --- a coordinator failover ---------------------------------------------------------------
+# The coordinator's hot standby (pg_basebackup -R) is promoted once the coordinator
+# crashes, and citus_set_coordinator_host() points the cluster at it. The coordinator's
+# ledger holds only the tickets of starts without a tenant made there, which streaming
+# replication carries as on any server; tenants' tickets are on the workers, which the
+# failover does not touch.
+TL=$(on 0 app "SELECT quota.start(label => 'coordinator')")
+CO=5  # the promoted coordinator: node 5, $DIR/n5
+mkdir -p "$DIR/n$CO"; chown "$PG_USER" "$DIR/n$CO"; CLUSTERS+=("$DIR/n$CO")
+as_pg "$PG_BIN/pg_basebackup" -h "$DIR/n0" -p "$BASE" -U postgres -D "$DIR/n$CO/data" -R -X stream -c fast
+sed -i "s/^port = .*/port = $((BASE + CO))/; s|^unix_socket_directories = .*|unix_socket_directories = '$DIR/n$CO'|;
+        s|^citus.local_hostname = .*|citus.local_hostname = '$DIR/n$CO'|" "$DIR/n$CO/data/postgresql.conf"
+as_pg "$PG_BIN/pg_ctl" -D "$DIR/n$CO/data" -l "$DIR/n$CO/server.log" -w -t 60 start >/dev/null
+LSN=$(n 0 -c "SELECT pg_current_wal_lsn()")
+timeout 30 bash -c "until [ \"\$('$PG_BIN/psql' -X -At -h '$DIR/n$CO' -p $((BASE + CO)) -U postgres -d app \
+   -c \"SELECT pg_last_wal_replay_lsn() >= '$LSN'\")\" = t ]; do sleep 0.1; done" || true
+live_a=$(live 3 "$A"); live_b=$(live "$NB" "$B")
+stop_cluster "$DIR/n0" immediate
+as_pg "$PG_BIN/pg_ctl" -D "$DIR/n$CO/data" -w -t 60 promote >/dev/null
+n "$CO" -c "SELECT citus_set_coordinator_host('$DIR/n$CO', $((BASE + CO)))" >/dev/null
+expect_eq "after the coordinator's crash, its promoted standby is the coordinator, for every worker" \
+  "f $DIR/n$CO:$((BASE + CO)) $DIR/n$CO:$((BASE + CO))" \
+  "$(n "$CO" -c "SELECT pg_is_in_recovery()") $(for i in 1 3; do n "$i" -c "SELECT nodename || ':' || nodeport FROM pg_dist_node WHERE groupid = 0"; done | xargs)"
+expect_eq "… with the ticket of a start without a tenant taken on the old coordinator, which it finishes" "1 t" \
+  "$(n "$CO" -c "SELECT count(*) FROM quota.ledger WHERE id = '$TL' AND ended_at IS NULL") $(on "$CO" app "SELECT quota.finish('$TL')")"
+expect_eq "from the new coordinator, $A is refused at its limit (its two tickets on n3 kept) and $B admitted, on its node" \
+  "2 f t $((live_b + 1))" "$live_a $(try "$CO" "$A") $(try "$CO" "$B" "failover") $(live "$NB" "$B")"
+expect_eq "… and an enqueue() of $B from the new coordinator runs on $B's node, its job with it" "00000 $((live_b + 2)) 1" \
+  "$(state_on "$CO" app "SELECT enqueue('$B', 'after failover')") $(live "$NB" "$B") $(
+     n "$CO" -c "SELECT count(*) FROM jobs WHERE tenant = '$B' AND payload = 'after failover'")"
+expect_eq "a start without a tenant on the new coordinator is admitted there, by its own ledger writer" "t 1" \
+  "$(on "$CO" app "SELECT quota.try_start(label => 'new coordinator') IS NOT NULL") $(
+     n "$CO" -c "SELECT count(*) FROM quota.ledger WHERE label = 'new coordinator' AND ended_at IS NULL")"
+
 # --- updating pg_quota across the cluster ---------------------------------------------
-# ALTER EXTENSION pg_quota UPDATE on the coordinator is Citus' to propagate: every node
+# ALTER EXTENSION pg_quota UPDATE on the coordinator (the promoted one) is Citus' to propagate: every node
 # is updated in the one distributed transaction, so no two nodes answer on two
 # versions. (Last: it drops the extension, and what the suite built with it.)
-versions() { for i in 0 1 2 3; do n "$i" -c "SELECT extversion FROM pg_extension WHERE extname = 'pg_quota'"; done | xargs; }
-CURRENT=$(n 0 -c "SELECT default_version FROM pg_available_extensions WHERE name = 'pg_quota'")
-n 0 -c "DROP EXTENSION pg_quota CASCADE" -c "CREATE EXTENSION pg_quota VERSION '0.6.1'" >/dev/null 2>&1
+versions() { for i in "$CO" 1 2 3; do n "$i" -c "SELECT extversion FROM pg_extension WHERE extname = 'pg_quota'"; done | xargs; }
+CURRENT=$(n "$CO" -c "SELECT default_version FROM pg_available_extensions WHERE name = 'pg_quota'")
+n "$CO" -c "DROP EXTENSION pg_quota CASCADE" -c "CREATE EXTENSION pg_quota VERSION '0.6.1'" >/dev/null 2>&1
 expect_eq "CREATE EXTENSION pg_quota VERSION '0.6.1' on the coordinator reaches every node" "0.6.1 0.6.1 0.6.1 0.6.1" "$(versions)"
 expect_eq "ALTER EXTENSION pg_quota UPDATE on the coordinator updates every node to $CURRENT" \
-  "00000 $CURRENT $CURRENT $CURRENT $CURRENT" "$(state_on 0 postgres "ALTER EXTENSION pg_quota UPDATE") $(versions)"
+  "00000 $CURRENT $CURRENT $CURRENT $CURRENT" "$(state_on "$CO" postgres "ALTER EXTENSION pg_quota UPDATE") $(versions)"
 
 finish_checks

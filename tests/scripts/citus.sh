@@ -215,6 +215,23 @@ expect_eq "… and $B is at its limit: a third enqueue is refused (53400), from 
   "$(state_on 0 app "BEGIN" "SELECT quota.start(tenant => '$B', transactional => true)") $(
      state_on "$(other "$NB")" app "BEGIN" "SELECT quota.start(tenant => '$B', transactional => true)")"
 on 0 app "SELECT finish_for('$B', ticket) FROM jobs WHERE tenant = '$B'" >/dev/null
+# A transaction that writes on two nodes is committed by Citus with two-phase commit.
+# pg_quota refuses to PREPARE a transaction that holds a transactional charge: the
+# enqueue fails whole at COMMIT (0A000), its charge and both jobs gone. A
+# writer-committed start has committed on its own: the two-phase commit goes. So no
+# prepared transaction, on any worker, holds anything of pg_quota's: a worker's crash
+# and Citus' recovery of its prepared transactions commit or roll back jobs only.
+two_phase() {  # two_phase true|false: the COMMIT's SQLSTATE of an enqueue of $B that also writes a job of $A
+  state_on 0 app "BEGIN" "SELECT quota.start(tenant => '$B', label => '2pc $1', transactional => $1)" \
+    "INSERT INTO jobs (tenant, payload) VALUES ('$B', '2pc $1'), ('$A', '2pc $1')" "COMMIT"
+}
+live_b=$(live "$NB" "$B")
+expect_eq "an enqueue of $B whose transaction also writes a job of $A, on another node, fails at its two-phase commit (0A000): no charge, no job" \
+  "0A000 $live_b 0" "$(two_phase true) $(live "$NB" "$B") $(n 0 -c "SELECT count(*) FROM jobs WHERE payload = '2pc true'")"
+expect_eq "… with a writer-committed start, the two-phase commit goes: its ticket, on $B's node, and both jobs" \
+  "00000 $((live_b + 1)) 2" "$(two_phase false) $(live "$NB" "$B") $(n 0 -c "SELECT count(*) FROM jobs WHERE payload = '2pc false'")"
+on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE label = '2pc false'" >/dev/null
+on 0 app "DELETE FROM jobs WHERE payload = '2pc false'" >/dev/null
 
 # --- the recipe of whole calls: enqueue() and complete(), each run on the tenant's node --
 # Distributed by tenant, each call runs whole on the tenant's node, from any node: the

@@ -201,7 +201,7 @@ pub(super) unsafe fn column_oid(n: i32) -> Option<pg_sys::Oid> {
 
 /// # Safety
 /// As `column`; the column is a bool.
-unsafe fn column_bool(n: i32) -> bool {
+pub(super) unsafe fn column_bool(n: i32) -> bool {
     // SAFETY: the caller's.
     unsafe { column(n) }.is_some_and(|d| d.value() != 0)
 }

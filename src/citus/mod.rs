@@ -14,6 +14,8 @@
 //! - `placement`: where a start's tenant lives, and the shard lock a start holds;
 //! - `moves`: a shard move seen on the node it would leave, refused while tenants of
 //!   the shard hold tickets or their own limits there;
+//! - `splits`: a shard split seen on the node that holds the shard, refused where it
+//!   would place tenants that hold tickets or their own limits here on another node;
 //! - `planner`: a start without a tenant kept from Citus' delegation.
 
 mod memory;
@@ -21,7 +23,9 @@ mod metadata;
 mod moves;
 mod placement;
 mod planner;
+mod splits;
 
 pub use moves::{placement_update, shard_leaving};
 pub use placement::{placement, release, warn_per_node};
 pub use planner::keep_tenantless_start_local;
+pub use splits::{shard_deletion, shard_splitting};

@@ -8,6 +8,7 @@ use super::metadata::{
     citus_loaded, column, column_oid, column_text, connect, query, read_declared,
 };
 use super::planner::func_is;
+use crate::core::citus::ShardChange;
 use crate::core::QuotaError;
 
 /// The shard, source group and target group of Citus' own
@@ -22,6 +23,38 @@ use crate::core::QuotaError;
 /// # Safety
 /// `stmt` is the PlannedStmt the executor is starting.
 pub unsafe fn placement_update(stmt: *const pg_sys::PlannedStmt) -> Option<(i64, i32, i32)> {
+    // Before Citus 12 (and from an older node during a rolling upgrade):
+    // pg_catalog.citus_internal_update_placement_metadata.
+    // SAFETY: the caller's.
+    let args = unsafe {
+        citus_call(
+            stmt,
+            &[
+                (c"citus_internal", c"update_placement_metadata"),
+                (c"pg_catalog", c"citus_internal_update_placement_metadata"),
+            ],
+            &[pg_sys::INT8OID, pg_sys::INT4OID, pg_sys::INT4OID],
+        )
+    }?;
+    Some((
+        args[0].value() as i64,
+        args[1].value() as i32,
+        args[2].value() as i32,
+    ))
+}
+
+/// The constant arguments of a planned statement that is one call of one of Citus'
+/// internal functions `names` (schema, name), with arguments of `types`, run by a
+/// superuser: `SELECT f(c1, c2, …)`, whose plan is a Result of that one call. None for
+/// anything else (told apart by its shape alone, before any catalog lookup).
+///
+/// # Safety
+/// `stmt` is the PlannedStmt the executor is starting.
+pub(super) unsafe fn citus_call(
+    stmt: *const pg_sys::PlannedStmt,
+    names: &[(&std::ffi::CStr, &std::ffi::CStr)],
+    types: &[pg_sys::Oid],
+) -> Option<Vec<pg_sys::Datum>> {
     if !citus_loaded() {
         return None;
     }
@@ -46,45 +79,24 @@ pub unsafe fn placement_update(stmt: *const pg_sys::PlannedStmt) -> Option<(i64,
         }
         let func = expr.cast::<pg_sys::FuncExpr>();
         let args = pgrx::PgList::<pg_sys::Node>::from_pg((*func).args);
-        if args.len() != 3 {
+        if args.len() != types.len() || !func_is((*func).funcid, names) {
             return None;
         }
-        // Before Citus 12 (and from an older node during a rolling upgrade):
-        // pg_catalog.citus_internal_update_placement_metadata.
-        if !func_is(
-            (*func).funcid,
-            &[
-                (c"citus_internal", c"update_placement_metadata"),
-                (c"pg_catalog", c"citus_internal_update_placement_metadata"),
-            ],
-        ) {
-            return None;
-        }
-        // Citus writes the shard as a plain number, an int4 constant under an implicit
+        // Citus writes a shard as a plain number, an int4 constant under an implicit
         // cast to int8, which the planner has folded.
-        let mut consts = [(pg_sys::InvalidOid, pg_sys::Datum::from(0)); 3];
-        for (i, c) in consts.iter_mut().enumerate() {
+        let mut values = Vec::with_capacity(types.len());
+        for (i, ty) in types.iter().enumerate() {
             let arg = args.get_ptr(i)?;
             if (*arg).type_ != pg_sys::NodeTag::T_Const {
                 return None;
             }
             let arg = arg.cast::<pg_sys::Const>();
-            if (*arg).constisnull {
+            if (*arg).constisnull || (*arg).consttype != *ty {
                 return None;
             }
-            *c = ((*arg).consttype, (*arg).constvalue);
+            values.push((*arg).constvalue);
         }
-        if consts[0].0 != pg_sys::INT8OID
-            || consts[1].0 != pg_sys::INT4OID
-            || consts[2].0 != pg_sys::INT4OID
-        {
-            return None;
-        }
-        Some((
-            consts[0].1.value() as i64,
-            consts[1].1.value() as i32,
-            consts[2].1.value() as i32,
-        ))
+        Some(values)
     }
 }
 
@@ -112,11 +124,50 @@ SELECT (SELECT pg_catalog.string_agg(t, E'\\x1f' ORDER BY t) FROM pg_catalog.unn
 /// source group `source`, where a tenant of the shard holds active tickets or its own
 /// limits here. Nothing is read unless pg_quota's starts are distributed by tenant.
 pub fn shard_leaving(shard: i64, source: i32) -> Result<(), QuotaError> {
+    // SAFETY: connected to SPI by held_here, inside the move's transaction.
+    let concerned = |_: pg_sys::Oid| unsafe {
+        query(pg_sys::GetUserId(), None, LOCAL_GROUP, &[]);
+        column(1).map(|d| d.value() as i32) == Some(source) // the node the shard leaves
+    };
+    match held_here(shard, ShardChange::Move, concerned)? {
+        Some(held) => {
+            crate::core::citus::shard_may_leave(ShardChange::Move, shard, held.active, held.own)
+                .map_err(QuotaError::ShardMoveRefused)
+        }
+        None => Ok(()),
+    }
+}
+
+/// Of a shard that Citus moves or splits on this node: the table pg_quota's start
+/// functions are colocated with, its owner, and Citus' function that gives a tenant's
+/// shard; the shard's tenants with active tickets here, and with their own limits here.
+pub(super) struct Held {
+    pub table: pg_sys::Oid,
+    pub owner: pg_sys::Oid,
+    pub shard_fn: pg_sys::Oid,
+    pub active: Vec<String>,
+    pub own: Vec<String>,
+}
+
+/// Where pg_quota's starts are distributed by tenant and `concerned` (run connected
+/// to SPI, with the table the start functions are colocated with) says that `change`
+/// of `shard` concerns this node: takes pg_quota's lock on the shard exclusively, to
+/// the end of the transaction, and reads what its tenants hold here (Held). None
+/// where this node is not concerned. The lock holds off new starts for the shard's
+/// tenants here; where a start holds it (a transactional charge not committed yet, a
+/// start that waits for capacity), the change is refused now (55P03) rather than left
+/// to wait: the start's transaction may next write to the shard, which the change
+/// blocks, and the two would deadlock.
+pub(super) fn held_here(
+    shard: i64,
+    change: ShardChange,
+    concerned: impl FnOnce(pg_sys::Oid) -> bool,
+) -> Result<Option<Held>, QuotaError> {
     // SAFETY: schema quota's OID, InvalidOid if it is gone; then catalog probes.
     let (ns, has_active, has_own) = unsafe {
         let ns = pg_sys::get_namespace_oid(c"quota".as_ptr(), true);
         if ns == pg_sys::InvalidOid {
-            return Ok(());
+            return Ok(None);
         }
         (
             ns,
@@ -144,37 +195,40 @@ pub fn shard_leaving(shard: i64, source: i32) -> Result<(), QuotaError> {
             ),
     )
     .expect("no NUL in the query");
-    // SAFETY: SPI inside the move's transaction; an ERROR unwinds through it and the
-    // abort cleans SPI up. The arrays read by the first query stay in SPI's memory
-    // until SPI_finish, after the second.
+    // SAFETY: SPI inside the change's transaction; an ERROR unwinds through it and the
+    // abort cleans SPI up. The arrays read by one query stay in SPI's memory until
+    // SPI_finish, after the next.
     unsafe {
         connect();
         let found = read_declared(ns).is_some();
         let (true, Some(table), Some(owner)) = (found, column_oid(1), column_oid(2)) else {
             pg_sys::SPI_finish();
-            return Ok(());
+            return Ok(None);
         };
-        query(pg_sys::GetUserId(), None, LOCAL_GROUP, &[]);
-        if column(1).map(|d| d.value() as i32) != Some(source) {
+        let shard_fn = column_oid(5).unwrap_or(pg_sys::InvalidOid);
+        if !concerned(table) {
             pg_sys::SPI_finish();
-            return Ok(()); // not the node the shard leaves
+            return Ok(None);
         }
-        // Hold off new starts for the shard's tenants here to the move's end; where a
-        // start holds the lock (a transactional charge not committed yet, a start that
-        // waits for capacity), refuse now rather than wait: its transaction may next
-        // write to the shard, which the move blocks, and the two would deadlock.
         let mut tag = crate::scopes::shard_lock_tag(pg_sys::MyDatabaseId, shard);
         if pg_sys::LockAcquire(&mut tag, pg_sys::ExclusiveLock as i32, false, true)
             == pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
         {
             pg_sys::SPI_finish();
-            return Err(QuotaError::ShardMoveBusy { shard });
+            return Err(QuotaError::ShardMoveBusy { shard, change });
         }
+        let mut out = Held {
+            table,
+            owner,
+            shard_fn,
+            active: Vec::new(),
+            own: Vec::new(),
+        };
         query(pg_sys::BOOTSTRAP_SUPERUSERID.into(), None, &held, &[]);
         let (active, own) = (column(1), column(2));
         if active.is_none() && own.is_none() {
             pg_sys::SPI_finish();
-            return Ok(());
+            return Ok(Some(out));
         }
         // SAFETY: an empty text[] in the current (SPI's) memory context.
         let empty = || pg_sys::Datum::from(pg_sys::construct_empty_array(pg_sys::TEXTOID));
@@ -193,9 +247,9 @@ pub fn shard_leaving(shard: i64, source: i32) -> Result<(), QuotaError> {
             s.map(|s| s.split('\u{1f}').map(str::to_string).collect())
                 .unwrap_or_default()
         };
-        let (active, own) = (split(column_text(1)), split(column_text(2)));
+        out.active = split(column_text(1));
+        out.own = split(column_text(2));
         pg_sys::SPI_finish();
-        crate::core::citus::shard_may_leave(shard, active, own)
-            .map_err(QuotaError::ShardMoveRefused)
+        Ok(Some(out))
     }
 }

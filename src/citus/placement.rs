@@ -116,7 +116,7 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
 /// # Safety
 /// Inside a transaction; `func` is that function's OID, `table` a distributed table,
 /// `owner` its owner. An ERROR unwinds through it; the abort restores the user.
-unsafe fn shard_of(
+pub(super) unsafe fn shard_of(
     func: pg_sys::Oid,
     table: pg_sys::Oid,
     owner: pg_sys::Oid,

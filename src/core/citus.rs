@@ -90,12 +90,42 @@ pub fn misdeclared_message(groups: i64) -> String {
     }
 }
 
-/// The DETAIL of a start that waited `seconds` for a move of its tenant's shard.
+/// The DETAIL of a start that waited `seconds` for a move or a split of its tenant's
+/// shard.
 pub fn shard_busy_detail(seconds: i64) -> String {
-    format!("pg_quota waited {seconds} s for a move of the shard off this node, which holds it until its transaction ends on this node (a two-phase commit still pending included).")
+    format!("pg_quota waited {seconds} s for a move or a split of the shard on this node, which holds it until its transaction ends on this node (a two-phase commit still pending included).")
 }
 
-pub const MOVE_BUSY_HINT: &str = "Move the shard again once the transactions that started tickets for its tenants on this node have ended: the move does not wait for them, so that it cannot deadlock with them.";
+/// What Citus does to a shard that pg_quota may refuse on the node that holds it: a
+/// move off the node (the placement's metadata update), or a split (the old shard's
+/// metadata deleted, its tenants' new shards placed by the split).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShardChange {
+    Move,
+    Split,
+}
+
+impl ShardChange {
+    /// The refusal's message while a start for a tenant of the shard is in progress.
+    pub fn busy_message(self, shard: i64) -> String {
+        match self {
+            ShardChange::Move => format!("pg_quota cannot let shard {shard} leave this node now: a start for one of its tenants is in progress here"),
+            ShardChange::Split => format!("pg_quota cannot let shard {shard} be split now: a start for one of its tenants is in progress here"),
+        }
+    }
+
+    pub fn busy_hint(self) -> String {
+        let verb = match self {
+            ShardChange::Move => "Move",
+            ShardChange::Split => "Split",
+        };
+        let noun = match self {
+            ShardChange::Move => "move",
+            ShardChange::Split => "split",
+        };
+        format!("{verb} the shard again once the transactions that started tickets for its tenants on this node have ended: the {noun} does not wait for them, so that it cannot deadlock with them.")
+    }
+}
 
 pub const MISDECLARED_HINT: &str = "Distribute quota.start() and quota.try_start(), every overload called, by their tenant argument ('$5') and colocated with one table: create_distributed_function(…, '$5', colocate_with := …).";
 
@@ -147,9 +177,12 @@ impl Elsewhere {
 /// A shard move that pg_quota refuses on the node the shard leaves (0.7.1): a tenant
 /// of the shard holds active tickets here, or has its own limits here. Both stay in
 /// this node's ledger, which a move does not carry: the node the shard goes to would
-/// admit the tenant as if it had no tickets, and without its own limits.
+/// admit the tenant as if it had no tickets, and without its own limits. A split
+/// likewise, for the tenants whose new shard it places on another node: the lists are
+/// then of those tenants alone.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MoveRefused {
+    pub change: ShardChange,
     pub shard: i64,
     /// Tenants of the shard with active tickets here.
     pub active: Vec<String>,
@@ -157,8 +190,10 @@ pub struct MoveRefused {
     pub own_limits: Vec<String>,
 }
 
-/// Refuses the move of `shard` off this node where its tenants hold anything here.
+/// Refuses the move of `shard` off this node (or its split that places them on
+/// another) where its tenants hold anything here.
 pub fn shard_may_leave(
+    change: ShardChange,
     shard: i64,
     active: Vec<String>,
     own_limits: Vec<String>,
@@ -167,6 +202,7 @@ pub fn shard_may_leave(
         return Ok(());
     }
     Err(Box::new(MoveRefused {
+        change,
         shard,
         active,
         own_limits,
@@ -191,11 +227,18 @@ fn clause(tenants: &[String], verbs: (&str, &str), what: &str) -> String {
 
 impl std::fmt::Display for MoveRefused {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "pg_quota cannot let shard {} leave this node: ",
-            self.shard
-        )?;
+        match self.change {
+            ShardChange::Move => write!(
+                f,
+                "pg_quota cannot let shard {} leave this node: ",
+                self.shard
+            )?,
+            ShardChange::Split => write!(
+                f,
+                "pg_quota cannot let the split of shard {} place tenants on another node: ",
+                self.shard
+            )?,
+        }
         let mut parts = Vec::new();
         if !self.active.is_empty() {
             parts.push(clause(&self.active, ("holds", "hold"), "active tickets"));
@@ -213,11 +256,19 @@ impl std::fmt::Display for MoveRefused {
 
 impl MoveRefused {
     pub fn detail(&self) -> String {
-        "pg_quota counts a tenant's tickets, and keeps its own limits, on the node that holds its shard; a shard move does not carry them, so the node it goes to would admit the tenant as if it had none.".to_string()
+        match self.change {
+            ShardChange::Move => "pg_quota counts a tenant's tickets, and keeps its own limits, on the node that holds its shard; a shard move does not carry them, so the node it goes to would admit the tenant as if it had none.",
+            ShardChange::Split => "pg_quota counts a tenant's tickets, and keeps its own limits, on the node that holds its shard; a split that places the tenant's new shard on another node does not carry them, so that node would admit the tenant as if it had none.",
+        }
+        .to_string()
     }
 
     pub fn hint(&self) -> String {
-        "Move the shard once its tenants' tickets have ended (finished, or their leases run out); clear their own limits with quota.set_tenant_limits(tenant) and set them again after the move.".to_string()
+        match self.change {
+            ShardChange::Move => "Move the shard once its tenants' tickets have ended (finished, or their leases run out); clear their own limits with quota.set_tenant_limits(tenant) and set them again after the move.",
+            ShardChange::Split => "Split so that these tenants' new shards stay on this node (isolate_tenant_to_new_shard keeps a tenant on its node), or once their tickets have ended (finished, or their leases run out) and their own limits are cleared with quota.set_tenant_limits(tenant).",
+        }
+        .to_string()
     }
 }
 
@@ -385,19 +436,40 @@ mod tests {
 
     #[test]
     fn shard_with_tenants_holding_tickets_may_not_leave() {
-        assert!(shard_may_leave(7, vec![], vec![]).is_ok());
-        let e = shard_may_leave(7, vec!["t1".into()], vec![]).unwrap_err();
+        assert!(shard_may_leave(ShardChange::Move, 7, vec![], vec![]).is_ok());
+        let e = shard_may_leave(ShardChange::Move, 7, vec!["t1".into()], vec![]).unwrap_err();
         assert_eq!(
             e.to_string(),
             "pg_quota cannot let shard 7 leave this node: tenant \"t1\" holds active tickets here"
         );
         let many: Vec<String> = (1..=7).map(|i| format!("t{i}")).collect();
-        let e = shard_may_leave(7, many, vec!["p".into()]).unwrap_err();
+        let e = shard_may_leave(ShardChange::Move, 7, many, vec!["p".into()]).unwrap_err();
         assert_eq!(
             e.to_string(),
             "pg_quota cannot let shard 7 leave this node: tenants \"t1\", \"t2\", \"t3\", \"t4\", \"t5\" and 2 more hold active tickets here; tenant \"p\" has its own limits here"
         );
         assert!(e.hint().contains("quota.set_tenant_limits(tenant)"));
+    }
+
+    #[test]
+    fn split_placing_tenants_elsewhere_is_refused() {
+        assert!(shard_may_leave(ShardChange::Split, 7, vec![], vec![]).is_ok());
+        let e = shard_may_leave(ShardChange::Split, 7, vec!["t1".into()], vec!["t1".into()])
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "pg_quota cannot let the split of shard 7 place tenants on another node: tenant \"t1\" holds active tickets here; tenant \"t1\" has its own limits here"
+        );
+        assert!(e
+            .detail()
+            .contains("a split that places the tenant's new shard"));
+        assert!(e.hint().contains("isolate_tenant_to_new_shard"));
+        assert!(ShardChange::Split
+            .busy_message(7)
+            .starts_with("pg_quota cannot let shard 7 be split now"));
+        assert!(ShardChange::Split
+            .busy_hint()
+            .starts_with("Split the shard again"));
     }
 
     #[test]
@@ -409,8 +481,12 @@ mod tests {
 
     #[test]
     fn shard_lock_waits_say_what_holds_them() {
-        assert!(shard_busy_detail(5).starts_with("pg_quota waited 5 s for a move of the shard"));
-        assert!(MOVE_BUSY_HINT.contains("cannot deadlock"));
+        assert!(shard_busy_detail(5)
+            .starts_with("pg_quota waited 5 s for a move or a split of the shard"));
+        assert!(ShardChange::Move.busy_hint().contains("cannot deadlock"));
+        assert!(ShardChange::Move
+            .busy_message(7)
+            .starts_with("pg_quota cannot let shard 7 leave this node now"));
     }
 
     #[test]

@@ -303,18 +303,22 @@ pub enum QuotaError {
     /// 0.7.1: a tenant's start on a Citus node that does not hold the tenant (core::citus).
     #[error("{0}")]
     TenantElsewhere(Box<super::citus::Elsewhere>),
-    /// 0.7.1: a start waited for a Citus shard move off this node (core::citus).
+    /// 0.7.1: a start waited for a Citus shard move or split on this node (core::citus).
     #[error("could not obtain pg_quota's lock on shard {shard}")]
     ShardBusy { shard: i64, seconds: i64 },
-    /// 0.7.1: a Citus shard move refused while a start for a tenant of the shard is
-    /// in progress on the node it would leave (core::citus).
-    #[error("pg_quota cannot let shard {shard} leave this node now: a start for one of its tenants is in progress here")]
-    ShardMoveBusy { shard: i64 },
+    /// 0.7.1: a Citus shard move (or split) refused while a start for a tenant of the
+    /// shard is in progress on the node that holds it (core::citus).
+    #[error("{}", .change.busy_message(*.shard))]
+    ShardMoveBusy {
+        shard: i64,
+        change: super::citus::ShardChange,
+    },
     /// 0.7.1: pg_quota's start functions distributed in more than one colocation
     /// group, or by another argument than the tenant (core::citus).
     #[error("{}", super::citus::misdeclared_message(*.groups))]
     CitusMisdeclared { groups: i64 },
-    /// 0.7.1: a Citus shard move off this node, refused (core::citus).
+    /// 0.7.1: a Citus shard move off this node, or a split that places tenants on
+    /// another, refused (core::citus).
     #[error("{0}")]
     ShardMoveRefused(Box<super::citus::MoveRefused>),
     #[error("could not start the pg_quota ledger writer")]
@@ -712,7 +716,7 @@ impl QuotaError {
             QuotaError::TenantElsewhere(e) => Some(e.hint()),
             QuotaError::ShardMoveRefused(e) => Some(e.hint()),
             QuotaError::CitusMisdeclared { .. } => Some(super::citus::MISDECLARED_HINT.to_string()),
-            QuotaError::ShardMoveBusy { .. } => Some(super::citus::MOVE_BUSY_HINT.to_string()),
+            QuotaError::ShardMoveBusy { change, .. } => Some(change.busy_hint()),
             QuotaError::NotPreloaded => Some(
                 "Add pg_quota to shared_preload_libraries in postgresql.conf and restart the server."
                     .to_string(),

@@ -75,7 +75,11 @@ unsafe extern "C-unwind" fn create_upper_paths(
 /// target)`. On the node the shard leaves, pg_quota refuses it, as it starts to run,
 /// where a tenant of the shard holds tickets or its own limits here, which the move
 /// would leave behind (citus/moves.rs; USER_GUIDE "Citus"), so that the move fails whole.
-/// Every other statement is told apart by its plan's shape alone.
+/// A split sends `SELECT citus_internal.delete_shard_metadata(shard)` likewise: on the
+/// node that holds the shard, pg_quota takes its lock and checks, as the split's
+/// transaction commits there, that no tenant holding tickets or its own limits here
+/// was placed on another node (citus/splits.rs). Every other statement is told apart
+/// by its plan's shape alone.
 #[pg_guard]
 unsafe extern "C-unwind" fn executor_start(query_desc: *mut pg_sys::QueryDesc, eflags: i32) {
     // SAFETY: we pass the call on unchanged, then only read the plan and catalogs.
@@ -87,10 +91,11 @@ unsafe extern "C-unwind" fn executor_start(query_desc: *mut pg_sys::QueryDesc, e
         if eflags & pg_sys::EXEC_FLAG_EXPLAIN_ONLY as i32 != 0 {
             return;
         }
-        if let Some((shard, source, _target)) =
-            crate::citus::placement_update((*query_desc).plannedstmt)
-        {
+        let stmt = (*query_desc).plannedstmt;
+        if let Some((shard, source, _target)) = crate::citus::placement_update(stmt) {
             crate::error::boundary(|| crate::citus::shard_leaving(shard, source));
+        } else if let Some(shard) = crate::citus::shard_deletion(stmt) {
+            crate::error::boundary(|| crate::citus::shard_splitting(shard));
         }
     }
 }

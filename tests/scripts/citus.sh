@@ -25,6 +25,8 @@
 #   that comes during a move waits for it, then is refused on the node the shard left;
 # - a worker added with citus_add_node() gets pg_quota, and admits the tenants whose
 #   shard moves to it;
+# - a split of the tenant's shard is refused where it would place a tenant holding
+#   tickets on another node, and goes where it keeps them (isolate_tenant_to_new_shard);
 # - the coordinator's standby, promoted after a crash, serves as the coordinator;
 # - ALTER EXTENSION pg_quota UPDATE on the coordinator updates every node at once.
 # Where Citus' source is not on the machine, the suite is skipped (exit 77), not passed.
@@ -678,6 +680,42 @@ for i in 0 1 2 3; do got+="$(try "$i" "$A" "added n$i") "; done
 expect_eq "$A is admitted where its shard now lives, to its limit of 2, from any node" "f f t t" \
   "$(tr ' ' '\n' <<<"$got" | grep . | sort | xargs)"
 expect_eq "… on the new worker alone" "2 0 0" "$(live 3 "$A") $(live "$NA" "$A") $(live 0 "$A")"
+
+# --- splitting a tenant's shard ------------------------------------------------------------
+# A split replaces a shard by new ones, each placed on a node the split names. On the
+# node that holds the old shard, pg_quota refuses the split (55000) as its transaction
+# commits there, where a tenant of the shard that holds tickets or its own limits
+# there would get a new shard on another node; it lets it go where they stay
+# (isolate_tenant_to_new_shard keeps a tenant on its node).
+SHARD=$(n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$A')")
+NID3=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + 3))")
+NID1=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + 1))")
+read -r HA MAXV < <(n 0 -F ' ' -c "SELECT worker_hash('$A'::text), shardmaxvalue FROM pg_dist_shard WHERE shardid = $SHARD")
+if [ "$HA" -lt "$MAXV" ]; then POINT=$HA; NODES="$NID1, $NID3"; else POINT=$((HA - 1)); NODES="$NID3, $NID1"; fi
+split_out=$(timeout 60 "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U postgres -d app -v ON_ERROR_STOP=0 \
+  -c "SELECT citus_split_shard_by_split_points($SHARD, ARRAY['$POINT'], ARRAY[$NODES], shard_transfer_mode := 'block_writes')" \
+  -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
+expect_eq "while $A holds two tickets on n3, a split of its shard that would place $A's new shard on n1 is refused (55000)" \
+  55000 "$(sed -n 's/^SQLSTATE=//p' <<<"$split_out")"
+check "… by n3, which says why ($(grep ERROR <<<"$split_out" | head -1))" \
+  grep -q "pg_quota cannot let the split of shard $SHARD place tenants on another node: tenant \"$A\" holds active tickets here" <<<"$split_out"
+expect_eq "… and the split failed whole: $A's shard is still $SHARD, on n3, with its two tickets" "$SHARD 3 2" \
+  "$(n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$A')") $(node_of "$A") $(live 3 "$A")"
+# A session on n3 that placed $A before the isolation: its backend remembers $A's shard.
+CL="$DIR/n3" PORT=$((BASE + 3)) open_session iso app app
+say iso "BEGIN;"  # run here, not delegated: try_start() is not force-delegated
+say iso "SELECT 'primed:' || coalesce(quota.try_start(tenant => '$A', label => 'iso')::text, 'refused');"
+say iso "COMMIT;"
+CL="$DIR/n3" wait_out iso "primed:"
+expect_eq "isolate_tenant_to_new_shard() of $A, which keeps it on n3, goes while $A holds its two tickets there" \
+  "00000 t 3 2" "$(state_on 0 postgres "SELECT isolate_tenant_to_new_shard('jobs', '$A', 'CASCADE', shard_transfer_mode := 'block_writes')") $(
+     n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$A') <> $SHARD") $(node_of "$A") $(live 3 "$A")"
+expect_eq "… where $A stays at its limit: refused from the coordinator, from n1, and in the session on n3 that remembered its old shard (at its limit, not for want of a node)" \
+  "f f primed:refused f 00000" "$(try 0 "$A") $(try 1 "$A") $(grep -o 'primed:.*' "$DIR/n3/iso.out") $(
+     say iso "BEGIN;"; say iso "SELECT 'after:' || coalesce(quota.try_start(tenant => '$A', label => 'iso')::text, 'refused');"
+     say iso "\\echo after-state=:SQLSTATE"; say iso "COMMIT;"; CL="$DIR/n3" wait_out iso "after-state="
+     grep -q 'after:refused' "$DIR/n3/iso.out" && echo f || echo t) $(sed -n 's/^after-state=//p' "$DIR/n3/iso.out")"
+close_session iso
 
 # --- a coordinator failover ---------------------------------------------------------------
 # The coordinator's hot standby (pg_basebackup -R) is promoted once the coordinator

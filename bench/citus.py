@@ -4,7 +4,7 @@ single node (issue 35), for `scripts/bench --citus`, which builds Citus, starts 
 single node and the cluster (a coordinator and two workers on this machine), and
 sets both up (bench/citus_setup.sql). Standard library only; Linux only (/proc).
 
-A round runs JOB and then JOBT (bench/scripts/citus_job*.sql) on the single node and
+A round runs, for each recipe, JOB and then JOBT (bench/scripts/citus_*.sql) on the single node and
 then on the cluster, each for SECONDS with CLIENTS clients: on the single node all of
 them; on the cluster as many on each node, the coordinator included. Meanwhile every
 process of every server is sampled from /proc every 0.2 s (user and system CPU; a
@@ -131,6 +131,7 @@ def run(servers, script):
 
 
 RECIPES = [("statements", "citus_job.sql", "citus_jobt.sql"),
+           ("statements, finish by trigger", "citus_tjob.sql", "citus_tjobt.sql"),
            ("whole calls", "citus_fjob.sql", "citus_fjobt.sql")]
 
 
@@ -156,9 +157,10 @@ def main():
     lines += [f"{ARGS.clients} clients (on the cluster {ARGS.clients // len(cluster)} on each of its "
               f"{len(cluster)} nodes, the coordinator included), {ARGS.seconds} s per run, "
               f"{ARGS.rounds} rounds; CPU is every server process's (user + system), in "
-              "microseconds per job; tenants drawn from 1,000. Two recipes (USER_GUIDE "
+              "microseconds per job; tenants drawn from 1,000. Three recipes (USER_GUIDE "
               "\"Citus\"): statements (a start alone in its statement, then the INSERT, in "
-              "one transaction; the UPDATE and finish_for() in another) and whole calls "
+              "one transaction; the UPDATE and finish_for() in another), statements whose "
+              "finish is the completion UPDATE's quota.finish_job() trigger, and whole calls "
               "(enqueue() and complete(), each distributed by tenant and run whole on the "
               "tenant's node; JOB runs the same calls with pg_quota off).", ""]
     for recipe, _, _ in RECIPES:

@@ -49,3 +49,17 @@ SELECT create_distributed_function('enqueue(text,text,bool)', '$1',
 SELECT create_distributed_function('complete(text,bigint)', '$1',
                                    colocate_with := 'jobs', force_delegation := true);
 \endif
+-- The recipe in statements with the finish in the queue's own completion: the
+-- completion UPDATE of tjobs fires quota.finish_job() on the row's shard, on the
+-- tenant's node (USER_GUIDE "Citus", the queue's own triggers). JOB runs the same
+-- statements on tjobs without a ticket, so the trigger's WHEN is all it costs there.
+CREATE TABLE tjobs (tenant text NOT NULL, id bigserial, payload text, ticket uuid,
+                    done_at timestamptz, PRIMARY KEY (tenant, id));
+\if :citus
+SELECT create_distributed_table('tjobs', 'tenant', colocate_with := 'jobs');
+SET citus.enable_unsafe_triggers = on;
+\endif
+CREATE TRIGGER quota_job_done AFTER UPDATE OF done_at ON tjobs FOR EACH ROW
+  WHEN (NEW.done_at IS NOT NULL AND OLD.done_at IS NULL AND NEW.ticket IS NOT NULL)
+  EXECUTE FUNCTION quota.finish_job('ticket', 'succeeded');
+GRANT ALL ON tjobs, tjobs_id_seq TO app;

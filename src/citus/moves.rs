@@ -14,11 +14,10 @@ use crate::core::QuotaError;
 /// The shard, source group and target group of Citus' own
 /// `SELECT citus_internal.update_placement_metadata(shard, source, target)`, which a
 /// shard move (citus_move_shard_placement, the rebalancer) sends to every node with
-/// metadata in its transaction, as it is about to run: a planned statement whose
-/// plan is a Result of that one call, run by a superuser (Citus' own connections;
-/// pg_quota names tenants in its refusal, and a role that may not run the function
-/// must not take pg_quota's lock by preparing a call of it). None for anything else
-/// (told apart by its shape alone, before any catalog lookup).
+/// metadata in its transaction, as it is about to run (citus_call); as the user who
+/// runs the move, a superuser or the table's owner (held_here judges: pg_quota names
+/// tenants in its refusal, and a role that may not run the function must not take
+/// pg_quota's lock by preparing a call of it).
 ///
 /// # Safety
 /// `stmt` is the PlannedStmt the executor is starting.
@@ -44,9 +43,10 @@ pub unsafe fn placement_update(stmt: *const pg_sys::PlannedStmt) -> Option<(i64,
 }
 
 /// The constant arguments of a planned statement that is one call of one of Citus'
-/// internal functions `names` (schema, name), with arguments of `types`, run by a
-/// superuser: `SELECT f(c1, c2, …)`, whose plan is a Result of that one call. None for
-/// anything else (told apart by its shape alone, before any catalog lookup).
+/// internal functions `names` (schema, name), with arguments of `types`:
+/// `SELECT f(c1, c2, …)`, whose plan is a Result of that one call. None for anything
+/// else (told apart by its shape alone, before any catalog lookup). Who runs it is
+/// held_here's to judge.
 ///
 /// # Safety
 /// `stmt` is the PlannedStmt the executor is starting.
@@ -65,7 +65,6 @@ pub(super) unsafe fn citus_call(
             || plan.is_null()
             || (*plan).type_ != pg_sys::NodeTag::T_Result
             || !(*plan).lefttree.is_null()
-            || !pg_sys::superuser_arg(pg_sys::GetUserId())
         {
             return None;
         }
@@ -99,6 +98,12 @@ pub(super) unsafe fn citus_call(
         Some(values)
     }
 }
+
+/// The owner of shard $1's table.
+const SHARD_OWNER: &std::ffi::CStr = c"
+SELECT c.relowner FROM pg_catalog.pg_dist_shard s
+  JOIN pg_catalog.pg_class c ON c.oid = s.logicalrelid
+ WHERE s.shardid = $1";
 
 /// This node's group.
 const LOCAL_GROUP: &std::ffi::CStr = c"SELECT l.groupid FROM pg_catalog.pg_dist_local_group l";
@@ -206,7 +211,20 @@ pub(super) fn held_here(
             return Ok(None);
         };
         let shard_fn = column_oid(5).unwrap_or(pg_sys::InvalidOid);
-        if !concerned(table) {
+        // Citus sends its metadata commands as the user who runs the operation, which
+        // it lets the owner of the shard's table run: a superuser or that owner (or a
+        // member of its role). Anyone else's call fails in Citus' own checks; until
+        // then it must not take pg_quota's lock, nor learn the names of the tenants
+        // that the refusal would give.
+        query(
+            pg_sys::GetUserId(),
+            None,
+            SHARD_OWNER,
+            &[(pg_sys::INT8OID, pg_sys::Datum::from(shard))],
+        );
+        let user = pg_sys::GetUserId();
+        let may = column_oid(1).is_some_and(|o| pg_sys::has_privs_of_role(user, o));
+        if !(pg_sys::superuser_arg(user) || may) || !concerned(table) {
             pg_sys::SPI_finish();
             return Ok(None);
         }

@@ -22,7 +22,7 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
     }
     // SAFETY: schema quota's OID, InvalidOid if it is gone (then nothing matches).
     let ns = u32::from(unsafe { pg_sys::get_namespace_oid(c"quota".as_ptr(), true) });
-    let seen = generation();
+    let mut seen = generation();
     let declared = match DECLARED_SEEN.with_borrow_mut(|m| m.get(seen, &ns)) {
         Some(d) => d,
         None => {
@@ -67,28 +67,46 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
             pg_sys::Oid::from(shard_fn),
         ),
     };
-    let shard = match SHARD_SEEN.with_borrow_mut(|m| m.get(seen, tenant)) {
+    // The tenant's shard, as remembered for generation `at` or read now.
+    let shard_at = |at: u64| match SHARD_SEEN.with_borrow_mut(|m| m.get(at, tenant)) {
         Some(shard) => shard,
         None => {
             // SAFETY: a call of Citus' function with an argument of its types.
             let (shard, now) = reading(|| unsafe { shard_of(shard_fn, table, owner, tenant) });
-            SHARD_SEEN.with_borrow_mut(|m| m.keep(seen, now, tenant.to_vec(), shard));
+            SHARD_SEEN.with_borrow_mut(|m| m.keep(at, now, tenant.to_vec(), shard));
             shard
         }
     };
+    let mut shard = shard_at(seen);
     // Held until `release` (a writer-committed start's charge has committed) or the
-    // transaction's end: a move of the shard off this node refuses to go meanwhile
-    // (shard_leaving), so that no charge is left behind; and a start that comes during
-    // a move waits for it (LOCK_WAIT at most), then reads where the shard is after it:
-    // the move's invalidations are sent before its locks are given back.
+    // transaction's end: a move of the shard off this node, or a split of it, refuses
+    // to go meanwhile (citus/moves.rs, citus/splits.rs), so that no charge is left
+    // behind; and a start that comes during one waits for it (LOCK_WAIT at most), then
+    // reads where its tenant is after it: the change's invalidations are sent before
+    // its locks are given back. A split replaces the shard: where the tenant's shard
+    // is another one after the wait, that one is locked in its place (a few times at
+    // most; then the last one read stands, and its placement decides).
     // SAFETY: a plain read of backend state.
     let db = unsafe { pg_sys::MyDatabaseId };
-    crate::ledger::locks::lock_tag_bounded(
-        crate::scopes::shard_lock_tag(db, shard),
-        pg_sys::ShareLock,
-        |seconds| QuotaError::ShardBusy { shard, seconds },
-    );
-    let locked = generation();
+    let mut tries = 0;
+    let locked = loop {
+        crate::ledger::locks::lock_tag_bounded(
+            crate::scopes::shard_lock_tag(db, shard),
+            pg_sys::ShareLock,
+            |seconds| QuotaError::ShardBusy { shard, seconds },
+        );
+        let locked = generation();
+        tries += 1;
+        if locked == seen || tries == 3 {
+            break locked;
+        }
+        let now = shard_at(locked);
+        if now == shard {
+            break locked;
+        }
+        release_shard(shard);
+        (shard, seen) = (now, locked);
+    };
     let placed = match PLACED_SEEN.with_borrow_mut(|m| m.get(locked, &shard)) {
         Some(p) => p,
         None => {
@@ -207,11 +225,17 @@ pub fn warn_per_node(policy: &crate::policy::Policy) {
 /// A transactional start keeps it to its transaction's end, when its charge commits.
 pub fn release(placement: &Option<Placement>) {
     if let Some(shard) = placement.as_ref().and_then(|p| p.shard) {
-        // SAFETY: a plain read of backend state, and the release of a lock this
-        // transaction holds (LockRelease warns, harmlessly, where it does not).
-        unsafe {
-            let mut tag = crate::scopes::shard_lock_tag(pg_sys::MyDatabaseId, shard);
-            pg_sys::LockRelease(&mut tag, pg_sys::ShareLock as i32, false);
-        }
+        release_shard(shard);
+    }
+}
+
+/// Gives back one hold of the shard lock on `shard` that this start took (one taken
+/// before, by an earlier start of the transaction, stays).
+fn release_shard(shard: i64) {
+    // SAFETY: a plain read of backend state, and the release of a lock this
+    // transaction holds (LockRelease warns, harmlessly, where it does not).
+    unsafe {
+        let mut tag = crate::scopes::shard_lock_tag(pg_sys::MyDatabaseId, shard);
+        pg_sys::LockRelease(&mut tag, pg_sys::ShareLock as i32, false);
     }
 }

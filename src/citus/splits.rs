@@ -43,8 +43,10 @@ SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_shard s
                   AND p.groupid = (SELECT l.groupid FROM pg_catalog.pg_dist_local_group l))";
 
 thread_local! {
-    /// The splits of this transaction whose shard's tenants hold something here.
-    static PENDING: std::cell::RefCell<Vec<(i64, Held)>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The splits of this transaction whose shard's tenants hold something here, each
+    /// with the subtransaction level that saw it (xact::at_subxact_end): a split rolled
+    /// back to a savepoint is not checked at the commit.
+    static PENDING: std::cell::RefCell<Vec<((i64, Held), i32)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// As a split deletes `shard`'s metadata on this node: where the shard is of the table
@@ -68,7 +70,9 @@ pub fn shard_splitting(shard: i64) -> Result<(), QuotaError> {
     if let Some(held) = held_here(shard, ShardChange::Split, concerned)? {
         if !held.active.is_empty() || !held.own.is_empty() {
             register();
-            PENDING.with_borrow_mut(|p| p.push((shard, held)));
+            // SAFETY: a plain read of transaction state.
+            let level = unsafe { pg_sys::GetCurrentTransactionNestLevel() };
+            PENDING.with_borrow_mut(|p| p.push(((shard, held), level)));
         }
     }
     Ok(())
@@ -81,6 +85,7 @@ fn register() {
     unsafe {
         if !REGISTERED {
             pg_sys::RegisterXactCallback(Some(xact_event), std::ptr::null_mut());
+            pg_sys::RegisterSubXactCallback(Some(subxact_event), std::ptr::null_mut());
             REGISTERED = true;
         }
     }
@@ -101,8 +106,20 @@ unsafe extern "C-unwind" fn xact_event(
             | pg_sys::XactEvent::XACT_EVENT_PARALLEL_PRE_COMMIT
             | pg_sys::XactEvent::XACT_EVENT_PRE_PREPARE
     ) {
-        crate::error::boundary(|| check(pending));
+        crate::error::boundary(|| check(pending.into_iter().map(|(p, _)| p).collect()));
     }
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn subxact_event(
+    event: pg_sys::SubXactEvent::Type,
+    _my: pg_sys::SubTransactionId,
+    _parent: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    PENDING.with_borrow_mut(|p| {
+        crate::xact::at_subxact_end(p, event);
+    });
 }
 
 /// The split's transaction is about to commit (or prepare) here, its new shards

@@ -717,22 +717,89 @@ expect_eq "… where $A stays at its limit: refused from the coordinator, from n
      grep -q 'after:refused' "$DIR/n3/iso.out" && echo f || echo t) $(sed -n 's/^after-state=//p' "$DIR/n3/iso.out")"
 close_session iso
 
+# A start that comes while a split of its tenant's shard is under way on n3 waits for
+# it, then locks and reads the tenant's new shard: where the split keeps the tenant
+# here, it is judged here (at its limit), not refused for want of a node. The split's
+# metadata change on n3 is held open here by hand, as the move's was: $A's shard
+# replaced in n3's catalog by a new one over the same hashes, also on n3 (the rows
+# stay where they are), then put back.
+ISO=$(n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$A')")
+read -r ISO_MIN ISO_MAX < <(n 3 -F ' ' -c "SELECT shardminvalue, shardmaxvalue FROM pg_dist_shard WHERE shardid = $ISO")
+read -r ISO_PLACEMENT G3 < <(n 3 -F ' ' -c "SELECT placementid, groupid FROM pg_dist_placement WHERE shardid = $ISO")
+replace_shard() {  # replace_shard OLD NEW NEW_PLACEMENT: on n3, in the session meta, left open
+  say meta "BEGIN;"
+  say meta "SELECT citus_internal.delete_shard_metadata($1);"
+  say meta "SELECT citus_internal.add_shard_metadata('jobs'::regclass, $2, 't', '$ISO_MIN', '$ISO_MAX');"
+  say meta "SELECT citus_internal.add_placement_metadata($2, 0, $G3, $3);"
+  say meta "\\echo replaced-$2=:SQLSTATE"
+}
+CL="$DIR/n3" PORT=$((BASE + 3)) open_session sw app app
+say sw "BEGIN;"  # run here, not delegated: try_start() is not force-delegated
+say sw "SELECT 'primed:' || coalesce(quota.try_start(tenant => '$A', label => 'split wait')::text, 'refused');"
+say sw "COMMIT;"
+CL="$DIR/n3" wait_out sw "primed:"
+PGAPPNAME="$CITUS_APP" CL="$DIR/n3" PORT=$((BASE + 3)) open_session meta postgres app
+replace_shard "$ISO" 990001 990001
+CL="$DIR/n3" wait_out meta "replaced-990001="
+say sw "SELECT 'during:' || coalesce(quota.try_start(tenant => '$A', label => 'split wait')::text, 'refused');"
+say sw "\\echo during=:SQLSTATE"
+waited=not-waiting
+for _ in $(seq 60); do
+  if [ "$(n 3 -c "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%split wait%' AND pid <> pg_backend_pid()")" = 1 ]; then
+    waited=waiting; break
+  fi
+  sleep 0.05
+done
+say meta "COMMIT;"
+CL="$DIR/n3" wait_out sw "during="
+expect_eq "a start of $A on n3 while a split that keeps $A there is under way waits for it, then is judged on $A's new shard: at its limit (refused, 00000), not 0A000" \
+  "replaced-990001=00000 waiting during:refused 00000" \
+  "$(grep -o 'replaced-990001=.*' "$DIR/n3/meta.out") $waited $(grep -o 'during:.*' "$DIR/n3/sw.out") $(sed -n 's/^during=//p' "$DIR/n3/sw.out")"
+close_session sw
+replace_shard 990001 "$ISO" "$ISO_PLACEMENT"
+say meta "COMMIT;"
+say meta "\\echo restored=:SQLSTATE"
+CL="$DIR/n3" wait_out meta "restored="
+close_session meta
+expect_eq "… and with n3's metadata put back, $A's shard is $ISO again there, with its two tickets" \
+  "restored=00000 $ISO 2" "$(grep -o 'restored=.*' "$DIR/n3/meta.out") $(
+     on 3 postgres "SELECT get_shard_id_for_distribution_column('jobs', '$A')") $(live 3 "$A")"
+
+# Citus runs a move or a split as the user who calls it, which may be the tables'
+# owner rather than a superuser: pg_quota's guard holds for that user alike.
+n 0 -c "ALTER TABLE jobs OWNER TO app" -c "ALTER TABLE running OWNER TO app" -c "ALTER TABLE tjobs OWNER TO app" >/dev/null
+owner_move=$(timeout 60 "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U app -d app -v ON_ERROR_STOP=0 \
+  -c "SELECT citus_move_shard_placement($ISO, '$DIR/n3', $((BASE + 3)), '$DIR/n1', $((BASE + 1)), shard_transfer_mode := 'block_writes')" \
+  -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
+expect_eq "a move of $A's shard off n3 run by the tables' owner, not a superuser, is refused alike (55000), $A's two tickets kept there" \
+  "55000 t 3 2" "$(sed -n 's/^SQLSTATE=//p' <<<"$owner_move") $(grep -q "pg_quota cannot let shard $ISO leave this node: tenant \"$A\" holds active tickets here" <<<"$owner_move" && echo t || echo f) $(
+     node_of "$A") $(live 3 "$A")"
+n 0 -c "ALTER TABLE jobs OWNER TO postgres" -c "ALTER TABLE running OWNER TO postgres" -c "ALTER TABLE tjobs OWNER TO postgres" \
+    -c "GRANT ALL ON jobs, running, tjobs, jobs_id_seq, tjobs_id_seq TO app" >/dev/null  # the old owner's rights went with it
+
 # --- a coordinator failover ---------------------------------------------------------------
 # The coordinator's hot standby (pg_basebackup -R) is promoted once the coordinator
 # crashes, and citus_set_coordinator_host() points the cluster at it. The coordinator's
 # ledger holds only the tickets of starts without a tenant made there, which streaming
 # replication carries as on any server; tenants' tickets are on the workers, which the
 # failover does not touch.
-TL=$(on 0 app "SELECT quota.start(label => 'coordinator')")
 CO=5  # the promoted coordinator: node 5, $DIR/n5
 mkdir -p "$DIR/n$CO"; chown "$PG_USER" "$DIR/n$CO"; CLUSTERS+=("$DIR/n$CO")
 as_pg "$PG_BIN/pg_basebackup" -h "$DIR/n0" -p "$BASE" -U postgres -D "$DIR/n$CO/data" -R -X stream -c fast
 sed -i "s/^port = .*/port = $((BASE + CO))/; s|^unix_socket_directories = .*|unix_socket_directories = '$DIR/n$CO'|;
         s|^citus.local_hostname = .*|citus.local_hostname = '$DIR/n$CO'|" "$DIR/n$CO/data/postgresql.conf"
 as_pg "$PG_BIN/pg_ctl" -D "$DIR/n$CO/data" -l "$DIR/n$CO/server.log" -w -t 60 start >/dev/null
+# A ticket taken once the standby streams: it reaches the standby by replication.
+TL=$(on 0 app "SELECT quota.start(label => 'coordinator')")
 LSN=$(n 0 -c "SELECT pg_current_wal_lsn()")
-timeout 30 bash -c "until [ \"\$('$PG_BIN/psql' -X -At -h '$DIR/n$CO' -p $((BASE + CO)) -U postgres -d app \
-   -c \"SELECT pg_last_wal_replay_lsn() >= '$LSN'\")\" = t ]; do sleep 0.1; done" || true
+replayed=f
+for _ in $(seq 300); do
+  replayed=$(n "$CO" -c "SELECT pg_last_wal_replay_lsn() >= '$LSN'" 2>/dev/null || echo f)
+  [ "$replayed" = t ] && break
+  sleep 0.1
+done
+expect_eq "the coordinator's standby streams, and replayed the ticket's commit before the crash" "t streaming" \
+  "$replayed $(n 0 -c "SELECT state FROM pg_stat_replication")"
 live_a=$(live 3 "$A"); live_b=$(live "$NB" "$B")
 stop_cluster "$DIR/n0" immediate
 as_pg "$PG_BIN/pg_ctl" -D "$DIR/n$CO/data" -w -t 60 promote >/dev/null

@@ -1,6 +1,6 @@
-//! A shard move seen on the node it would leave (Citus' own metadata update, as it
-//! starts to run there), refused while tenants of the shard hold active tickets or
-//! their own limits on this node.
+//! A shard move seen on the node it would leave (Citus' own metadata update, once it
+//! has run there), refused while tenants of the shard hold active tickets or their own
+//! limits on this node; and what the split guard (splits.rs) shares with it.
 
 use pgrx::pg_sys;
 
@@ -14,13 +14,13 @@ use crate::core::QuotaError;
 /// The shard, source group and target group of Citus' own
 /// `SELECT citus_internal.update_placement_metadata(shard, source, target)`, which a
 /// shard move (citus_move_shard_placement, the rebalancer) sends to every node with
-/// metadata in its transaction, as it is about to run (citus_call); as the user who
-/// runs the move, a superuser or the table's owner (held_here judges: pg_quota names
-/// tenants in its refusal, and a role that may not run the function must not take
-/// pg_quota's lock by preparing a call of it).
+/// metadata in its transaction (citus_call). The hook acts once the call has returned
+/// its row: Citus' own checks then let its user change Citus' metadata (a superuser,
+/// the table's owner, Citus' own connections), so a refusal may name the tenants, and
+/// a call that was only planned or prepared takes no lock.
 ///
 /// # Safety
-/// `stmt` is the PlannedStmt the executor is starting.
+/// `stmt` is the PlannedStmt the executor has run.
 pub unsafe fn placement_update(stmt: *const pg_sys::PlannedStmt) -> Option<(i64, i32, i32)> {
     // Before Citus 12 (and from an older node during a rolling upgrade):
     // pg_catalog.citus_internal_update_placement_metadata.
@@ -45,11 +45,10 @@ pub unsafe fn placement_update(stmt: *const pg_sys::PlannedStmt) -> Option<(i64,
 /// The constant arguments of a planned statement that is one call of one of Citus'
 /// internal functions `names` (schema, name), with arguments of `types`:
 /// `SELECT f(c1, c2, …)`, whose plan is a Result of that one call. None for anything
-/// else (told apart by its shape alone, before any catalog lookup). Who runs it is
-/// held_here's to judge.
+/// else (told apart by its shape alone, before any catalog lookup).
 ///
 /// # Safety
-/// `stmt` is the PlannedStmt the executor is starting.
+/// `stmt` is the PlannedStmt the executor has run.
 pub(super) unsafe fn citus_call(
     stmt: *const pg_sys::PlannedStmt,
     names: &[(&std::ffi::CStr, &std::ffi::CStr)],
@@ -99,12 +98,6 @@ pub(super) unsafe fn citus_call(
     }
 }
 
-/// The owner of shard $1's table.
-const SHARD_OWNER: &std::ffi::CStr = c"
-SELECT c.relowner FROM pg_catalog.pg_dist_shard s
-  JOIN pg_catalog.pg_class c ON c.oid = s.logicalrelid
- WHERE s.shardid = $1";
-
 /// This node's group.
 const LOCAL_GROUP: &std::ffi::CStr = c"SELECT l.groupid FROM pg_catalog.pg_dist_local_group l";
 
@@ -127,80 +120,14 @@ SELECT (SELECT pg_catalog.string_agg(t, E'\\x1f' ORDER BY t) FROM pg_catalog.unn
 
 /// Refuses (core::citus::shard_may_leave) Citus' move of `shard` off this node, the
 /// source group `source`, where a tenant of the shard holds active tickets or its own
-/// limits here. Nothing is read unless pg_quota's starts are distributed by tenant.
+/// limits here. Run once Citus' metadata update has run here (so Citus' own checks
+/// let its user change its metadata: a superuser, the table's owner, Citus' own
+/// connections). Nothing is read unless pg_quota's starts are distributed by tenant.
 pub fn shard_leaving(shard: i64, source: i32) -> Result<(), QuotaError> {
-    // SAFETY: connected to SPI by held_here, inside the move's transaction.
-    let concerned = |_: pg_sys::Oid| unsafe {
-        query(pg_sys::GetUserId(), None, LOCAL_GROUP, &[]);
-        column(1).map(|d| d.value() as i32) == Some(source) // the node the shard leaves
+    let Some((ns, held)) = held_query(HeldAs::Arrays) else {
+        return Ok(());
     };
-    match held_here(shard, ShardChange::Move, concerned)? {
-        Some(held) => {
-            crate::core::citus::shard_may_leave(ShardChange::Move, shard, held.active, held.own)
-                .map_err(QuotaError::ShardMoveRefused)
-        }
-        None => Ok(()),
-    }
-}
-
-/// Of a shard that Citus moves or splits on this node: the table pg_quota's start
-/// functions are colocated with, its owner, and Citus' function that gives a tenant's
-/// shard; the shard's tenants with active tickets here, and with their own limits here.
-pub(super) struct Held {
-    pub table: pg_sys::Oid,
-    pub owner: pg_sys::Oid,
-    pub shard_fn: pg_sys::Oid,
-    pub active: Vec<String>,
-    pub own: Vec<String>,
-}
-
-/// Where pg_quota's starts are distributed by tenant and `concerned` (run connected
-/// to SPI, with the table the start functions are colocated with) says that `change`
-/// of `shard` concerns this node: takes pg_quota's lock on the shard exclusively, to
-/// the end of the transaction, and reads what its tenants hold here (Held). None
-/// where this node is not concerned. The lock holds off new starts for the shard's
-/// tenants here; where a start holds it (a transactional charge not committed yet, a
-/// start that waits for capacity), the change is refused now (55P03) rather than left
-/// to wait: the start's transaction may next write to the shard, which the change
-/// blocks, and the two would deadlock.
-pub(super) fn held_here(
-    shard: i64,
-    change: ShardChange,
-    concerned: impl FnOnce(pg_sys::Oid) -> bool,
-) -> Result<Option<Held>, QuotaError> {
-    // SAFETY: schema quota's OID, InvalidOid if it is gone; then catalog probes.
-    let (ns, has_active, has_own) = unsafe {
-        let ns = pg_sys::get_namespace_oid(c"quota".as_ptr(), true);
-        if ns == pg_sys::InvalidOid {
-            return Ok(None);
-        }
-        (
-            ns,
-            pg_sys::get_relname_relid(c"active".as_ptr(), ns) != pg_sys::InvalidOid,
-            pg_sys::get_relname_relid(c"tenant_overrides".as_ptr(), ns) != pg_sys::InvalidOid,
-        )
-    };
-    let held = std::ffi::CString::new(
-        HELD_HERE
-            .replace(
-                "{active}",
-                if has_active {
-                    ACTIVE_HERE
-                } else {
-                    "NULL::pg_catalog.text[]"
-                },
-            )
-            .replace(
-                "{own}",
-                if has_own {
-                    OWN_HERE
-                } else {
-                    "NULL::pg_catalog.text[]"
-                },
-            ),
-    )
-    .expect("no NUL in the query");
-    // SAFETY: SPI inside the change's transaction; an ERROR unwinds through it and the
+    // SAFETY: SPI inside the move's transaction; an ERROR unwinds through it and the
     // abort cleans SPI up. The arrays read by one query stay in SPI's memory until
     // SPI_finish, after the next.
     unsafe {
@@ -208,45 +135,22 @@ pub(super) fn held_here(
         let found = read_declared(ns).is_some();
         let (true, Some(table), Some(owner)) = (found, column_oid(1), column_oid(2)) else {
             pg_sys::SPI_finish();
-            return Ok(None);
+            return Ok(());
         };
-        let shard_fn = column_oid(5).unwrap_or(pg_sys::InvalidOid);
-        // Citus sends its metadata commands as the user who runs the operation, which
-        // it lets the owner of the shard's table run: a superuser or that owner (or a
-        // member of its role). Anyone else's call fails in Citus' own checks; until
-        // then it must not take pg_quota's lock, nor learn the names of the tenants
-        // that the refusal would give.
-        query(
-            pg_sys::GetUserId(),
-            None,
-            SHARD_OWNER,
-            &[(pg_sys::INT8OID, pg_sys::Datum::from(shard))],
-        );
-        let user = pg_sys::GetUserId();
-        let may = column_oid(1).is_some_and(|o| pg_sys::has_privs_of_role(user, o));
-        if !(pg_sys::superuser_arg(user) || may) || !concerned(table) {
+        query(pg_sys::GetUserId(), None, LOCAL_GROUP, &[]);
+        if column(1).map(|d| d.value() as i32) != Some(source) {
             pg_sys::SPI_finish();
-            return Ok(None);
+            return Ok(()); // not the node the shard leaves
         }
-        let mut tag = crate::scopes::shard_lock_tag(pg_sys::MyDatabaseId, shard);
-        if pg_sys::LockAcquire(&mut tag, pg_sys::ExclusiveLock as i32, false, true)
-            == pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
-        {
+        if let Err(e) = lock_exclusively(shard, ShardChange::Move) {
             pg_sys::SPI_finish();
-            return Err(QuotaError::ShardMoveBusy { shard, change });
+            return Err(e);
         }
-        let mut out = Held {
-            table,
-            owner,
-            shard_fn,
-            active: Vec::new(),
-            own: Vec::new(),
-        };
         query(pg_sys::BOOTSTRAP_SUPERUSERID.into(), None, &held, &[]);
         let (active, own) = (column(1), column(2));
         if active.is_none() && own.is_none() {
             pg_sys::SPI_finish();
-            return Ok(Some(out));
+            return Ok(());
         }
         // SAFETY: an empty text[] in the current (SPI's) memory context.
         let empty = || pg_sys::Datum::from(pg_sys::construct_empty_array(pg_sys::TEXTOID));
@@ -261,13 +165,75 @@ pub(super) fn held_here(
                 (pg_sys::INT8OID, pg_sys::Datum::from(shard)),
             ],
         );
-        let split = |s: Option<String>| -> Vec<String> {
-            s.map(|s| s.split('\u{1f}').map(str::to_string).collect())
-                .unwrap_or_default()
-        };
-        out.active = split(column_text(1));
-        out.own = split(column_text(2));
+        let (active, own) = (names(column_text(1)), names(column_text(2)));
         pg_sys::SPI_finish();
-        Ok(Some(out))
+        crate::core::citus::shard_may_leave(ShardChange::Move, shard, active, own)
+            .map_err(QuotaError::ShardMoveRefused)
     }
+}
+
+/// Takes pg_quota's lock on `shard` exclusively, to the end of the transaction: it
+/// holds off new starts for the shard's tenants here. Where a start holds it (a
+/// transactional charge not committed yet, a start that waits for capacity), `change`
+/// is refused now (55P03) rather than left to wait: the start's transaction may next
+/// write to the shard, which the change blocks, and the two would deadlock.
+pub(super) fn lock_exclusively(shard: i64, change: ShardChange) -> Result<(), QuotaError> {
+    // SAFETY: a plain read of backend state, and a conditional lock acquisition.
+    unsafe {
+        let mut tag = crate::scopes::shard_lock_tag(pg_sys::MyDatabaseId, shard);
+        if pg_sys::LockAcquire(&mut tag, pg_sys::ExclusiveLock as i32, false, true)
+            == pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
+        {
+            return Err(QuotaError::ShardMoveBusy { shard, change });
+        }
+    }
+    Ok(())
+}
+
+/// How held_query gives the tenants: as two text[] (for OF_SHARD), or as two texts of
+/// names joined with a unit separator (`names`).
+#[derive(Clone, Copy)]
+pub(super) enum HeldAs {
+    Arrays,
+    Texts,
+}
+
+/// Schema quota's OID, and the query of the tenants with active tickets and with their
+/// own limits here (HELD_HERE, as far as this version's tables have them); None where
+/// pg_quota's schema is gone.
+pub(super) fn held_query(shape: HeldAs) -> Option<(pg_sys::Oid, std::ffi::CString)> {
+    // SAFETY: schema quota's OID, InvalidOid if it is gone; then catalog probes.
+    let (ns, has_active, has_own) = unsafe {
+        let ns = pg_sys::get_namespace_oid(c"quota".as_ptr(), true);
+        if ns == pg_sys::InvalidOid {
+            return None;
+        }
+        (
+            ns,
+            pg_sys::get_relname_relid(c"active".as_ptr(), ns) != pg_sys::InvalidOid,
+            pg_sys::get_relname_relid(c"tenant_overrides".as_ptr(), ns) != pg_sys::InvalidOid,
+        )
+    };
+    let part = |has: bool, sql: &str| {
+        let array = if has { sql } else { "NULL::pg_catalog.text[]" };
+        match shape {
+            HeldAs::Arrays => array.to_string(),
+            HeldAs::Texts => format!("pg_catalog.array_to_string({array}, E'\\x1f')"),
+        }
+    };
+    let sql = HELD_HERE
+        .replace("{active}", &part(has_active, ACTIVE_HERE))
+        .replace("{own}", &part(has_own, OWN_HERE));
+    Some((
+        ns,
+        std::ffi::CString::new(sql).expect("no NUL in the query"),
+    ))
+}
+
+/// Names joined with a unit separator, as OF_SHARD and held_query's texts give them.
+pub(super) fn names(joined: Option<String>) -> Vec<String> {
+    joined
+        .filter(|s| !s.is_empty())
+        .map(|s| s.split('\u{1f}').map(str::to_string).collect())
+        .unwrap_or_default()
 }

@@ -84,11 +84,11 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
     // behind; and a start that comes during one waits for it (LOCK_WAIT at most), then
     // reads where its tenant is after it: the change's invalidations are sent before
     // its locks are given back. A split replaces the shard: where the tenant's shard
-    // is another one after the wait, that one is locked in its place (a few times at
-    // most; then the last one read stands, and its placement decides).
+    // is another one after the wait, that one is locked in its place (twice at most,
+    // then the start is refused as busy, 55P03).
     // SAFETY: a plain read of backend state.
     let db = unsafe { pg_sys::MyDatabaseId };
-    let mut tries = 0;
+    let mut moved = 0;
     let locked = loop {
         crate::ledger::locks::lock_tag_bounded(
             crate::scopes::shard_lock_tag(db, shard),
@@ -96,13 +96,20 @@ pub fn placement(tenant: &[u8]) -> Result<Option<Placement>, QuotaError> {
             |seconds| QuotaError::ShardBusy { shard, seconds },
         );
         let locked = generation();
-        tries += 1;
-        if locked == seen || tries == 3 {
+        if locked == seen {
             break locked;
         }
         let now = shard_at(locked);
         if now == shard {
             break locked;
+        }
+        moved += 1;
+        if moved == 3 {
+            // Split again and again meanwhile: busy (55P03), which a caller retries.
+            return Err(QuotaError::ShardBusy {
+                shard: now,
+                seconds: 0,
+            });
         }
         release_shard(shard);
         (shard, seen) = (now, locked);

@@ -2,7 +2,7 @@
 //! while pg_quota is in use (I9). guard.rs holds what DDL may do to pg_quota's own
 //! tables. And, on a Citus node (0.7.1, citus/planner.rs), a planner hook that keeps a start
 //! without a tenant from Citus' delegation, and an executor hook that checks Citus'
-//! shard moves off the node.
+//! shard moves off the node and splits.
 //!
 //! - A ledger writer is a session connected to its database. It must leave before
 //!   commands that need the database to themselves: DROP DATABASE, CREATE DATABASE
@@ -24,7 +24,7 @@ use pgrx::prelude::*;
 
 static mut PREV_OBJECT_ACCESS_HOOK: pg_sys::object_access_hook_type = None;
 static mut PREV_PROCESS_UTILITY_HOOK: pg_sys::ProcessUtility_hook_type = None;
-static mut PREV_EXECUTOR_START_HOOK: pg_sys::ExecutorStart_hook_type = None;
+static mut PREV_EXECUTOR_FINISH_HOOK: pg_sys::ExecutorFinish_hook_type = None;
 static mut PREV_CREATE_UPPER_PATHS_HOOK: pg_sys::create_upper_paths_hook_type = None;
 // Single-threaded backend state: the roles this transaction dropped, with the
 // subtransaction nesting level that dropped them, and the databases it dropped.
@@ -39,8 +39,8 @@ pub fn init() {
         pg_sys::object_access_hook = Some(object_access);
         PREV_PROCESS_UTILITY_HOOK = pg_sys::ProcessUtility_hook;
         pg_sys::ProcessUtility_hook = Some(process_utility);
-        PREV_EXECUTOR_START_HOOK = pg_sys::ExecutorStart_hook;
-        pg_sys::ExecutorStart_hook = Some(executor_start);
+        PREV_EXECUTOR_FINISH_HOOK = pg_sys::ExecutorFinish_hook;
+        pg_sys::ExecutorFinish_hook = Some(executor_finish);
         PREV_CREATE_UPPER_PATHS_HOOK = pg_sys::create_upper_paths_hook;
         pg_sys::create_upper_paths_hook = Some(create_upper_paths);
     }
@@ -72,23 +72,28 @@ unsafe extern "C-unwind" fn create_upper_paths(
 
 /// Citus moves a shard by sending every node with metadata, in the move's
 /// transaction, `SELECT citus_internal.update_placement_metadata(shard, source,
-/// target)`. On the node the shard leaves, pg_quota refuses it, as it starts to run,
-/// where a tenant of the shard holds tickets or its own limits here, which the move
-/// would leave behind (citus/moves.rs; USER_GUIDE "Citus"), so that the move fails whole.
-/// A split sends `SELECT citus_internal.delete_shard_metadata(shard)` likewise: on the
-/// node that holds the shard, pg_quota takes its lock and checks, as the split's
-/// transaction commits there, that no tenant holding tickets or its own limits here
-/// was placed on another node (citus/splits.rs). Every other statement is told apart
-/// by its plan's shape alone.
+/// target)`. On the node the shard leaves, pg_quota refuses it, once it has run (so
+/// Citus' own checks let its user change Citus' metadata), where a tenant of the shard
+/// holds tickets or its own limits here, which the move would leave behind
+/// (citus/moves.rs; USER_GUIDE "Citus"), so that the move fails whole. A split sends
+/// `SELECT citus_internal.delete_shard_metadata(shard)` likewise: once it has run,
+/// pg_quota takes its lock on the shard and checks, as the split's transaction commits
+/// here, that no tenant holding tickets or its own limits here was placed on another
+/// node (citus/splits.rs). Each is acted on only when its one row came back: a call
+/// that was only planned, prepared, declared in a cursor not fetched, or filtered
+/// away did nothing, and takes no lock. Every other statement is told apart by its
+/// plan's shape alone.
 #[pg_guard]
-unsafe extern "C-unwind" fn executor_start(query_desc: *mut pg_sys::QueryDesc, eflags: i32) {
-    // SAFETY: we pass the call on unchanged, then only read the plan and catalogs.
+unsafe extern "C-unwind" fn executor_finish(query_desc: *mut pg_sys::QueryDesc) {
+    // SAFETY: we pass the call on unchanged, then only read the plan, the executor's
+    // row count and catalogs.
     unsafe {
-        match PREV_EXECUTOR_START_HOOK {
-            Some(prev) => prev(query_desc, eflags),
-            None => pg_sys::standard_ExecutorStart(query_desc, eflags),
+        match PREV_EXECUTOR_FINISH_HOOK {
+            Some(prev) => prev(query_desc),
+            None => pg_sys::standard_ExecutorFinish(query_desc),
         }
-        if eflags & pg_sys::EXEC_FLAG_EXPLAIN_ONLY as i32 != 0 {
+        let estate = (*query_desc).estate;
+        if estate.is_null() || (*estate).es_processed == 0 {
             return;
         }
         let stmt = (*query_desc).plannedstmt;

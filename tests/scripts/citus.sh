@@ -28,7 +28,8 @@
 # - a split of the tenant's shard is refused where it would place a tenant holding
 #   tickets on another node, and goes where it keeps them (isolate_tenant_to_new_shard);
 # - the coordinator's standby, promoted after a crash, serves as the coordinator;
-# - ALTER EXTENSION pg_quota UPDATE on the coordinator updates every node at once.
+# - nodes on two versions of pg_quota's SQL admit each tenant on its node; ALTER
+#   EXTENSION pg_quota UPDATE on the coordinator then updates every node at once.
 # Where Citus' source is not on the machine, the suite is skipped (exit 77), not passed.
 # majors: 18
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
@@ -335,6 +336,25 @@ expect_eq "set_tenant_limits() in a transaction block on the coordinator is refu
      "BEGIN" "SELECT quota.set_tenant_limits('$B', max_active => 3, role => 'app')")"
 expect_eq "… and sets nothing on the coordinator" 0 "$(n 0 -c "SELECT count(*) FROM quota.tenant_limits")"
 on 0 postgres "SELECT quota.set_tenant_limits('$B', role => 'app')" >/dev/null
+# Weights count where the tenant is: the weighted try_start() is distributed as the
+# others (by $5, its tenant).
+on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$B' AND ended_at IS NULL" >/dev/null
+# weighted NODE WEIGHT: as try(), with a weight: the call alone in its statement
+# (Citus delegates nothing that wraps it); t, f (NULL), or the error's SQLSTATE.
+weighted() {
+  local r
+  r=$(on "$1" app "SELECT quota.try_start(weight => $2, tenant => '$B', label => 'weighted')" '\echo SQLSTATE=:SQLSTATE')
+  case "$r" in
+    *-*SQLSTATE=00000) echo t ;;
+    *SQLSTATE=00000) echo f ;;
+    *) sed -n 's/.*SQLSTATE=//p' <<<"$r" ;;
+  esac
+}
+expect_eq "a start of $B of weight 2 from the coordinator takes its limit of 2, on $B's node; one of weight 1 from the other worker is refused" \
+  "t f 2 0" "$(weighted 0 2) $(weighted "$(other "$NB")" 1) $(
+     n "$NB" -c "SELECT coalesce(sum(coalesce(weight, 1)), 0) FROM quota.ledger WHERE tenant = '$B' AND ended_at IS NULL") $(
+     n 0 -c "SELECT count(*) FROM quota.ledger WHERE label = 'weighted'")"
+on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$B' AND ended_at IS NULL" >/dev/null
 
 # --- clients on every node race ---------------------------------------------------------
 # Each client runs its loop in one psql session: a start for a tenant, alone in its
@@ -639,6 +659,17 @@ CL="$DIR/n$NA" wait_out prep "prepared"
 expect_eq "a role's PREPARE of Citus' placement update on n$NA takes no lock: $A's start is admitted" t "$(try 0 "$A" prepared)"
 say prep "ROLLBACK;"
 close_session prep
+# Nor does a superuser's call of it that never ran (filtered away), in a transaction
+# left open: pg_quota acts once Citus' function has returned its row.
+PGAPPNAME="$CITUS_APP" CL="$DIR/n$NA" PORT=$((BASE + NA)) open_session wf postgres app
+say wf "BEGIN;"
+say wf "SELECT citus_internal.update_placement_metadata($SHARD, $LOCAL_NA, 0) WHERE false;"
+say wf "\\echo filtered=:SQLSTATE"
+CL="$DIR/n$NA" wait_out wf "filtered="
+expect_eq "a superuser's call of Citus' placement update on n$NA that a WHERE false kept from running takes no lock: $A's start is admitted" \
+  "filtered=00000 t" "$(grep -o 'filtered=.*' "$DIR/n$NA/wf.out") $(try 0 "$A" prepared)"
+say wf "ROLLBACK;"
+close_session wf
 on "$NA" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE label = 'prepared'" >/dev/null
 move
 expect_eq "with neither, the move goes: $A's shard is on n$TO" "00000 $TO" "$MOVE_STATE $(node_of "$A")"
@@ -826,6 +857,19 @@ versions() { for i in "$CO" 1 2 3; do n "$i" -c "SELECT extversion FROM pg_exten
 CURRENT=$(n "$CO" -c "SELECT default_version FROM pg_available_extensions WHERE name = 'pg_quota'")
 n "$CO" -c "DROP EXTENSION pg_quota CASCADE" -c "CREATE EXTENSION pg_quota VERSION '0.6.1'" >/dev/null 2>&1
 expect_eq "CREATE EXTENSION pg_quota VERSION '0.6.1' on the coordinator reaches every node" "0.6.1 0.6.1 0.6.1 0.6.1" "$(versions)"
+# Nodes on two versions for a while: $B's node updated alone (DDL propagation off
+# there), the others still on 0.6.1, start() distributed by tenant again.
+n "$CO" -c "SELECT create_distributed_function('quota.start(text,interval,text,interval,text,boolean)', '\$5', colocate_with := 'jobs', force_delegation := true)" >/dev/null
+n "$NB" -c "SET citus.enable_ddl_propagation = off" -c "ALTER EXTENSION pg_quota UPDATE" >/dev/null
+mixed() {  # mixed NODE TENANT: start() alone in its statement; t if admitted
+  case "$(on "$1" app "SELECT quota.start(tenant => '$2', label => 'mixed')")" in *-*) echo t ;; esac
+}
+expect_eq "with $B's node (n$NB) on $CURRENT and the rest on 0.6.1, a start of $B and one of $A (n3) from the coordinator are each admitted on their tenant's node" \
+  "$(n "$NB" -c "SELECT extversion FROM pg_extension WHERE extname = 'pg_quota'") t t 1 1" \
+  "$(n "$NB" -c "SELECT extversion FROM pg_extension WHERE extname = 'pg_quota'" | grep -vx 0.6.1) $(mixed "$CO" "$B") $(mixed "$CO" "$A") $(
+     live "$NB" "$B") $(live 3 "$A")"
+expect_eq "… and each version's node refuses a start of the other's tenant run there (0A000)" "0A000 0A000" \
+  "$(state_on "$NB" app "BEGIN" "SELECT quota.try_start(tenant => '$A')") $(state_on 3 app "BEGIN" "SELECT quota.try_start(tenant => '$B')")"
 expect_eq "ALTER EXTENSION pg_quota UPDATE on the coordinator updates every node to $CURRENT" \
   "00000 $CURRENT $CURRENT $CURRENT $CURRENT" "$(state_on "$CO" postgres "ALTER EXTENSION pg_quota UPDATE") $(versions)"
 

@@ -7,7 +7,9 @@
 
 use pgrx::pg_sys;
 
-use super::metadata::{column_oid, column_text, connect, query, read_declared, read_placed};
+use super::metadata::{
+    column, column_oid, column_text, connect, query, read_declared, read_placed,
+};
 use super::moves::{citus_call, held_query, lock_exclusively, names, HeldAs};
 use super::placement::shard_of;
 use crate::core::citus::{shard_may_leave, ShardChange};
@@ -116,7 +118,7 @@ unsafe extern "C-unwind" fn subxact_event(
 
 /// The split's transaction is about to commit (or prepare) here, its new shards
 /// placed: refuses it where a tenant that holds active tickets or its own limits here
-/// now has its shard on another node. A tenant's shard comes from Citus' own function,
+/// now has its shard on another node, a shard that this transaction made. A tenant's shard comes from Citus' own function,
 /// as for a start (placement::shard_of), which reads the metadata this transaction
 /// wrote; each shard's placement is read once. `shard` names the split in the refusal.
 fn check(shard: i64) -> Result<(), QuotaError> {
@@ -142,17 +144,46 @@ fn check(shard: i64) -> Result<(), QuotaError> {
     let Some(((table, owner, shard_fn), active, own)) = found else {
         return Ok(());
     };
-    let mut placed_here: std::collections::HashMap<i64, bool> = Default::default();
-    let mut here = |tenant: &String| -> bool {
+    // Per shard: whether this transaction placed it on another node (a new shard of
+    // the split, its row written here, not placed here). A tenant whose shard was
+    // not made by this transaction is not this split's to judge: its tickets here
+    // were not placed by it (a superuser's start, which is never refused, or tickets
+    // from before the start functions were distributed).
+    let mut away_of: std::collections::HashMap<i64, bool> = Default::default();
+    let mut away = |tenant: &String| -> bool {
         // SAFETY: inside the committing transaction; a call of Citus' function with an
-        // argument of its types; then SPI (read_placed connects).
+        // argument of its types; then SPI (read_placed and written_here connect).
         let now = unsafe { shard_of(shard_fn, table, owner, tenant.as_bytes()) };
-        // SAFETY: as above.
-        *placed_here
+        *away_of
             .entry(now)
-            .or_insert_with(|| unsafe { read_placed(table, now) }.here)
+            // SAFETY: as above.
+            .or_insert_with(|| unsafe { !read_placed(table, now).here && written_here(now) })
     };
-    let active: Vec<String> = active.into_iter().filter(|t| !here(t)).collect();
-    let own: Vec<String> = own.into_iter().filter(|t| !here(t)).collect();
+    let active: Vec<String> = active.into_iter().filter(|t| away(t)).collect();
+    let own: Vec<String> = own.into_iter().filter(|t| away(t)).collect();
     shard_may_leave(ShardChange::Split, shard, active, own).map_err(QuotaError::ShardMoveRefused)
+}
+
+/// The transaction that wrote shard $1's row.
+const SHARD_XMIN: &std::ffi::CStr =
+    c"SELECT s.xmin FROM pg_catalog.pg_dist_shard s WHERE s.shardid = $1";
+
+/// Whether this transaction wrote `shard`'s row of pg_dist_shard (a split's new shard).
+///
+/// # Safety
+/// Inside a transaction.
+unsafe fn written_here(shard: i64) -> bool {
+    // SAFETY: the caller's; SPI as elsewhere here; a plain check of an xid.
+    unsafe {
+        connect();
+        query(
+            pg_sys::GetUserId(),
+            None,
+            SHARD_XMIN,
+            &[(pg_sys::INT8OID, pg_sys::Datum::from(shard))],
+        );
+        let xmin = column(1).map(|d| d.value() as u32);
+        pg_sys::SPI_finish();
+        xmin.is_some_and(|x| pg_sys::TransactionIdIsCurrentTransactionId(x.into()))
+    }
 }

@@ -24,7 +24,7 @@ use pgrx::prelude::*;
 
 static mut PREV_OBJECT_ACCESS_HOOK: pg_sys::object_access_hook_type = None;
 static mut PREV_PROCESS_UTILITY_HOOK: pg_sys::ProcessUtility_hook_type = None;
-static mut PREV_EXECUTOR_FINISH_HOOK: pg_sys::ExecutorFinish_hook_type = None;
+static mut PREV_EXECUTOR_END_HOOK: pg_sys::ExecutorEnd_hook_type = None;
 static mut PREV_CREATE_UPPER_PATHS_HOOK: pg_sys::create_upper_paths_hook_type = None;
 // Single-threaded backend state: the roles this transaction dropped, with the
 // subtransaction nesting level that dropped them, and the databases it dropped.
@@ -39,8 +39,8 @@ pub fn init() {
         pg_sys::object_access_hook = Some(object_access);
         PREV_PROCESS_UTILITY_HOOK = pg_sys::ProcessUtility_hook;
         pg_sys::ProcessUtility_hook = Some(process_utility);
-        PREV_EXECUTOR_FINISH_HOOK = pg_sys::ExecutorFinish_hook;
-        pg_sys::ExecutorFinish_hook = Some(executor_finish);
+        PREV_EXECUTOR_END_HOOK = pg_sys::ExecutorEnd_hook;
+        pg_sys::ExecutorEnd_hook = Some(executor_end);
         PREV_CREATE_UPPER_PATHS_HOOK = pg_sys::create_upper_paths_hook;
         pg_sys::create_upper_paths_hook = Some(create_upper_paths);
     }
@@ -83,24 +83,29 @@ unsafe extern "C-unwind" fn create_upper_paths(
 /// that was only planned, prepared, declared in a cursor not fetched, or filtered
 /// away did nothing, and takes no lock. Every other statement is told apart by its
 /// plan's shape alone.
+///
+/// At ExecutorEnd, before the executor's own end, rather than after ExecutorFinish:
+/// a hook that wraps PostgreSQL's ExecutorFinish would carry every error of the
+/// statement's AFTER triggers across pgrx's guard, which drops their CONTEXT lines.
+/// Nothing of the statement's own runs in ExecutorEnd.
 #[pg_guard]
-unsafe extern "C-unwind" fn executor_finish(query_desc: *mut pg_sys::QueryDesc) {
-    // SAFETY: we pass the call on unchanged, then only read the plan, the executor's
-    // row count and catalogs.
+unsafe extern "C-unwind" fn executor_end(query_desc: *mut pg_sys::QueryDesc) {
+    // SAFETY: we only read the plan, the executor's row count and catalogs, then pass
+    // the call on unchanged. An ERROR of ours ends the transaction; the portal's
+    // cleanup has let go of the QueryDesc, and the abort frees the executor's state.
     unsafe {
-        match PREV_EXECUTOR_FINISH_HOOK {
-            Some(prev) => prev(query_desc),
-            None => pg_sys::standard_ExecutorFinish(query_desc),
-        }
         let estate = (*query_desc).estate;
-        if estate.is_null() || (*estate).es_processed == 0 {
-            return;
+        if !estate.is_null() && (*estate).es_processed > 0 {
+            let stmt = (*query_desc).plannedstmt;
+            if let Some((shard, source, _target)) = crate::citus::placement_update(stmt) {
+                crate::error::boundary(|| crate::citus::shard_leaving(shard, source));
+            } else if let Some(shard) = crate::citus::shard_deletion(stmt) {
+                crate::error::boundary(|| crate::citus::shard_splitting(shard));
+            }
         }
-        let stmt = (*query_desc).plannedstmt;
-        if let Some((shard, source, _target)) = crate::citus::placement_update(stmt) {
-            crate::error::boundary(|| crate::citus::shard_leaving(shard, source));
-        } else if let Some(shard) = crate::citus::shard_deletion(stmt) {
-            crate::error::boundary(|| crate::citus::shard_splitting(shard));
+        match PREV_EXECUTOR_END_HOOK {
+            Some(prev) => prev(query_desc),
+            None => pg_sys::standard_ExecutorEnd(query_desc),
         }
     }
 }

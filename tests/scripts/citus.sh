@@ -723,13 +723,18 @@ NID3=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + 3))")
 NID1=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + 1))")
 read -r HA MAXV < <(n 0 -F ' ' -c "SELECT worker_hash('$A'::text), shardmaxvalue FROM pg_dist_shard WHERE shardid = $SHARD")
 if [ "$HA" -lt "$MAXV" ]; then POINT=$HA; NODES="$NID1, $NID3"; else POINT=$((HA - 1)); NODES="$NID3, $NID1"; fi
+# A superuser's start (never refused) of $B, run on n3, which does not hold $B: a
+# ticket that no split of n3's shards placed, and that judges none of them.
+on 3 postgres "BEGIN" "SELECT quota.try_start(tenant => '$B', label => 'stray')" "COMMIT" >/dev/null
+expect_eq "a superuser's start of $B on n3 (not $B's node) is admitted there" 1 \
+  "$(n 3 -c "SELECT count(*) FROM quota.ledger WHERE label = 'stray' AND ended_at IS NULL")"
 split_out=$(timeout 60 "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U postgres -d app -v ON_ERROR_STOP=0 \
   -c "SELECT citus_split_shard_by_split_points($SHARD, ARRAY['$POINT'], ARRAY[$NODES], shard_transfer_mode := 'block_writes')" \
   -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
 expect_eq "while $A holds two tickets on n3, a split of its shard that would place $A's new shard on n1 is refused (55000)" \
   55000 "$(sed -n 's/^SQLSTATE=//p' <<<"$split_out")"
-check "… by n3, which says why ($(grep ERROR <<<"$split_out" | head -1))" \
-  grep -q "pg_quota cannot let the split of shard $SHARD place tenants on another node: tenant \"$A\" holds active tickets here" <<<"$split_out"
+check "… by n3, which says why, naming $A alone (not $B, whose stray ticket no split placed) ($(grep ERROR <<<"$split_out" | head -1))" \
+  grep -q "pg_quota cannot let the split of shard $SHARD place tenants on another node: tenant \"$A\" holds active tickets here\$" <<<"$split_out"
 expect_eq "… and the split failed whole: $A's shard is still $SHARD, on n3, with its two tickets" "$SHARD 3 2" \
   "$(n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$A')") $(node_of "$A") $(live 3 "$A")"
 # A session on n3 that placed $A before the isolation: its backend remembers $A's shard.
@@ -738,7 +743,7 @@ say iso "BEGIN;"  # run here, not delegated: try_start() is not force-delegated
 say iso "SELECT 'primed:' || coalesce(quota.try_start(tenant => '$A', label => 'iso')::text, 'refused');"
 say iso "COMMIT;"
 CL="$DIR/n3" wait_out iso "primed:"
-expect_eq "isolate_tenant_to_new_shard() of $A, which keeps it on n3, goes while $A holds its two tickets there" \
+expect_eq "isolate_tenant_to_new_shard() of $A, which keeps it on n3, goes while $A holds its two tickets there (and $B its stray one)" \
   "00000 t 3 2" "$(state_on 0 postgres "SELECT isolate_tenant_to_new_shard('jobs', '$A', 'CASCADE', shard_transfer_mode := 'block_writes')") $(
      n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$A') <> $SHARD") $(node_of "$A") $(live 3 "$A")"
 expect_eq "… where $A stays at its limit: refused from the coordinator, from n1, and in the session on n3 that remembered its old shard (at its limit, not for want of a node)" \
@@ -747,6 +752,7 @@ expect_eq "… where $A stays at its limit: refused from the coordinator, from n
      say iso "\\echo after-state=:SQLSTATE"; say iso "COMMIT;"; CL="$DIR/n3" wait_out iso "after-state="
      grep -q 'after:refused' "$DIR/n3/iso.out" && echo f || echo t) $(sed -n 's/^after-state=//p' "$DIR/n3/iso.out")"
 close_session iso
+on 3 postgres "SELECT quota.finish(id) FROM quota.ledger WHERE label = 'stray' AND ended_at IS NULL" >/dev/null
 
 # A start that comes while a split of its tenant's shard is under way on n3 waits for
 # it, then locks and reads the tenant's new shard: where the split keeps the tenant

@@ -29,7 +29,9 @@
 #   tickets on another node, and goes where it keeps them (isolate_tenant_to_new_shard);
 # - the coordinator's standby, promoted after a crash, serves as the coordinator;
 # - nodes on two versions of pg_quota's SQL admit each tenant on its node; ALTER
-#   EXTENSION pg_quota UPDATE on the coordinator then updates every node at once.
+#   EXTENSION pg_quota UPDATE on the coordinator then updates every node at once;
+# - alter_distributed_table() of the shard count leaves every start refused (0A000)
+#   until the start functions are distributed again.
 # Where Citus' source is not on the machine, the suite is skipped (exit 77), not passed.
 # majors: 18
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
@@ -878,5 +880,28 @@ expect_eq "… and each version's node refuses a start of the other's tenant run
   "$(state_on "$NB" app "BEGIN" "SELECT quota.try_start(tenant => '$A')") $(state_on 3 app "BEGIN" "SELECT quota.try_start(tenant => '$B')")"
 expect_eq "ALTER EXTENSION pg_quota UPDATE on the coordinator updates every node to $CURRENT" \
   "00000 $CURRENT $CURRENT $CURRENT $CURRENT" "$(state_on "$CO" postgres "ALTER EXTENSION pg_quota UPDATE") $(versions)"
+
+# --- changing the shard count ---------------------------------------------------------------
+# alter_distributed_table(… shard_count …) of the table the start functions are colocated
+# with (and its colocated tables) moves the functions' colocation on the coordinator
+# only (Citus 14): the workers' copy then names a colocation group without tables, and
+# every start for a tenant is refused there (0A000) until the start functions are
+# distributed again, which the DBA does once the tenants' tickets from before have
+# ended (USER_GUIDE "Citus").
+now_of() {  # the node (port - BASE) that holds the tenant's shard of jobs now
+  n "$CO" -c "SELECT n.nodeport - $BASE FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid)
+               WHERE p.shardid = get_shard_id_for_distribution_column('jobs', '$1')"
+}
+expect_eq "alter_distributed_table() of jobs to 8 shards, cascaded to its colocated tables, goes" 00000 \
+  "$(state_on "$CO" postgres "SELECT alter_distributed_table('jobs', shard_count := 8, cascade_to_colocated := true)")"
+altered=$(timeout 20 "$PG_BIN/psql" -X -q -At -h "$DIR/n$CO" -p $((BASE + CO)) -U app -d app \
+  -c "SELECT quota.start(tenant => '$B', label => 'altered')" -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
+expect_eq "… after which a start of $B is refused on its node (0A000): the workers' start functions name a colocation group without tables" \
+  "0A000 t" "$(sed -n 's/^SQLSTATE=//p' <<<"$altered") $(grep -q "tenant \"$B\" cannot be placed: pg_quota's start functions are colocated with no table" <<<"$altered" && echo t || echo f)"
+for i in 1 2 3; do on "$i" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE ended_at IS NULL" >/dev/null; done
+n "$CO" -c "SELECT create_distributed_function('quota.start(text,interval,text,interval,text,boolean)', '\$5', colocate_with := 'jobs', force_delegation := true)" >/dev/null
+NB8=$(now_of "$B")
+expect_eq "… and with the tickets from before ended and start() distributed again, $B is admitted on the node of its new shard (n$NB8), and only there" \
+  "t 1 1" "$(mixed "$CO" "$B") $(live "$NB8" "$B") $(total=0; for i in 1 2 3; do total=$((total + $(live "$i" "$B"))); done; echo $total)"
 
 finish_checks

@@ -16,7 +16,6 @@
 //!   the shard hold tickets or their own limits there;
 //! - `splits`: a shard split seen on the node that holds the shard, refused where it
 //!   would place tenants that hold tickets or their own limits here on another node;
-//!   and the start functions distributed anew, refused likewise;
 //! - `planner`: a start without a tenant kept from Citus' delegation.
 
 mod memory;
@@ -29,4 +28,4 @@ mod splits;
 pub use moves::{placement_update, shard_leaving};
 pub use placement::{placement, release, warn_per_node};
 pub use planner::keep_tenantless_start_local;
-pub use splits::{object_metadata, objects_distributed, shard_deletion, shard_splitting};
+pub use splits::{shard_deletion, shard_splitting};

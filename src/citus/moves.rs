@@ -98,40 +98,6 @@ pub(super) unsafe fn citus_call(
     }
 }
 
-/// Whether a planned statement is `SELECT f(…) FROM …` of one of Citus' internal
-/// functions `names` (schema, name), alone in its target list, whatever it reads: the
-/// shape of Citus' object metadata commands (`WITH … AS (VALUES …) SELECT
-/// citus_internal.add_object_metadata(…) FROM …`).
-///
-/// # Safety
-/// `stmt` is the PlannedStmt the executor has run.
-pub(super) unsafe fn citus_target_call(
-    stmt: *const pg_sys::PlannedStmt,
-    names: &[(&std::ffi::CStr, &std::ffi::CStr)],
-) -> bool {
-    if !citus_loaded() {
-        return false;
-    }
-    // SAFETY: the caller's; every node is checked for its tag before it is cast.
-    unsafe {
-        let plan = (*stmt).planTree;
-        if (*stmt).commandType != pg_sys::CmdType::CMD_SELECT || plan.is_null() {
-            return false;
-        }
-        let targets = pgrx::PgList::<pg_sys::TargetEntry>::from_pg((*plan).targetlist);
-        if targets.len() != 1 {
-            return false;
-        }
-        let Some(target) = targets.get_ptr(0) else {
-            return false;
-        };
-        let expr = (*target).expr;
-        !expr.is_null()
-            && (*expr).type_ == pg_sys::NodeTag::T_FuncExpr
-            && func_is((*expr.cast::<pg_sys::FuncExpr>()).funcid, names)
-    }
-}
-
 /// This node's group.
 const LOCAL_GROUP: &std::ffi::CStr = c"SELECT l.groupid FROM pg_catalog.pg_dist_local_group l";
 

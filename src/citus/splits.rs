@@ -10,7 +10,7 @@ use pgrx::pg_sys;
 use super::metadata::{
     column, column_oid, column_text, connect, query, read_declared, read_placed,
 };
-use super::moves::{citus_call, citus_target_call, held_query, lock_exclusively, names, HeldAs};
+use super::moves::{citus_call, held_query, lock_exclusively, names, HeldAs};
 use super::placement::shard_of;
 use crate::core::citus::{shard_may_leave, ShardChange};
 use crate::core::QuotaError;
@@ -38,11 +38,10 @@ pub unsafe fn shard_deletion(stmt: *const pg_sys::PlannedStmt) -> Option<i64> {
 }
 
 thread_local! {
-    /// What this transaction did here that its commit must check: the shards its splits
-    /// deleted, and Citus' object metadata written (Some(shard) and None), each with the
-    /// subtransaction level that did it (xact::at_subxact_end): what was rolled back
-    /// to a savepoint is not checked at the commit.
-    static PENDING: std::cell::RefCell<Vec<(Option<i64>, i32)>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The shards this transaction's splits deleted here, each with the subtransaction
+    /// level that deleted it (xact::at_subxact_end): a split rolled back to a savepoint
+    /// is not checked at the commit.
+    static PENDING: std::cell::RefCell<Vec<(i64, i32)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Once a split's deletion of `shard`'s metadata has run here (so Citus' own checks
@@ -66,41 +65,11 @@ pub fn shard_splitting(shard: i64) -> Result<(), QuotaError> {
         return Ok(());
     }
     lock_exclusively(shard, ShardChange::Split)?;
-    pend(Some(shard));
-    Ok(())
-}
-
-/// Whether the statement run is Citus' `SELECT citus_internal.add_object_metadata(…)
-/// FROM …`, which writes distributed objects' metadata here, the start functions'
-/// when they are distributed anew (create_distributed_function on the coordinator).
-///
-/// # Safety
-/// `stmt` is the PlannedStmt the executor has run.
-pub unsafe fn object_metadata(stmt: *const pg_sys::PlannedStmt) -> bool {
-    // SAFETY: the caller's.
-    unsafe {
-        citus_target_call(
-            stmt,
-            &[
-                (c"citus_internal", c"add_object_metadata"),
-                (c"pg_catalog", c"citus_internal_add_object_metadata"),
-            ],
-        )
-    }
-}
-
-/// Once Citus' object metadata has been written here: the commit checks whether it
-/// distributed pg_quota's start functions anew, and where their tenants then live
-/// (`check_distribution`).
-pub fn objects_distributed() {
-    pend(None);
-}
-
-fn pend(what: Option<i64>) {
     register();
     // SAFETY: a plain read of transaction state.
     let level = unsafe { pg_sys::GetCurrentTransactionNestLevel() };
-    PENDING.with_borrow_mut(|p| p.push((what, level)));
+    PENDING.with_borrow_mut(|p| p.push((shard, level)));
+    Ok(())
 }
 
 fn register() {
@@ -122,21 +91,16 @@ unsafe extern "C-unwind" fn xact_event(
     _arg: *mut std::ffi::c_void,
 ) {
     let pending = PENDING.with_borrow_mut(std::mem::take);
-    if pending.is_empty() {
+    let Some(&(shard, _)) = pending.first() else {
         return;
-    }
+    };
     if matches!(
         event,
         pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT
             | pg_sys::XactEvent::XACT_EVENT_PARALLEL_PRE_COMMIT
             | pg_sys::XactEvent::XACT_EVENT_PRE_PREPARE
     ) {
-        if let Some(shard) = pending.iter().find_map(|p| p.0) {
-            crate::error::boundary(|| check(shard));
-        }
-        if pending.iter().any(|p| p.0.is_none()) {
-            crate::error::boundary(check_distribution);
-        }
+        crate::error::boundary(|| check(shard));
     }
 }
 
@@ -222,67 +186,4 @@ unsafe fn written_here(shard: i64) -> bool {
         pg_sys::SPI_finish();
         xmin.is_some_and(|x| pg_sys::TransactionIdIsCurrentTransactionId(x.into()))
     }
-}
-
-/// The transactions that wrote the rows of pg_dist_object of schema $1's start
-/// functions, as text.
-const START_ROWS: &std::ffi::CStr = c"
-SELECT pg_catalog.array_to_string(pg_catalog.array_agg(o.xmin::pg_catalog.text), ',')
-  FROM pg_catalog.pg_dist_object o
-  JOIN pg_catalog.pg_proc f ON f.oid = o.objid
- WHERE o.classid = 'pg_catalog.pg_proc'::pg_catalog.regclass
-   AND f.pronamespace = $1 AND f.proname IN ('start', 'try_start')";
-
-/// The transaction is about to commit (or prepare) here, Citus' object metadata
-/// written: where it distributed pg_quota's start functions anew (a row of theirs in
-/// pg_dist_object written by this transaction), refuses it if a tenant that holds
-/// active tickets or its own limits here now has its shard on another node. Their
-/// tickets would stay counted here, where the tenant no longer is.
-fn check_distribution() -> Result<(), QuotaError> {
-    let Some((ns, held)) = held_query(HeldAs::Texts) else {
-        return Ok(());
-    };
-    // SAFETY: SPI inside the committing transaction; plain checks of xids.
-    let found = unsafe {
-        connect();
-        query(
-            pg_sys::GetUserId(),
-            None,
-            START_ROWS,
-            &[(pg_sys::OIDOID, pg_sys::Datum::from(ns))],
-        );
-        let anew = column_text(1).is_some_and(|xmins| {
-            xmins
-                .split(',')
-                .filter_map(|x| x.parse::<u32>().ok())
-                .any(|x| pg_sys::TransactionIdIsCurrentTransactionId(x.into()))
-        });
-        let declared = match read_declared(ns) {
-            Some(_) if anew => column_oid(1)
-                .zip(column_oid(2))
-                .map(|(table, owner)| (table, owner, column_oid(5).unwrap_or(pg_sys::InvalidOid))),
-            _ => None,
-        };
-        let found = declared.map(|d| {
-            query(pg_sys::BOOTSTRAP_SUPERUSERID.into(), None, &held, &[]);
-            (d, names(column_text(1)), names(column_text(2)))
-        });
-        pg_sys::SPI_finish();
-        found
-    };
-    let Some(((table, owner, shard_fn), active, own)) = found else {
-        return Ok(());
-    };
-    let mut here_of: std::collections::HashMap<i64, bool> = Default::default();
-    let mut away = |tenant: &String| -> bool {
-        // SAFETY: as in `check`.
-        let now = unsafe { shard_of(shard_fn, table, owner, tenant.as_bytes()) };
-        // SAFETY: as above.
-        !*here_of
-            .entry(now)
-            .or_insert_with(|| unsafe { read_placed(table, now) }.here)
-    };
-    let active: Vec<String> = active.into_iter().filter(|t| away(t)).collect();
-    let own: Vec<String> = own.into_iter().filter(|t| away(t)).collect();
-    shard_may_leave(ShardChange::Redistribute, 0, active, own).map_err(QuotaError::ShardMoveRefused)
 }

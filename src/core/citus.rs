@@ -103,9 +103,6 @@ pub fn shard_busy_detail(seconds: i64) -> String {
 pub enum ShardChange {
     Move,
     Split,
-    /// The start functions distributed anew on this node (Citus' object metadata
-    /// written here), which places tenants by another colocation group.
-    Redistribute,
 }
 
 impl ShardChange {
@@ -114,22 +111,19 @@ impl ShardChange {
         match self {
             ShardChange::Move => format!("pg_quota cannot let shard {shard} leave this node now: a start for one of its tenants is in progress here"),
             ShardChange::Split => format!("pg_quota cannot let shard {shard} be split now: a start for one of its tenants is in progress here"),
-            ShardChange::Redistribute => format!("pg_quota cannot let its start functions be distributed anew now: a start for a tenant of shard {shard} is in progress here"),
         }
     }
 
     pub fn busy_hint(self) -> String {
         let verb = match self {
-            ShardChange::Move => "Move the shard",
-            ShardChange::Split => "Split the shard",
-            ShardChange::Redistribute => "Distribute the start functions",
+            ShardChange::Move => "Move",
+            ShardChange::Split => "Split",
         };
         let noun = match self {
             ShardChange::Move => "move",
             ShardChange::Split => "split",
-            ShardChange::Redistribute => "distribution",
         };
-        format!("{verb} again once the transactions that started tickets for its tenants on this node have ended: the {noun} does not wait for them, so that it cannot deadlock with them.")
+        format!("{verb} the shard again once the transactions that started tickets for its tenants on this node have ended: the {noun} does not wait for them, so that it cannot deadlock with them.")
     }
 }
 
@@ -244,10 +238,6 @@ impl std::fmt::Display for MoveRefused {
                 "pg_quota cannot let the split of shard {} place tenants on another node: ",
                 self.shard
             )?,
-            ShardChange::Redistribute => write!(
-                f,
-                "pg_quota cannot let its start functions be distributed anew, placing tenants on other nodes: "
-            )?,
         }
         let mut parts = Vec::new();
         if !self.active.is_empty() {
@@ -269,7 +259,6 @@ impl MoveRefused {
         match self.change {
             ShardChange::Move => "pg_quota counts a tenant's tickets, and keeps its own limits, on the node that holds its shard; a shard move does not carry them, so the node it goes to would admit the tenant as if it had none.",
             ShardChange::Split => "pg_quota counts a tenant's tickets, and keeps its own limits, on the node that holds its shard; a split that places the tenant's new shard on another node does not carry them, so that node would admit the tenant as if it had none.",
-            ShardChange::Redistribute => "pg_quota counts a tenant's tickets, and keeps its own limits, on the node that holds its shard; distributed anew, the start functions place the tenant on another node, which would admit it as if it had none.",
         }
         .to_string()
     }
@@ -278,7 +267,6 @@ impl MoveRefused {
         match self.change {
             ShardChange::Move => "Move the shard once its tenants' tickets have ended (finished, or their leases run out); clear their own limits with quota.set_tenant_limits(tenant) and set them again after the move.",
             ShardChange::Split => "Split so that these tenants' new shards stay on this node (isolate_tenant_to_new_shard keeps a tenant on its node), or once their tickets have ended (finished, or their leases run out) and their own limits are cleared with quota.set_tenant_limits(tenant).",
-            ShardChange::Redistribute => "Distribute the start functions once these tenants' tickets have ended (finished, or their leases run out) and their own limits are cleared with quota.set_tenant_limits(tenant).",
         }
         .to_string()
     }
@@ -482,13 +470,6 @@ mod tests {
         assert!(ShardChange::Split
             .busy_hint()
             .starts_with("Split the shard again"));
-        let e =
-            shard_may_leave(ShardChange::Redistribute, 7, vec!["t3".into()], vec![]).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "pg_quota cannot let its start functions be distributed anew, placing tenants on other nodes: tenant \"t3\" holds active tickets here"
-        );
-        assert!(e.hint().starts_with("Distribute the start functions once"));
     }
 
     #[test]

@@ -79,9 +79,7 @@ unsafe extern "C-unwind" fn create_upper_paths(
 /// `SELECT citus_internal.delete_shard_metadata(shard)` likewise: once it has run,
 /// pg_quota takes its lock on the shard and checks, as the split's transaction commits
 /// here, that no tenant holding tickets or its own limits here was placed on another
-/// node (citus/splits.rs); and its object metadata (`citus_internal.add_object_metadata`),
-/// which has the commit check where the tenants holding something here live when the
-/// start functions are distributed anew. Each is acted on only when its row came back: a call
+/// node (citus/splits.rs). Each is acted on only when its one row came back: a call
 /// that was only planned, prepared, declared in a cursor not fetched, or filtered
 /// away did nothing, and takes no lock. Every other statement is told apart by its
 /// plan's shape alone.
@@ -103,8 +101,6 @@ unsafe extern "C-unwind" fn executor_end(query_desc: *mut pg_sys::QueryDesc) {
                 crate::error::boundary(|| crate::citus::shard_leaving(shard, source));
             } else if let Some(shard) = crate::citus::shard_deletion(stmt) {
                 crate::error::boundary(|| crate::citus::shard_splitting(shard));
-            } else if crate::citus::object_metadata(stmt) {
-                crate::citus::objects_distributed();
             }
         }
         match PREV_EXECUTOR_END_HOOK {

@@ -112,6 +112,35 @@ pub(super) unsafe fn read_declared(ns: pg_sys::Oid) -> Option<i64> {
     }
 }
 
+/// The table DECLARED names (the first of the start functions' colocation group), its
+/// owner, and the OID of Citus' get_shard_id_for_distribution_column (InvalidOid if it
+/// is missing), however the start functions are distributed; None where none is, or
+/// where their group has no table. For the guards of moves and splits, which judge
+/// what this node holds rather than what a start would make of the declaration.
+///
+/// # Safety
+/// Connected to SPI; `ns` is schema quota's OID (or InvalidOid).
+pub(super) unsafe fn declared_table(
+    ns: pg_sys::Oid,
+) -> Option<(pg_sys::Oid, pg_sys::Oid, pg_sys::Oid)> {
+    // SAFETY: the caller's.
+    unsafe {
+        read_declared(ns)?;
+        Some((
+            column_oid(1)?,
+            column_oid(2)?,
+            column_oid(5).unwrap_or(pg_sys::InvalidOid),
+        ))
+    }
+}
+
+/// Schema quota's OID; None where it is gone.
+pub(super) fn quota_ns() -> Option<pg_sys::Oid> {
+    // SAFETY: a syscache lookup; InvalidOid where the schema is missing.
+    let ns = unsafe { pg_sys::get_namespace_oid(c"quota".as_ptr(), true) };
+    (ns != pg_sys::InvalidOid).then_some(ns)
+}
+
 /// # Safety
 /// Inside a transaction.
 pub(super) unsafe fn connect() {

@@ -5,7 +5,7 @@
 use pgrx::pg_sys;
 
 use super::metadata::{
-    citus_loaded, column, column_oid, column_text, connect, query, read_declared,
+    citus_loaded, column, column_text, connect, declared_table, query, quota_ns,
 };
 use super::planner::func_is;
 use crate::core::citus::ShardChange;
@@ -132,8 +132,7 @@ pub fn shard_leaving(shard: i64, source: i32) -> Result<(), QuotaError> {
     // SPI_finish, after the next.
     unsafe {
         connect();
-        let found = read_declared(ns).is_some();
-        let (true, Some(table), Some(owner)) = (found, column_oid(1), column_oid(2)) else {
+        let Some((table, owner, _)) = declared_table(ns) else {
             pg_sys::SPI_finish();
             return Ok(());
         };
@@ -202,14 +201,10 @@ pub(super) enum HeldAs {
 /// own limits here (HELD_HERE, as far as this version's tables have them); None where
 /// pg_quota's schema is gone.
 pub(super) fn held_query(shape: HeldAs) -> Option<(pg_sys::Oid, std::ffi::CString)> {
-    // SAFETY: schema quota's OID, InvalidOid if it is gone; then catalog probes.
-    let (ns, has_active, has_own) = unsafe {
-        let ns = pg_sys::get_namespace_oid(c"quota".as_ptr(), true);
-        if ns == pg_sys::InvalidOid {
-            return None;
-        }
+    let ns = quota_ns()?;
+    // SAFETY: catalog probes.
+    let (has_active, has_own) = unsafe {
         (
-            ns,
             pg_sys::get_relname_relid(c"active".as_ptr(), ns) != pg_sys::InvalidOid,
             pg_sys::get_relname_relid(c"tenant_overrides".as_ptr(), ns) != pg_sys::InvalidOid,
         )

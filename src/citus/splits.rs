@@ -7,9 +7,7 @@
 
 use pgrx::pg_sys;
 
-use super::metadata::{
-    column, column_oid, column_text, connect, query, read_declared, read_placed,
-};
+use super::metadata::{column, column_text, connect, declared_table, query, quota_ns, read_placed};
 use super::moves::{citus_call, held_query, lock_exclusively, names, HeldAs};
 use super::placement::shard_of;
 use crate::core::citus::{shard_may_leave, ShardChange};
@@ -50,14 +48,14 @@ thread_local! {
 /// lock on the shard (moves::lock_exclusively) and has the transaction's commit here
 /// check where every tenant that holds something here then lives (`check`).
 pub fn shard_splitting(shard: i64) -> Result<(), QuotaError> {
-    let Some((ns, _)) = held_query(HeldAs::Texts) else {
+    let Some(ns) = quota_ns() else {
         return Ok(());
     };
     // SAFETY: SPI inside the split's transaction; an ERROR unwinds through it and the
     // abort cleans SPI up.
     let declared = unsafe {
         connect();
-        let declared = read_declared(ns).is_some() && column_oid(1).is_some();
+        let declared = declared_table(ns).is_some();
         pg_sys::SPI_finish();
         declared
     };
@@ -118,9 +116,10 @@ unsafe extern "C-unwind" fn subxact_event(
 
 /// The split's transaction is about to commit (or prepare) here, its new shards
 /// placed: refuses it where a tenant that holds active tickets or its own limits here
-/// now has its shard on another node, a shard that this transaction made. A tenant's shard comes from Citus' own function,
-/// as for a start (placement::shard_of), which reads the metadata this transaction
-/// wrote; each shard's placement is read once. `shard` names the split in the refusal.
+/// now has its shard on another node, a shard that this transaction made. A tenant's
+/// shard comes from Citus' own function, as for a start (placement::shard_of), which
+/// reads the metadata this transaction wrote; each shard's placement is read once.
+/// `shard` names the split in the refusal.
 fn check(shard: i64) -> Result<(), QuotaError> {
     let Some((ns, held)) = held_query(HeldAs::Texts) else {
         return Ok(());
@@ -128,13 +127,7 @@ fn check(shard: i64) -> Result<(), QuotaError> {
     // SAFETY: SPI inside the committing transaction, as in shard_splitting.
     let found = unsafe {
         connect();
-        let declared = match read_declared(ns) {
-            Some(_) => column_oid(1)
-                .zip(column_oid(2))
-                .map(|(table, owner)| (table, owner, column_oid(5).unwrap_or(pg_sys::InvalidOid))),
-            None => None,
-        };
-        let found = declared.map(|d| {
+        let found = declared_table(ns).map(|d| {
             query(pg_sys::BOOTSTRAP_SUPERUSERID.into(), None, &held, &[]);
             (d, names(column_text(1)), names(column_text(2)))
         });

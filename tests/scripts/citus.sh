@@ -102,14 +102,34 @@ live() { n "$1" -c "SELECT count(*) FROM quota.ledger WHERE tenant = '$2' AND en
 # try I TENANT [LABEL]: a try_start() alone in its statement on node I, as app (so that
 # Citus may delegate it: nothing may wrap the call); t if admitted, f if refused (NULL),
 # else the error's SQLSTATE.
-try() {
-  local r
-  r=$(on "$1" app "SELECT quota.try_start(tenant => '$2', label => '${3:-try}')" '\echo SQLSTATE=:SQLSTATE')
-  case "$r" in
+try() { admission "$(on "$1" app "SELECT quota.try_start(tenant => '$2', label => '${3:-try}')" '\echo SQLSTATE=:SQLSTATE')"; }
+# admission OUTPUT: of a start's output followed by SQLSTATE=…, t if it gave a ticket,
+# f if it gave none (NULL), else the SQLSTATE.
+admission() {
+  case "$1" in
     *-*SQLSTATE=00000) echo t ;;
     *SQLSTATE=00000) echo f ;;
-    *) sed -n 's/.*SQLSTATE=//p' <<<"$r" ;;
+    *) sed -n 's/.*SQLSTATE=//p' <<<"$1" ;;
   esac
+}
+# out_on I USER SQL: SQL on node I as USER, database app: its output, errors included,
+# then SQLSTATE=… (60 s at most); sqlstate_of OUTPUT: that SQLSTATE.
+out_on() {
+  timeout 60 "$PG_BIN/psql" -X -q -At -h "$DIR/n$1" -p $((BASE + $1)) -U "$2" -d app -v ON_ERROR_STOP=0 \
+    -c "$3" -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true
+}
+sqlstate_of() { sed -n 's/^SQLSTATE=//p' <<<"$1"; }
+# waiting_on I TEXT: "waiting" once a session on node I whose query holds TEXT waits
+# for a lock (within about 3 s), else "not-waiting".
+waiting_on() {
+  local _
+  for _ in $(seq 60); do
+    if [ "$(n "$1" -c "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%$2%' AND pid <> pg_backend_pid()")" = 1 ]; then
+      echo waiting; return
+    fi
+    sleep 0.05
+  done
+  echo not-waiting
 }
 admitted() { n "$1" -c "SELECT coalesce(sum(admitted), 0) FROM quota.stats WHERE role = 'app'"; }
 
@@ -344,13 +364,7 @@ on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$B'
 # weighted NODE WEIGHT: as try(), with a weight: the call alone in its statement
 # (Citus delegates nothing that wraps it); t, f (NULL), or the error's SQLSTATE.
 weighted() {
-  local r
-  r=$(on "$1" app "SELECT quota.try_start(weight => $2, tenant => '$B', label => 'weighted')" '\echo SQLSTATE=:SQLSTATE')
-  case "$r" in
-    *-*SQLSTATE=00000) echo t ;;
-    *SQLSTATE=00000) echo f ;;
-    *) sed -n 's/.*SQLSTATE=//p' <<<"$r" ;;
-  esac
+  admission "$(on "$1" app "SELECT quota.try_start(weight => $2, tenant => '$B', label => 'weighted')" '\echo SQLSTATE=:SQLSTATE')"
 }
 expect_eq "a start of $B of weight 2 from the coordinator takes its limit of 2, on $B's node; one of weight 1 from the other worker is refused" \
   "t f 2 0" "$(weighted 0 2) $(weighted "$(other "$NB")" 1) $(
@@ -535,10 +549,8 @@ TO=$(other "$NA")
 # move: one move of the shard; sets MOVE_STATE (its SQLSTATE) and MOVE_ERROR.
 move() {
   local out
-  out=$(timeout 60 "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U postgres -d app -v ON_ERROR_STOP=0 \
-    -c "SELECT citus_move_shard_placement($SHARD, '$DIR/n$NA', $((BASE + NA)), '$DIR/n$TO', $((BASE + TO)), shard_transfer_mode := 'block_writes')" \
-    -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
-  MOVE_STATE=$(sed -n 's/^SQLSTATE=//p' <<<"$out")
+  out=$(out_on 0 postgres "SELECT citus_move_shard_placement($SHARD, '$DIR/n$NA', $((BASE + NA)), '$DIR/n$TO', $((BASE + TO)), shard_transfer_mode := 'block_writes')")
+  MOVE_STATE=$(sqlstate_of "$out")
   MOVE_ERROR=$(grep ERROR <<<"$out" || true)
 }
 move
@@ -610,13 +622,7 @@ say meta "\\echo updated=:SQLSTATE"
 CL="$DIR/n$NA" wait_out meta "updated="
 say mv "SELECT quota.try_start(tenant => '$A', label => 'during move');"
 say mv "\\echo during=:SQLSTATE"
-waited=not-waiting
-for _ in $(seq 60); do
-  if [ "$(n "$NA" -c "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%during move%' AND pid <> pg_backend_pid()")" = 1 ]; then
-    waited=waiting; break
-  fi
-  sleep 0.05
-done
+waited=$(waiting_on "$NA" 'during move')
 expect_eq "while a move's metadata update for $A's shard is under way on n$NA (its own lock taken), a start of $A there waits for it" \
   "updated=00000 waiting none" "$(grep -o 'updated=.*' "$DIR/n$NA/meta.out") $waited $(grep -o 'during=.*' "$DIR/n$NA/mv.out" || echo none)"
 say meta "COMMIT;"
@@ -730,11 +736,9 @@ if [ "$HA" -lt "$MAXV" ]; then POINT=$HA; NODES="$NID1, $NID3"; else POINT=$((HA
 on 3 postgres "BEGIN" "SELECT quota.try_start(tenant => '$B', label => 'stray')" "COMMIT" >/dev/null
 expect_eq "a superuser's start of $B on n3 (not $B's node) is admitted there" 1 \
   "$(n 3 -c "SELECT count(*) FROM quota.ledger WHERE label = 'stray' AND ended_at IS NULL")"
-split_out=$(timeout 60 "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U postgres -d app -v ON_ERROR_STOP=0 \
-  -c "SELECT citus_split_shard_by_split_points($SHARD, ARRAY['$POINT'], ARRAY[$NODES], shard_transfer_mode := 'block_writes')" \
-  -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
+split_out=$(out_on 0 postgres "SELECT citus_split_shard_by_split_points($SHARD, ARRAY['$POINT'], ARRAY[$NODES], shard_transfer_mode := 'block_writes')")
 expect_eq "while $A holds two tickets on n3, a split of its shard that would place $A's new shard on n1 is refused (55000)" \
-  55000 "$(sed -n 's/^SQLSTATE=//p' <<<"$split_out")"
+  55000 "$(sqlstate_of "$split_out")"
 check "… by n3, which says why, naming $A alone (not $B, whose stray ticket no split placed) ($(grep ERROR <<<"$split_out" | head -1))" \
   grep -q "pg_quota cannot let the split of shard $SHARD place tenants on another node: tenant \"$A\" holds active tickets here\$" <<<"$split_out"
 expect_eq "… and the split failed whole: $A's shard is still $SHARD, on n3, with its two tickets" "$SHARD 3 2" \
@@ -782,13 +786,7 @@ replace_shard "$ISO" 990001 990001
 CL="$DIR/n3" wait_out meta "replaced-990001="
 say sw "SELECT 'during:' || coalesce(quota.try_start(tenant => '$A', label => 'split wait')::text, 'refused');"
 say sw "\\echo during=:SQLSTATE"
-waited=not-waiting
-for _ in $(seq 60); do
-  if [ "$(n 3 -c "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%split wait%' AND pid <> pg_backend_pid()")" = 1 ]; then
-    waited=waiting; break
-  fi
-  sleep 0.05
-done
+waited=$(waiting_on 3 'split wait')
 say meta "COMMIT;"
 CL="$DIR/n3" wait_out sw "during="
 expect_eq "a start of $A on n3 while a split that keeps $A there is under way waits for it, then is judged on $A's new shard: at its limit (refused, 00000), not 0A000" \
@@ -807,11 +805,9 @@ expect_eq "… and with n3's metadata put back, $A's shard is $ISO again there, 
 # Citus runs a move or a split as the user who calls it, which may be the tables'
 # owner rather than a superuser: pg_quota's guard holds for that user alike.
 n 0 -c "ALTER TABLE jobs OWNER TO app" -c "ALTER TABLE running OWNER TO app" -c "ALTER TABLE tjobs OWNER TO app" >/dev/null
-owner_move=$(timeout 60 "$PG_BIN/psql" -X -q -At -h "$DIR/n0" -p "$BASE" -U app -d app -v ON_ERROR_STOP=0 \
-  -c "SELECT citus_move_shard_placement($ISO, '$DIR/n3', $((BASE + 3)), '$DIR/n1', $((BASE + 1)), shard_transfer_mode := 'block_writes')" \
-  -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
+owner_move=$(out_on 0 app "SELECT citus_move_shard_placement($ISO, '$DIR/n3', $((BASE + 3)), '$DIR/n1', $((BASE + 1)), shard_transfer_mode := 'block_writes')")
 expect_eq "a move of $A's shard off n3 run by the tables' owner, not a superuser, is refused alike (55000), $A's two tickets kept there" \
-  "55000 t 3 2" "$(sed -n 's/^SQLSTATE=//p' <<<"$owner_move") $(grep -q "pg_quota cannot let shard $ISO leave this node: tenant \"$A\" holds active tickets here" <<<"$owner_move" && echo t || echo f) $(
+  "55000 t 3 2" "$(sqlstate_of "$owner_move") $(grep -q "pg_quota cannot let shard $ISO leave this node: tenant \"$A\" holds active tickets here" <<<"$owner_move" && echo t || echo f) $(
      node_of "$A") $(live 3 "$A")"
 n 0 -c "ALTER TABLE jobs OWNER TO postgres" -c "ALTER TABLE running OWNER TO postgres" -c "ALTER TABLE tjobs OWNER TO postgres" \
     -c "GRANT ALL ON jobs, running, tjobs, jobs_id_seq, tjobs_id_seq TO app" >/dev/null  # the old owner's rights went with it
@@ -894,10 +890,9 @@ now_of() {  # the node (port - BASE) that holds the tenant's shard of jobs now
 }
 expect_eq "alter_distributed_table() of jobs to 8 shards, cascaded to its colocated tables, goes" 00000 \
   "$(state_on "$CO" postgres "SELECT alter_distributed_table('jobs', shard_count := 8, cascade_to_colocated := true)")"
-altered=$(timeout 20 "$PG_BIN/psql" -X -q -At -h "$DIR/n$CO" -p $((BASE + CO)) -U app -d app \
-  -c "SELECT quota.start(tenant => '$B', label => 'altered')" -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true)
+altered=$(out_on "$CO" app "SELECT quota.start(tenant => '$B', label => 'altered')")
 expect_eq "… after which a start of $B is refused on its node (0A000): the workers' start functions name a colocation group without tables" \
-  "0A000 t" "$(sed -n 's/^SQLSTATE=//p' <<<"$altered") $(grep -q "tenant \"$B\" cannot be placed: pg_quota's start functions are colocated with no table" <<<"$altered" && echo t || echo f)"
+  "0A000 t" "$(sqlstate_of "$altered") $(grep -q "tenant \"$B\" cannot be placed: pg_quota's start functions are colocated with no table" <<<"$altered" && echo t || echo f)"
 for i in 1 2 3; do on "$i" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE ended_at IS NULL" >/dev/null; done
 n "$CO" -c "SELECT create_distributed_function('quota.start(text,interval,text,interval,text,boolean)', '\$5', colocate_with := 'jobs', force_delegation := true)" >/dev/null
 NB8=$(now_of "$B")

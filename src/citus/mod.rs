@@ -16,6 +16,8 @@
 //!   the shard hold tickets or their own limits there;
 //! - `splits`: a shard split seen on the node that holds the shard, refused where it
 //!   would place tenants that hold tickets or their own limits here on another node;
+//! - `runs`: a move or split run on this node that takes shards from it (a
+//!   coordinator that holds shards), refused likewise as it commits;
 //! - `planner`: a start without a tenant kept from Citus' delegation.
 
 mod memory;
@@ -23,9 +25,11 @@ mod metadata;
 mod moves;
 mod placement;
 mod planner;
+mod runs;
 mod splits;
 
 pub use moves::{placement_update, shard_leaving};
 pub use placement::{placement, release, warn_per_node};
 pub use planner::keep_tenantless_start_local;
+pub use runs::{operation, operation_begins};
 pub use splits::{shard_deletion, shard_splitting};

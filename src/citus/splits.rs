@@ -35,11 +35,36 @@ pub unsafe fn shard_deletion(stmt: *const pg_sys::PlannedStmt) -> Option<i64> {
     Some(args[0].value() as i64)
 }
 
+/// What this transaction's commit here must check.
+pub(super) enum Pending {
+    /// A split deleted this shard's metadata here (shard_splitting): `check`.
+    Deleted(i64),
+    /// One of Citus' shard operations ran on this node, which then held these of the
+    /// declared table's shards (runs::operation_begins): runs::check.
+    Run {
+        change: ShardChange,
+        before: Vec<i64>,
+    },
+}
+
 thread_local! {
-    /// The shards this transaction's splits deleted here, each with the subtransaction
-    /// level that deleted it (xact::at_subxact_end): a split rolled back to a savepoint
-    /// is not checked at the commit.
-    static PENDING: std::cell::RefCell<Vec<(i64, i32)>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// What this transaction's commit here must check, each with the subtransaction
+    /// level that noted it (xact::at_subxact_end): a split or an operation rolled back
+    /// to a savepoint is not checked at the commit.
+    static PENDING: std::cell::RefCell<Vec<(Pending, i32)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Notes `what` for the commit's check, at the current subtransaction level.
+pub(super) fn pend(what: Pending) {
+    register();
+    // SAFETY: a plain read of transaction state.
+    let level = unsafe { pg_sys::GetCurrentTransactionNestLevel() };
+    PENDING.with_borrow_mut(|p| p.push((what, level)));
+}
+
+/// Whether an operation run on this node is noted already.
+pub(super) fn pending_run() -> bool {
+    PENDING.with_borrow(|p| p.iter().any(|(w, _)| matches!(w, Pending::Run { .. })))
 }
 
 /// Once a split's deletion of `shard`'s metadata has run here (so Citus' own checks
@@ -63,10 +88,7 @@ pub fn shard_splitting(shard: i64) -> Result<(), QuotaError> {
         return Ok(());
     }
     lock_exclusively(shard, ShardChange::Split)?;
-    register();
-    // SAFETY: a plain read of transaction state.
-    let level = unsafe { pg_sys::GetCurrentTransactionNestLevel() };
-    PENDING.with_borrow_mut(|p| p.push((shard, level)));
+    pend(Pending::Deleted(shard));
     Ok(())
 }
 
@@ -89,16 +111,31 @@ unsafe extern "C-unwind" fn xact_event(
     _arg: *mut std::ffi::c_void,
 ) {
     let pending = PENDING.with_borrow_mut(std::mem::take);
-    let Some(&(shard, _)) = pending.first() else {
+    if pending.is_empty()
+        || !matches!(
+            event,
+            pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT
+                | pg_sys::XactEvent::XACT_EVENT_PARALLEL_PRE_COMMIT
+                | pg_sys::XactEvent::XACT_EVENT_PRE_PREPARE
+        )
+    {
         return;
-    };
-    if matches!(
-        event,
-        pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT
-            | pg_sys::XactEvent::XACT_EVENT_PARALLEL_PRE_COMMIT
-            | pg_sys::XactEvent::XACT_EVENT_PRE_PREPARE
-    ) {
+    }
+    // The first of each kind: a split's check covers every tenant held here, and the
+    // first operation's shards are what the transaction began from.
+    let deleted = pending.iter().find_map(|(w, _)| match w {
+        Pending::Deleted(shard) => Some(*shard),
+        Pending::Run { .. } => None,
+    });
+    let run = pending.iter().find_map(|(w, _)| match w {
+        Pending::Run { change, before } => Some((*change, before)),
+        Pending::Deleted(_) => None,
+    });
+    if let Some(shard) = deleted {
         crate::error::boundary(|| check(shard));
+    }
+    if let Some((change, before)) = run {
+        crate::error::boundary(|| super::runs::check(change, before));
     }
 }
 
@@ -165,7 +202,7 @@ const SHARD_XMIN: &std::ffi::CStr =
 ///
 /// # Safety
 /// Inside a transaction.
-unsafe fn written_here(shard: i64) -> bool {
+pub(super) unsafe fn written_here(shard: i64) -> bool {
     // SAFETY: the caller's; SPI as elsewhere here; a plain check of an xid.
     unsafe {
         connect();

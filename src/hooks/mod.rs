@@ -1,8 +1,9 @@
 //! Layer 5, the paths: hooks into PostgreSQL's DDL, so that DBA operations keep working
 //! while pg_quota is in use (I9). guard.rs holds what DDL may do to pg_quota's own
 //! tables. And, on a Citus node (0.7.1, citus/planner.rs), a planner hook that keeps a start
-//! without a tenant from Citus' delegation, and an executor hook that checks Citus'
-//! shard moves off the node and splits.
+//! without a tenant from Citus' delegation, an executor hook that checks Citus'
+//! shard moves off the node and splits, and a function-manager hook that sees those
+//! operations run on the node that holds the shard itself (a coordinator with shards).
 //!
 //! - A ledger writer is a session connected to its database. It must leave before
 //!   commands that need the database to themselves: DROP DATABASE, CREATE DATABASE
@@ -26,6 +27,8 @@ static mut PREV_OBJECT_ACCESS_HOOK: pg_sys::object_access_hook_type = None;
 static mut PREV_PROCESS_UTILITY_HOOK: pg_sys::ProcessUtility_hook_type = None;
 static mut PREV_EXECUTOR_END_HOOK: pg_sys::ExecutorEnd_hook_type = None;
 static mut PREV_CREATE_UPPER_PATHS_HOOK: pg_sys::create_upper_paths_hook_type = None;
+static mut PREV_NEEDS_FMGR_HOOK: pg_sys::needs_fmgr_hook_type = None;
+static mut PREV_FMGR_HOOK: pg_sys::fmgr_hook_type = None;
 // Single-threaded backend state: the roles this transaction dropped, with the
 // subtransaction nesting level that dropped them, and the databases it dropped.
 static mut DROPPED_ROLES: Vec<(pg_sys::Oid, i32)> = Vec::new();
@@ -43,6 +46,53 @@ pub fn init() {
         pg_sys::ExecutorEnd_hook = Some(executor_end);
         PREV_CREATE_UPPER_PATHS_HOOK = pg_sys::create_upper_paths_hook;
         pg_sys::create_upper_paths_hook = Some(create_upper_paths);
+        PREV_NEEDS_FMGR_HOOK = pg_sys::needs_fmgr_hook;
+        pg_sys::needs_fmgr_hook = Some(needs_fmgr);
+        PREV_FMGR_HOOK = pg_sys::fmgr_hook;
+        pg_sys::fmgr_hook = Some(fmgr);
+    }
+}
+
+/// Whether the function manager must tell `fmgr` of calls of `fn_oid`: Citus' shard
+/// moves and splits (citus/runs.rs), where Citus is loaded, and what an earlier hook
+/// asks for. Asked at each lookup of a function that is not built in; answered from
+/// a memo per backend.
+#[pg_guard]
+unsafe extern "C-unwind" fn needs_fmgr(fn_oid: pg_sys::Oid) -> bool {
+    // SAFETY: an earlier hook's own contract; then a memo and syscache lookups.
+    unsafe {
+        if let Some(prev) = PREV_NEEDS_FMGR_HOOK {
+            if prev(fn_oid) {
+                return true;
+            }
+        }
+    }
+    crate::citus::operation(fn_oid).is_some()
+}
+
+/// As a call of Citus' shard move or split begins on this node (the coordinator,
+/// where it may hold shards itself, whose metadata Citus changes without a command
+/// the executor hook below could see): pg_quota notes the shards this node holds, and
+/// checks, as the transaction commits here, what the operation took from it
+/// (citus/runs.rs). The calls of other functions an earlier hook asked for are only
+/// passed on.
+#[pg_guard]
+unsafe extern "C-unwind" fn fmgr(
+    event: pg_sys::FmgrHookEventType::Type,
+    flinfo: *mut pg_sys::FmgrInfo,
+    private: *mut pg_sys::Datum,
+) {
+    // SAFETY: we pass the call on unchanged, and read the FmgrInfo's OID. FHET_ABORT
+    // comes inside PostgreSQL's error handling, and is only passed on.
+    unsafe {
+        if let Some(prev) = PREV_FMGR_HOOK {
+            prev(event, flinfo, private);
+        }
+        if event == pg_sys::FmgrHookEventType::FHET_START {
+            if let Some(change) = crate::citus::operation((*flinfo).fn_oid) {
+                crate::error::boundary(|| crate::citus::operation_begins(change));
+            }
+        }
     }
 }
 

@@ -27,6 +27,7 @@
 #   shard moves to it;
 # - a split of the tenant's shard is refused where it would place a tenant holding
 #   tickets on another node, and goes where it keeps them (isolate_tenant_to_new_shard);
+# - a coordinator that holds shards refuses a move or a split of its own shard alike;
 # - the coordinator's standby, promoted after a crash, serves as the coordinator;
 # - nodes on two versions of pg_quota's SQL admit each tenant on its node; ALTER
 #   EXTENSION pg_quota UPDATE on the coordinator then updates every node at once;
@@ -811,6 +812,50 @@ expect_eq "a move of $A's shard off n3 run by the tables' owner, not a superuser
      node_of "$A") $(live 3 "$A")"
 n 0 -c "ALTER TABLE jobs OWNER TO postgres" -c "ALTER TABLE running OWNER TO postgres" -c "ALTER TABLE tjobs OWNER TO postgres" \
     -c "GRANT ALL ON jobs, running, tjobs, jobs_id_seq, tjobs_id_seq TO app" >/dev/null  # the old owner's rights went with it
+
+# --- a coordinator that holds shards -------------------------------------------------------
+# With shouldhaveshards on, the coordinator holds shards as a worker does, and admits
+# their tenants. Citus changes the coordinator's own metadata in C, without the
+# commands the other nodes get, so pg_quota sees a move or a split off it by its call
+# there (citus/runs.rs), and refuses it alike as its transaction commits.
+n 0 -c "SELECT citus_set_node_property('$DIR/n0', $BASE, 'shouldhaveshards', true)" >/dev/null
+on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE ended_at IS NULL" >/dev/null
+SB=$(n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$B')")
+coord_move() {  # coord_move FROM TO: a move of $B's shard, its output and SQLSTATE=…
+  out_on 0 postgres "SELECT citus_move_shard_placement($SB, '$DIR/n$1', $((BASE + $1)), '$DIR/n$2', $((BASE + $2)), shard_transfer_mode := 'block_writes')"
+}
+expect_eq "with the coordinator set to hold shards, $B's shard $SB moves to it from n$NB" "00000 0" \
+  "$(sqlstate_of "$(coord_move "$NB" 0)") $(node_of "$B")"
+expect_eq "… where $B is admitted, from every node, to its limit of 2, by the coordinator's ledger" "f t t 2 0" \
+  "$(for i in 0 1 2; do try "$i" "$B" "on the coordinator"; done | sort | xargs) $(live 0 "$B") $(live "$NB" "$B")"
+coord_out=$(coord_move 0 "$NB")
+expect_eq "while $B holds two tickets on the coordinator, moving its shard back to n$NB is refused by the coordinator (55000), and fails whole" \
+  "55000 t 0 2" "$(sqlstate_of "$coord_out") $(grep -q "pg_quota cannot let shard $SB leave this node: tenant \"$B\" holds active tickets here" <<<"$coord_out" && echo t || echo f) $(
+     node_of "$B") $(live 0 "$B")"
+read -r HB MAXB < <(n 0 -F ' ' -c "SELECT worker_hash('$B'::text), shardmaxvalue FROM pg_dist_shard WHERE shardid = $SB")
+NID0=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE groupid = 0")
+NIDB=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + NB))")
+if [ "$HB" -lt "$MAXB" ]; then PB=$HB; SPLIT_NODES="$NIDB, $NID0"; else PB=$((HB - 1)); SPLIT_NODES="$NID0, $NIDB"; fi
+coord_out=$(out_on 0 postgres "SELECT citus_split_shard_by_split_points($SB, ARRAY['$PB'], ARRAY[$SPLIT_NODES], shard_transfer_mode := 'block_writes')")
+expect_eq "… and a split of it that would place $B's new shard on n$NB is refused by the coordinator (55000): the shard stays whole, with $B's tickets" \
+  "55000 t $SB 0 2" "$(sqlstate_of "$coord_out") $(grep -q "pg_quota cannot let the split of shard $SB place tenants on another node: tenant \"$B\" holds active tickets here" <<<"$coord_out" && echo t || echo f) $(
+     n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$B')") $(node_of "$B") $(live 0 "$B")"
+# A transactional start of $B in a transaction still open on the coordinator: the move
+# is refused at once (55P03), as a worker refuses it, rather than left to wait.
+on 0 postgres "SELECT quota.finish(id) FROM (SELECT id FROM quota.ledger WHERE tenant = '$B' AND ended_at IS NULL LIMIT 1) l" >/dev/null
+CL="$DIR/n0" PORT=$BASE open_session ctx app app
+say ctx "BEGIN;"
+say ctx "SELECT 'started:' || quota.start(tenant => '$B', label => 'in flight', transactional => true);"
+CL="$DIR/n0" wait_out ctx "started:"
+coord_out=$(coord_move 0 "$NB")
+expect_eq "while an enqueue of $B is in its transaction on the coordinator, moving its shard off is refused at once (55P03)" "55P03 t 0"   "$(sqlstate_of "$coord_out") $(grep -q "pg_quota cannot let shard $SB leave this node now: a start for one of its tenants is in progress here" <<<"$coord_out" && echo t || echo f) $(node_of "$B")"
+say ctx "ROLLBACK;"
+close_session ctx
+on 0 postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$B' AND ended_at IS NULL" >/dev/null
+expect_eq "with $B's tickets ended, its shard moves back to n$NB, where $B is admitted again" "00000 $NB t 1 0" \
+  "$(sqlstate_of "$(coord_move 0 "$NB")") $(node_of "$B") $(try 0 "$B" back) $(live "$NB" "$B") $(live 0 "$B")"
+on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$B' AND ended_at IS NULL" >/dev/null
+n 0 -c "SELECT citus_set_node_property('$DIR/n0', $BASE, 'shouldhaveshards', false)" >/dev/null
 
 # --- a coordinator failover ---------------------------------------------------------------
 # The coordinator's hot standby (pg_basebackup -R) is promoted once the coordinator

@@ -805,13 +805,16 @@ expect_eq "… and with n3's metadata put back, $A's shard is $ISO again there, 
 
 # Citus runs a move or a split as the user who calls it, which may be the tables'
 # owner rather than a superuser: pg_quota's guard holds for that user alike.
-n 0 -c "ALTER TABLE jobs OWNER TO app" -c "ALTER TABLE running OWNER TO app" -c "ALTER TABLE tjobs OWNER TO app" >/dev/null
+owners() {  # owners ROLE: the queue's tables' owner (back to postgres: its grants to app again)
+  n 0 -c "ALTER TABLE jobs OWNER TO $1" -c "ALTER TABLE running OWNER TO $1" -c "ALTER TABLE tjobs OWNER TO $1" \
+      -c "GRANT ALL ON jobs, running, tjobs, jobs_id_seq, tjobs_id_seq TO app" >/dev/null  # the old owner's rights went with it
+}
+owners app
 owner_move=$(out_on 0 app "SELECT citus_move_shard_placement($ISO, '$DIR/n3', $((BASE + 3)), '$DIR/n1', $((BASE + 1)), shard_transfer_mode := 'block_writes')")
 expect_eq "a move of $A's shard off n3 run by the tables' owner, not a superuser, is refused alike (55000), $A's two tickets kept there" \
   "55000 t 3 2" "$(sqlstate_of "$owner_move") $(grep -q "pg_quota cannot let shard $ISO leave this node: tenant \"$A\" holds active tickets here" <<<"$owner_move" && echo t || echo f) $(
      node_of "$A") $(live 3 "$A")"
-n 0 -c "ALTER TABLE jobs OWNER TO postgres" -c "ALTER TABLE running OWNER TO postgres" -c "ALTER TABLE tjobs OWNER TO postgres" \
-    -c "GRANT ALL ON jobs, running, tjobs, jobs_id_seq, tjobs_id_seq TO app" >/dev/null  # the old owner's rights went with it
+owners postgres
 
 # --- a coordinator that holds shards -------------------------------------------------------
 # With shouldhaveshards on, the coordinator holds shards as a worker does, and admits
@@ -856,6 +859,19 @@ expect_eq "with $B's tickets ended, its shard moves back to n$NB, where $B is ad
   "$(sqlstate_of "$(coord_move 0 "$NB")") $(node_of "$B") $(try 0 "$B" back) $(live "$NB" "$B") $(live 0 "$B")"
 on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$B' AND ended_at IS NULL" >/dev/null
 n 0 -c "SELECT citus_set_node_property('$DIR/n0', $BASE, 'shouldhaveshards', false)" >/dev/null
+# A tenant's own limits on a worker hold a split off as its tickets do, whoever runs
+# it: $B's own limits on n$NB, and a split that would place $B's new shard on the
+# other worker, run by the tables' owner.
+on 0 postgres "SELECT quota.set_tenant_limits('$B', max_active => 1, role => 'app')" >/dev/null
+NIDO=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + $(other "$NB")))")
+if [ "$HB" -lt "$MAXB" ]; then SPLIT_NODES="$NIDO, $NIDB"; else SPLIT_NODES="$NIDB, $NIDO"; fi
+owners app
+own_split=$(out_on 0 app "SELECT citus_split_shard_by_split_points($SB, ARRAY['$PB'], ARRAY[$SPLIT_NODES], shard_transfer_mode := 'block_writes')")
+owners postgres
+expect_eq "with $B's own limits on n$NB and no ticket, a split by the tables' owner that would place $B's new shard on n$(other "$NB") is refused by n$NB (55000), the shard kept whole" \
+  "55000 t $SB $NB" "$(sqlstate_of "$own_split") $(grep -q "pg_quota cannot let the split of shard $SB place tenants on another node: tenant \"$B\" has its own limits here" <<<"$own_split" && echo t || echo f) $(
+     n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$B')") $(node_of "$B")"
+on 0 postgres "SELECT quota.set_tenant_limits('$B', role => 'app')" >/dev/null
 
 # --- a coordinator failover ---------------------------------------------------------------
 # The coordinator's hot standby (pg_basebackup -R) is promoted once the coordinator

@@ -228,7 +228,7 @@ new_citus_node() {
   local dir="$1" port="$2"
   # citus.local_hostname: a shard move connects to its own node; no TCP here.
   new_cluster "$dir" "$port" "shared_preload_libraries = 'citus,pg_quota'" \
-    "wal_level = logical" "max_worker_processes = 32" "max_prepared_transactions = 20" \
+    "wal_level = logical" "output_plugin_libraries = 'pgoutput, test_decoding, citus'" "max_worker_processes = 32" "max_prepared_transactions = 20" \
     "citus.local_hostname = '$dir'" "max_connections = 200"
   pgq "$dir" "$port" -c "CREATE DATABASE app" >/dev/null
   pgq "$dir" "$port" -d app -c "CREATE EXTENSION citus" >/dev/null

@@ -547,13 +547,20 @@ expect_eq "$A's node, stopped in a crash and restarted, kept its two tickets: a 
 # admitted where its shard now lives.
 SHARD=$(n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$A')")
 TO=$(other "$NA")
-# move: one move of the shard; sets MOVE_STATE (its SQLSTATE) and MOVE_ERROR.
+# move [MODE]: one move of the shard (shard_transfer_mode MODE, block_writes unless
+# given); sets MOVE_STATE (its SQLSTATE) and MOVE_ERROR.
 move() {
   local out
-  out=$(out_on 0 postgres "SELECT citus_move_shard_placement($SHARD, '$DIR/n$NA', $((BASE + NA)), '$DIR/n$TO', $((BASE + TO)), shard_transfer_mode := 'block_writes')")
+  out=$(out_on 0 postgres "SELECT citus_move_shard_placement($SHARD, '$DIR/n$NA', $((BASE + NA)), '$DIR/n$TO', $((BASE + TO)), shard_transfer_mode := '${1:-block_writes}')")
   MOVE_STATE=$(sqlstate_of "$out")
   MOVE_ERROR=$(grep ERROR <<<"$out" || true)
 }
+# First Citus' non-blocking move (logical replication while writes go on), which
+# sends the same metadata update once the copy has caught up; then a blocking one.
+move force_logical
+expect_eq "while $A holds two tickets on n$NA, a non-blocking move (force_logical) of its shard is refused (55000), and fails whole: the shard still on n$NA, with the tickets" \
+  "55000 t $NA 2" "$MOVE_STATE $(grep -q "pg_quota cannot let shard $SHARD leave this node: tenant \"$A\" holds active tickets here" <<<"$MOVE_ERROR" && echo t || echo f) $(
+     node_of "$A") $(live "$NA" "$A")"
 move
 expect_eq "while $A holds active tickets on n$NA, moving its shard $SHARD away is refused (55000)" 55000 "$MOVE_STATE"
 check "… by the node it would leave, which says why ($MOVE_ERROR)" \
@@ -737,6 +744,10 @@ if [ "$HA" -lt "$MAXV" ]; then POINT=$HA; NODES="$NID1, $NID3"; else POINT=$((HA
 on 3 postgres "BEGIN" "SELECT quota.try_start(tenant => '$B', label => 'stray')" "COMMIT" >/dev/null
 expect_eq "a superuser's start of $B on n3 (not $B's node) is admitted there" 1 \
   "$(n 3 -c "SELECT count(*) FROM quota.ledger WHERE label = 'stray' AND ended_at IS NULL")"
+split_out=$(out_on 0 postgres "SELECT citus_split_shard_by_split_points($SHARD, ARRAY['$POINT'], ARRAY[$NODES], shard_transfer_mode := 'force_logical')")
+expect_eq "while $A holds two tickets on n3, a non-blocking split (force_logical) that would place $A's new shard on n1 is refused (55000), and fails whole: $A's shard still $SHARD, on n3, with the tickets" \
+  "55000 t $SHARD 3 2" "$(sqlstate_of "$split_out") $(grep -q "pg_quota cannot let the split of shard $SHARD place tenants on another node: tenant \"$A\" holds active tickets here\$" <<<"$split_out" && echo t || echo f) $(
+     n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$A')") $(node_of "$A") $(live 3 "$A")"
 split_out=$(out_on 0 postgres "SELECT citus_split_shard_by_split_points($SHARD, ARRAY['$POINT'], ARRAY[$NODES], shard_transfer_mode := 'block_writes')")
 expect_eq "while $A holds two tickets on n3, a split of its shard that would place $A's new shard on n1 is refused (55000)" \
   55000 "$(sqlstate_of "$split_out")"

@@ -120,21 +120,25 @@ unsafe fn is_start(func: *mut pg_sys::FuncExpr) -> bool {
 pub(super) fn func_is(funcid: pg_sys::Oid, names: &[(&std::ffi::CStr, &std::ffi::CStr)]) -> bool {
     // SAFETY: syscache lookups, NULL where the function or its schema is gone; the
     // names are NUL-terminated and palloc'd in the current context.
+    // Each is freed here: the function manager asks this (runs::operation) in
+    // whatever memory context its caller is in.
     unsafe {
-        let name = pg_sys::get_func_name(funcid);
-        if name.is_null() {
+        let name_ptr = pg_sys::get_func_name(funcid);
+        if name_ptr.is_null() {
             return false;
         }
-        let name = std::ffi::CStr::from_ptr(name);
-        if !names.iter().any(|(_, n)| *n == name) {
-            return false;
+        let name = std::ffi::CStr::from_ptr(name_ptr);
+        let mut found = false;
+        if names.iter().any(|(_, n)| *n == name) {
+            let schema_ptr = pg_sys::get_namespace_name(pg_sys::get_func_namespace(funcid));
+            if !schema_ptr.is_null() {
+                let schema = std::ffi::CStr::from_ptr(schema_ptr);
+                found = names.iter().any(|(sc, n)| *n == name && *sc == schema);
+                pg_sys::pfree(schema_ptr.cast());
+            }
         }
-        let schema = pg_sys::get_namespace_name(pg_sys::get_func_namespace(funcid));
-        if schema.is_null() {
-            return false;
-        }
-        let schema = std::ffi::CStr::from_ptr(schema);
-        names.iter().any(|(sc, n)| *n == name && *sc == schema)
+        pg_sys::pfree(name_ptr.cast());
+        found
     }
 }
 

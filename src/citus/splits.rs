@@ -39,12 +39,9 @@ pub unsafe fn shard_deletion(stmt: *const pg_sys::PlannedStmt) -> Option<i64> {
 pub(super) enum Pending {
     /// A split deleted this shard's metadata here (shard_splitting): `check`.
     Deleted(i64),
-    /// One of Citus' shard operations ran on this node, which then held these of the
-    /// declared table's shards (runs::operation_begins): runs::check.
-    Run {
-        change: ShardChange,
-        before: Vec<i64>,
-    },
+    /// One of Citus' shard operations ran on this node (runs::operation_begins):
+    /// runs::check.
+    Run { change: ShardChange },
 }
 
 thread_local! {
@@ -121,21 +118,20 @@ unsafe extern "C-unwind" fn xact_event(
     {
         return;
     }
-    // The first of each kind: a split's check covers every tenant held here, and the
-    // first operation's shards are what the transaction began from.
+    // The first of each kind: each check covers every tenant held here.
     let deleted = pending.iter().find_map(|(w, _)| match w {
         Pending::Deleted(shard) => Some(*shard),
         Pending::Run { .. } => None,
     });
     let run = pending.iter().find_map(|(w, _)| match w {
-        Pending::Run { change, before } => Some((*change, before)),
+        Pending::Run { change } => Some(*change),
         Pending::Deleted(_) => None,
     });
     if let Some(shard) = deleted {
         crate::error::boundary(|| check(shard));
     }
-    if let Some((change, before)) = run {
-        crate::error::boundary(|| super::runs::check(change, before));
+    if let Some(change) = run {
+        crate::error::boundary(|| super::runs::check(change));
     }
 }
 

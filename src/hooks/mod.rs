@@ -72,26 +72,27 @@ unsafe extern "C-unwind" fn needs_fmgr(fn_oid: pg_sys::Oid) -> bool {
 
 /// As a call of Citus' shard move or split begins on this node (the coordinator,
 /// where it may hold shards itself, whose metadata Citus changes without a command
-/// the executor hook below could see): pg_quota notes the shards this node holds, and
-/// checks, as the transaction commits here, what the operation took from it
-/// (citus/runs.rs). The calls of other functions an earlier hook asked for are only
-/// passed on.
+/// the executor hook below could see): pg_quota has the transaction's commit here
+/// check what the operation took from this node (citus/runs.rs). That reads nothing
+/// and raises nothing, and comes before an earlier hook's FHET_START, which then
+/// always gets its FHET_END or FHET_ABORT. The calls of other functions an earlier
+/// hook asked for are only passed on.
 #[pg_guard]
 unsafe extern "C-unwind" fn fmgr(
     event: pg_sys::FmgrHookEventType::Type,
     flinfo: *mut pg_sys::FmgrInfo,
     private: *mut pg_sys::Datum,
 ) {
-    // SAFETY: we pass the call on unchanged, and read the FmgrInfo's OID. FHET_ABORT
+    // SAFETY: we read the FmgrInfo's OID, then pass the call on unchanged. FHET_ABORT
     // comes inside PostgreSQL's error handling, and is only passed on.
     unsafe {
-        if let Some(prev) = PREV_FMGR_HOOK {
-            prev(event, flinfo, private);
-        }
         if event == pg_sys::FmgrHookEventType::FHET_START {
             if let Some(change) = crate::citus::operation((*flinfo).fn_oid) {
-                crate::error::boundary(|| crate::citus::operation_begins(change));
+                crate::citus::operation_begins(change);
             }
+        }
+        if let Some(prev) = PREV_FMGR_HOOK {
+            prev(event, flinfo, private);
         }
     }
 }

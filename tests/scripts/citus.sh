@@ -27,7 +27,10 @@
 #   shard moves to it;
 # - a split of the tenant's shard is refused where it would place a tenant holding
 #   tickets on another node, and goes where it keeps them (isolate_tenant_to_new_shard);
-# - a coordinator that holds shards refuses a move or a split of its own shard alike;
+# - Citus' non-blocking move and split (force_logical) are refused alike;
+# - a tenant's own limits on a worker refuse a split run by the tables' owner;
+# - a coordinator that holds shards refuses a move or a split of its own shards alike,
+#   the background rebalancer's drain of it too;
 # - the coordinator's standby, promoted after a crash, serves as the coordinator;
 # - nodes on two versions of pg_quota's SQL admit each tenant on its node; ALTER
 #   EXTENSION pg_quota UPDATE on the coordinator then updates every node at once;
@@ -827,6 +830,24 @@ expect_eq "a move of $A's shard off n3 run by the tables' owner, not a superuser
      node_of "$A") $(live 3 "$A")"
 owners postgres
 
+# --- a tenant's own limits hold a split off --------------------------------------------------
+# A tenant's own limits on a worker hold a split off as its tickets do, whoever runs
+# it: $B's own limits on n$NB, and a split that would place $B's new shard on the
+# other worker, run by the tables' owner.
+on 0 postgres "SELECT quota.set_tenant_limits('$B', max_active => 1, role => 'app')" >/dev/null
+SB=$(n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$B')")
+read -r HB MAXB < <(n 0 -F ' ' -c "SELECT worker_hash('$B'::text), shardmaxvalue FROM pg_dist_shard WHERE shardid = $SB")
+NIDB=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + NB))")
+NIDO=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + $(other "$NB")))")
+if [ "$HB" -lt "$MAXB" ]; then PB=$HB; SPLIT_NODES="$NIDO, $NIDB"; else PB=$((HB - 1)); SPLIT_NODES="$NIDB, $NIDO"; fi
+owners app
+own_split=$(out_on 0 app "SELECT citus_split_shard_by_split_points($SB, ARRAY['$PB'], ARRAY[$SPLIT_NODES], shard_transfer_mode := 'block_writes')")
+owners postgres
+expect_eq "with $B's own limits on n$NB and no ticket, a split by the tables' owner that would place $B's new shard on n$(other "$NB") is refused by n$NB (55000), the shard kept whole" \
+  "55000 t $SB $NB" "$(sqlstate_of "$own_split") $(grep -q "pg_quota cannot let the split of shard $SB place tenants on another node: tenant \"$B\" has its own limits here" <<<"$own_split" && echo t || echo f) $(
+     n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$B')") $(node_of "$B")"
+on 0 postgres "SELECT quota.set_tenant_limits('$B', role => 'app')" >/dev/null
+
 # --- a coordinator that holds shards -------------------------------------------------------
 # With shouldhaveshards on, the coordinator holds shards as a worker does, and admits
 # their tenants. Citus changes the coordinator's own metadata in C, without the
@@ -835,54 +856,69 @@ owners postgres
 n 0 -c "SELECT citus_set_node_property('$DIR/n0', $BASE, 'shouldhaveshards', true)" >/dev/null
 on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE ended_at IS NULL" >/dev/null
 SB=$(n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$B')")
-coord_move() {  # coord_move FROM TO: a move of $B's shard, its output and SQLSTATE=…
-  out_on 0 postgres "SELECT citus_move_shard_placement($SB, '$DIR/n$1', $((BASE + $1)), '$DIR/n$2', $((BASE + $2)), shard_transfer_mode := 'block_writes')"
+coord_move() {  # coord_move SHARD FROM TO: a move of the shard, its output and SQLSTATE=…
+  out_on 0 postgres "SELECT citus_move_shard_placement($1, '$DIR/n$2', $((BASE + $2)), '$DIR/n$3', $((BASE + $3)), shard_transfer_mode := 'block_writes')"
 }
 expect_eq "with the coordinator set to hold shards, $B's shard $SB moves to it from n$NB" "00000 0" \
-  "$(sqlstate_of "$(coord_move "$NB" 0)") $(node_of "$B")"
+  "$(sqlstate_of "$(coord_move "$SB" "$NB" 0)") $(node_of "$B")"
 expect_eq "… where $B is admitted, from every node, to its limit of 2, by the coordinator's ledger" "f t t 2 0" \
   "$(for i in 0 1 2; do try "$i" "$B" "on the coordinator"; done | sort | xargs) $(live 0 "$B") $(live "$NB" "$B")"
-coord_out=$(coord_move 0 "$NB")
-expect_eq "while $B holds two tickets on the coordinator, moving its shard back to n$NB is refused by the coordinator (55000), and fails whole" \
-  "55000 t 0 2" "$(sqlstate_of "$coord_out") $(grep -q "pg_quota cannot let shard $SB leave this node: tenant \"$B\" holds active tickets here" <<<"$coord_out" && echo t || echo f) $(
-     node_of "$B") $(live 0 "$B")"
+# A superuser's start (never refused) of $A, run on the coordinator, which does not
+# hold $A: a ticket that no operation on the coordinator's shards moved, and that
+# judges none of them.
+on 0 postgres "BEGIN" "SELECT quota.try_start(tenant => '$A', label => 'stray on the coordinator')" "COMMIT" >/dev/null
+coord_out=$(coord_move "$SB" 0 "$NB")
+expect_eq "while $B holds two tickets on the coordinator, moving its shard back to n$NB is refused by the coordinator (55000), naming $B alone (not $A, whose stray ticket is there too), and fails whole" \
+  "55000 t 0 2 1" "$(sqlstate_of "$coord_out") $(grep -q "pg_quota cannot let shard $SB leave this node: tenant \"$B\" holds active tickets here\$" <<<"$coord_out" && echo t || echo f) $(
+     node_of "$B") $(live 0 "$B") $(live 0 "$A")"
 read -r HB MAXB < <(n 0 -F ' ' -c "SELECT worker_hash('$B'::text), shardmaxvalue FROM pg_dist_shard WHERE shardid = $SB")
 NID0=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE groupid = 0")
 NIDB=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + NB))")
 if [ "$HB" -lt "$MAXB" ]; then PB=$HB; SPLIT_NODES="$NIDB, $NID0"; else PB=$((HB - 1)); SPLIT_NODES="$NID0, $NIDB"; fi
 coord_out=$(out_on 0 postgres "SELECT citus_split_shard_by_split_points($SB, ARRAY['$PB'], ARRAY[$SPLIT_NODES], shard_transfer_mode := 'block_writes')")
 expect_eq "… and a split of it that would place $B's new shard on n$NB is refused by the coordinator (55000): the shard stays whole, with $B's tickets" \
-  "55000 t $SB 0 2" "$(sqlstate_of "$coord_out") $(grep -q "pg_quota cannot let the split of shard $SB place tenants on another node: tenant \"$B\" holds active tickets here" <<<"$coord_out" && echo t || echo f) $(
+  "55000 t $SB 0 2" "$(sqlstate_of "$coord_out") $(grep -q "pg_quota cannot let the split of shard $SB place tenants on another node: tenant \"$B\" holds active tickets here\$" <<<"$coord_out" && echo t || echo f) $(
      n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$B')") $(node_of "$B") $(live 0 "$B")"
 # A transactional start of $B in a transaction still open on the coordinator: the move
-# is refused at once (55P03), as a worker refuses it, rather than left to wait.
+# is refused (55P03), as a worker refuses it, rather than left to wait.
 on 0 postgres "SELECT quota.finish(id) FROM (SELECT id FROM quota.ledger WHERE tenant = '$B' AND ended_at IS NULL LIMIT 1) l" >/dev/null
 CL="$DIR/n0" PORT=$BASE open_session ctx app app
 say ctx "BEGIN;"
 say ctx "SELECT 'started:' || quota.start(tenant => '$B', label => 'in flight', transactional => true);"
 CL="$DIR/n0" wait_out ctx "started:"
-coord_out=$(coord_move 0 "$NB")
-expect_eq "while an enqueue of $B is in its transaction on the coordinator, moving its shard off is refused at once (55P03)" "55P03 t 0"   "$(sqlstate_of "$coord_out") $(grep -q "pg_quota cannot let shard $SB leave this node now: a start for one of its tenants is in progress here" <<<"$coord_out" && echo t || echo f) $(node_of "$B")"
+coord_out=$(coord_move "$SB" 0 "$NB")
+expect_eq "while an enqueue of $B is in its transaction on the coordinator, moving its shard off is refused (55P03)" "55P03 t 0" \
+  "$(sqlstate_of "$coord_out") $(grep -q "pg_quota cannot let shard $SB leave this node now: a start for one of its tenants is in progress here" <<<"$coord_out" && echo t || echo f) $(node_of "$B")"
 say ctx "ROLLBACK;"
 close_session ctx
+expect_eq "isolate_tenant_to_new_shard() of $B on the coordinator, which keeps it there, goes while $B holds a ticket there" \
+  "00000 t 0 1" "$(state_on 0 postgres "SELECT isolate_tenant_to_new_shard('jobs', '$B', 'CASCADE', shard_transfer_mode := 'block_writes')") $(
+     n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$B') <> $SB") $(node_of "$B") $(live 0 "$B")"
+# The background rebalancer drains the coordinator (shouldhaveshards off again): each
+# of its moves is a call of citus_move_shard_placement() in a session of its own on
+# the coordinator, refused there alike while $B holds its ticket (Citus retries the
+# task), and once the ticket has ended, the rebalance started again drains it.
+SB=$(n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$B')")
+n 0 -c "SELECT citus_set_node_property('$DIR/n0', $BASE, 'shouldhaveshards', false)" \
+    -c "SELECT citus_rebalance_start(drain_only := true, shard_transfer_mode := 'block_writes')" >/dev/null 2>&1
+refused=""
+for _ in $(seq 120); do
+  refused=$(n 0 -c "SELECT message FROM pg_dist_background_task WHERE message LIKE '%pg_quota cannot let shard%' LIMIT 1")
+  [ -n "$refused" ] && break
+  sleep 0.25
+done
+expect_eq "the background rebalancer's drain of the coordinator is refused there for $B's shard $SB while $B holds its ticket, which stays there" \
+  "t 0 1" "$(grep -q "pg_quota cannot let shard $SB leave this node: tenant \"$B\" holds active tickets here" <<<"$refused" && echo t || echo f) $(
+     node_of "$B") $(live 0 "$B")"
 on 0 postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$B' AND ended_at IS NULL" >/dev/null
-expect_eq "with $B's tickets ended, its shard moves back to n$NB, where $B is admitted again" "00000 $NB t 1 0" \
-  "$(sqlstate_of "$(coord_move 0 "$NB")") $(node_of "$B") $(try 0 "$B" back) $(live "$NB" "$B") $(live 0 "$B")"
+n 0 -c "SELECT citus_rebalance_stop()" >/dev/null 2>&1 || true
+n 0 -c "SELECT citus_rebalance_start(drain_only := true, shard_transfer_mode := 'block_writes')" -c "SELECT citus_rebalance_wait()" >/dev/null 2>&1
+NB=$(node_of "$B")
+expect_eq "with $B's ticket ended, the rebalance started again drains the coordinator, and $B is admitted where its shard went (n$NB), and only there" \
+  "0 t 1 0" "$(n 0 -c "SELECT count(*) FROM pg_dist_placement WHERE groupid = 0") $(try 0 "$B" back) $(live "$NB" "$B") $(live 0 "$B")"
+SB=$(n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$B')")
 on "$NB" postgres "SELECT quota.finish(id) FROM quota.ledger WHERE tenant = '$B' AND ended_at IS NULL" >/dev/null
-n 0 -c "SELECT citus_set_node_property('$DIR/n0', $BASE, 'shouldhaveshards', false)" >/dev/null
-# A tenant's own limits on a worker hold a split off as its tickets do, whoever runs
-# it: $B's own limits on n$NB, and a split that would place $B's new shard on the
-# other worker, run by the tables' owner.
-on 0 postgres "SELECT quota.set_tenant_limits('$B', max_active => 1, role => 'app')" >/dev/null
-NIDO=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + $(other "$NB")))")
-if [ "$HB" -lt "$MAXB" ]; then SPLIT_NODES="$NIDO, $NIDB"; else SPLIT_NODES="$NIDB, $NIDO"; fi
-owners app
-own_split=$(out_on 0 app "SELECT citus_split_shard_by_split_points($SB, ARRAY['$PB'], ARRAY[$SPLIT_NODES], shard_transfer_mode := 'block_writes')")
-owners postgres
-expect_eq "with $B's own limits on n$NB and no ticket, a split by the tables' owner that would place $B's new shard on n$(other "$NB") is refused by n$NB (55000), the shard kept whole" \
-  "55000 t $SB $NB" "$(sqlstate_of "$own_split") $(grep -q "pg_quota cannot let the split of shard $SB place tenants on another node: tenant \"$B\" has its own limits here" <<<"$own_split" && echo t || echo f) $(
-     n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$B')") $(node_of "$B")"
-on 0 postgres "SELECT quota.set_tenant_limits('$B', role => 'app')" >/dev/null
+on 0 postgres "SELECT quota.finish(id) FROM quota.ledger WHERE label = 'stray on the coordinator' AND ended_at IS NULL" >/dev/null
 
 # --- a coordinator failover ---------------------------------------------------------------
 # The coordinator's hot standby (pg_basebackup -R) is promoted once the coordinator
@@ -960,8 +996,9 @@ now_of() {  # the node (port - BASE) that holds the tenant's shard of jobs now
   n "$CO" -c "SELECT n.nodeport - $BASE FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid)
                WHERE p.shardid = get_shard_id_for_distribution_column('jobs', '$1')"
 }
-expect_eq "alter_distributed_table() of jobs to 8 shards, cascaded to its colocated tables, goes" 00000 \
-  "$(state_on "$CO" postgres "SELECT alter_distributed_table('jobs', shard_count := 8, cascade_to_colocated := true)")"
+COUNT=$(( $(n "$CO" -c "SELECT count(*) FROM pg_dist_shard WHERE logicalrelid = 'jobs'::regclass") + 4 ))  # isolations added some
+expect_eq "alter_distributed_table() of jobs to $COUNT shards, cascaded to its colocated tables, goes" 00000 \
+  "$(state_on "$CO" postgres "SELECT alter_distributed_table('jobs', shard_count := $COUNT, cascade_to_colocated := true)")"
 altered=$(out_on "$CO" app "SELECT quota.start(tenant => '$B', label => 'altered')")
 expect_eq "… after which a start of $B is refused on its node (0A000): the workers' start functions name a colocation group without tables" \
   "0A000 t" "$(sqlstate_of "$altered") $(grep -q "tenant \"$B\" cannot be placed: pg_quota's start functions are colocated with no table" <<<"$altered" && echo t || echo f)"

@@ -17,7 +17,7 @@
 //! - `splits`: a shard split seen on the node that holds the shard, refused where it
 //!   would place tenants that hold tickets or their own limits here on another node;
 //! - `runs`: a move or split run on this node that takes shards from it (a
-//!   coordinator that holds shards), refused likewise as it commits;
+//!   coordinator that holds shards), refused likewise once its call has returned;
 //! - `planner`: a start without a tenant kept from Citus' delegation.
 
 mod memory;
@@ -31,5 +31,5 @@ mod splits;
 pub use moves::{placement_update, shard_leaving};
 pub use placement::{placement, release, warn_per_node};
 pub use planner::keep_tenantless_start_local;
-pub use runs::{operation, operation_begins};
+pub use runs::{is_operation, operation_ended};
 pub use splits::{shard_deletion, shard_splitting};

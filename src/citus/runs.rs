@@ -2,39 +2,37 @@
 //! coordinator that holds shards (`shouldhaveshards`). Citus changes the metadata of
 //! the node that runs the operation in C, without the commands it sends the other
 //! nodes (moves.rs, splits.rs), so pg_quota sees the operation by its call instead
-//! (PostgreSQL's function-manager hook: hooks/mod.rs), and, as its transaction
-//! commits here (splits.rs), finds the shards it took from this node in the cleanup
-//! records Citus wrote for them in that transaction, and refuses it where a tenant
-//! that holds active tickets or its own limits here now has its shard on another
-//! node, one this operation took away or made.
+//! (PostgreSQL's function-manager hook: hooks/mod.rs). Once the call has returned, in
+//! its transaction, pg_quota finds the shards it gave up on this node in the cleanup
+//! records Citus wrote for them in that transaction, and refuses the operation where
+//! a tenant that holds active tickets or its own limits here now has its shard on
+//! another node, one the operation took away or made.
 
 use pgrx::pg_sys;
 
-use super::metadata::{column_text, connect, declared_table, query};
+use super::metadata::{column_bool, column_text, connect, declared_table, query};
 use super::moves::{held_query, lock_exclusively, names, HeldAs};
 use super::placement::shard_of;
 use super::planner::func_is;
-use super::splits::{pend, written_here, Pending};
+use super::splits::written_here;
 use crate::core::citus::{shard_may_leave, ShardChange};
 use crate::core::QuotaError;
 
 /// Citus' operations that take a shard off a node, as their calls are named (all in
-/// pg_catalog): moves (the rebalancer and the background rebalancer call
-/// citus_move_shard_placement too, each in a session of its own), then splits.
-const MOVES: [&std::ffi::CStr; 2] = [
-    c"citus_move_shard_placement",
-    c"master_move_shard_placement",
-];
-const SPLITS: [&std::ffi::CStr; 2] = [
-    c"citus_split_shard_by_split_points",
-    c"isolate_tenant_to_new_shard",
+/// pg_catalog): moves (the rebalancer's too: each of its moves is such a call, in a
+/// session of its own or in a background task's worker) and splits.
+const OPERATIONS: [(&std::ffi::CStr, &std::ffi::CStr); 4] = [
+    (c"pg_catalog", c"citus_move_shard_placement"),
+    (c"pg_catalog", c"master_move_shard_placement"),
+    (c"pg_catalog", c"citus_split_shard_by_split_points"),
+    (c"pg_catalog", c"isolate_tenant_to_new_shard"),
 ];
 
 thread_local! {
-    /// Per function OID: which operation it is (None: none of them), for the
-    /// function manager's question, asked at every lookup of a function that is not
-    /// built in. Forgotten at any change of pg_proc.
-    static KNOWN: std::cell::RefCell<std::collections::HashMap<u32, Option<ShardChange>>> =
+    /// Per function OID: whether it is one of OPERATIONS, for the function manager's
+    /// question, asked at every lookup of a function that is not built in. Forgotten
+    /// at any change of pg_proc.
+    static KNOWN: std::cell::RefCell<std::collections::HashMap<u32, bool>> =
         std::cell::RefCell::new(Default::default());
 }
 
@@ -43,18 +41,19 @@ unsafe extern "C-unwind" fn proc_changed(_arg: pg_sys::Datum, _cache: i32, _hash
     KNOWN.with_borrow_mut(|k| k.clear());
 }
 
-/// Which of Citus' shard operations function `funcid` is, if any. Where Citus is not
-/// loaded, at once none.
-pub fn operation(funcid: pg_sys::Oid) -> Option<ShardChange> {
+/// Whether function `funcid` is one of Citus' shard operations. Where Citus is not
+/// loaded, at once false.
+pub fn is_operation(funcid: pg_sys::Oid) -> bool {
     if !super::metadata::citus_loaded() {
-        return None;
+        return false;
     }
     if let Some(known) = KNOWN.with_borrow(|k| k.get(&u32::from(funcid)).copied()) {
         return known;
     }
     // Backends are single-threaded: this one's flag.
     static mut REGISTERED: bool = false;
-    // SAFETY: single-threaded backend state; the callback is registered once.
+    // SAFETY: single-threaded backend state; the callback is registered once, before
+    // anything is remembered.
     unsafe {
         if !REGISTERED {
             pg_sys::CacheRegisterSyscacheCallback(
@@ -65,19 +64,9 @@ pub fn operation(funcid: pg_sys::Oid) -> Option<ShardChange> {
             REGISTERED = true;
         }
     }
-    let named = |list: &[&std::ffi::CStr]| {
-        let names: Vec<_> = list.iter().map(|n| (c"pg_catalog", *n)).collect();
-        func_is(funcid, &names)
-    };
-    let op = if named(&MOVES) {
-        Some(ShardChange::Move)
-    } else if named(&SPLITS) {
-        Some(ShardChange::Split)
-    } else {
-        None
-    };
-    KNOWN.with_borrow_mut(|k| k.insert(u32::from(funcid), op));
-    op
+    let is = func_is(funcid, &OPERATIONS);
+    KNOWN.with_borrow_mut(|k| k.insert(u32::from(funcid), is));
+    is
 }
 
 /// The declared table's shards this node holds, sorted.
@@ -91,9 +80,10 @@ SELECT pg_catalog.string_agg(s.shardid::pg_catalog.text, ',' ORDER BY s.shardid)
 /// The shards of table $1 that an operation marked for dropping from this node once
 /// it commits: Citus writes such a record (a shard placement, to drop on success) in
 /// the operation's own transaction for each placement a move takes off its source
-/// node or a split replaces, named as shard_name() names it. Each as
-/// `xmin:shard:exists` (whether the shard is still in the metadata: a moved one is,
-/// a split one is not), joined with commas.
+/// node or a split replaces, named as ConstructQualifiedShardName names it, which
+/// Citus' shard_name(…, false) repeats. Each as `xmin:shard:exists` (whether the
+/// shard is still in the metadata: a moved one is, a split one is not), joined with
+/// commas.
 const GIVEN_UP: &std::ffi::CStr = c"
 SELECT pg_catalog.string_agg(c.xmin::pg_catalog.text OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||)
          x.shard::pg_catalog.text OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||)
@@ -105,6 +95,29 @@ SELECT pg_catalog.string_agg(c.xmin::pg_catalog.text OPERATOR(pg_catalog.||) ':'
    AND c.node_group_id OPERATOR(pg_catalog.=) (SELECT l.groupid FROM pg_catalog.pg_dist_local_group l)
    AND x.shard OPERATOR(pg_catalog.>) 0
    AND pg_catalog.shard_name($1, x.shard, false) OPERATOR(pg_catalog.=) c.object_name";
+
+/// GIVEN_UP for a Citus without shard_name(regclass, bigint, boolean) (before 13.1),
+/// whose shard_name() leaves `public.` off: the name built as Citus builds it, which
+/// differs only for a table whose name is too long to take its shard's number whole
+/// (Citus then shortens it with a hash), whose shards are then not found.
+const GIVEN_UP_BEFORE_13_1: &std::ffi::CStr = c"
+SELECT pg_catalog.string_agg(c.xmin::pg_catalog.text OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||)
+         x.shard::pg_catalog.text OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||)
+         (EXISTS (SELECT FROM pg_catalog.pg_dist_shard s WHERE s.shardid OPERATOR(pg_catalog.=) x.shard))::pg_catalog.text,
+         ',')
+  FROM pg_catalog.pg_dist_cleanup c,
+       LATERAL (SELECT pg_catalog.substring(c.object_name, '_([0-9]+)\"?$')::pg_catalog.int8 AS shard) x,
+       pg_catalog.pg_class r JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) r.relnamespace
+ WHERE c.object_type OPERATOR(pg_catalog.=) 1 AND c.policy_type OPERATOR(pg_catalog.=) 2
+   AND c.node_group_id OPERATOR(pg_catalog.=) (SELECT l.groupid FROM pg_catalog.pg_dist_local_group l)
+   AND x.shard OPERATOR(pg_catalog.>) 0 AND r.oid OPERATOR(pg_catalog.=) $1
+   AND pg_catalog.quote_ident(n.nspname) OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||)
+       pg_catalog.quote_ident(r.relname OPERATOR(pg_catalog.||) '_' OPERATOR(pg_catalog.||) x.shard::pg_catalog.text)
+       OPERATOR(pg_catalog.=) c.object_name";
+
+/// Whether Citus has shard_name(regclass, bigint, boolean) (13.1 on).
+const HAS_SHARD_NAME_3: &std::ffi::CStr = c"
+SELECT pg_catalog.to_regprocedure('pg_catalog.shard_name(pg_catalog.regclass,pg_catalog.int8,pg_catalog.bool)') IS NOT NULL";
 
 /// PLACED_HERE as it reads now (this transaction's own changes included).
 ///
@@ -134,10 +147,16 @@ unsafe fn placed_here(table: pg_sys::Oid) -> Vec<i64> {
 unsafe fn given_up(table: pg_sys::Oid) -> Vec<(i64, bool)> {
     // SAFETY: the caller's; a plain check of an xid.
     unsafe {
+        query(pg_sys::GetUserId(), None, HAS_SHARD_NAME_3, &[]);
+        let sql = if column_bool(1) {
+            GIVEN_UP
+        } else {
+            GIVEN_UP_BEFORE_13_1
+        };
         query(
             pg_sys::BOOTSTRAP_SUPERUSERID.into(),
             None,
-            GIVEN_UP,
+            sql,
             &[(pg_sys::OIDOID, pg_sys::Datum::from(table))],
         );
         let mut shards: Vec<(i64, bool)> = column_text(1)
@@ -157,23 +176,22 @@ unsafe fn given_up(table: pg_sys::Oid) -> Vec<(i64, bool)> {
     }
 }
 
-/// As `change`, one of Citus' shard operations, begins here: has this transaction's
-/// commit here check what it took from this node (`check`). Nothing is read now.
-pub fn operation_begins(change: ShardChange) {
-    if !super::splits::pending_run() {
-        pend(Pending::Run { change });
-    }
-}
+/// What took a tenant's shard away from this node: a move of that shard, or a split
+/// of the shard named.
+type Away = Option<(ShardChange, i64)>;
 
-/// The transaction that ran one of Citus' shard operations here is about to commit
-/// (or prepare), where pg_quota's starts are distributed by tenant and the cleanup
-/// records are in Citus' catalog: the declared table's shards it gave up on this node
-/// are locked (moves::lock_exclusively: a start in progress for one of their tenants
-/// refuses the operation, 55P03, `change` naming it), and the operation is refused
-/// where a tenant that holds active tickets or its own limits here now has its shard
-/// on another node, a shard given up here (a move) or made by this transaction (a
-/// split's). Nothing more is read where this node gave up no shard.
-pub(super) fn check(change: ShardChange) -> Result<(), QuotaError> {
+/// One of Citus' shard operations has returned here, in its transaction, where
+/// pg_quota's starts are distributed by tenant and Citus keeps cleanup records: the
+/// declared table's shards this transaction gave up on this node are locked to its
+/// end (moves::lock_exclusively: a start in progress for one of their tenants
+/// refuses the operation, 55P03), and the operation is refused where a tenant that
+/// holds active tickets or its own limits here now has its shard on another node: a
+/// shard given up here (a move), or one this transaction made where it gave up a
+/// shard here that is gone (a split's). Raised in the call's own statement, so that
+/// whoever called it sees the refusal (the rebalancer's loopback sessions commit
+/// with errors turned into warnings). Nothing more is read where this node gave up
+/// no shard.
+pub fn operation_ended() -> Result<(), QuotaError> {
     let Some((ns, held)) = held_query(HeldAs::Texts) else {
         return Ok(());
     };
@@ -187,7 +205,14 @@ pub(super) fn check(change: ShardChange) -> Result<(), QuotaError> {
     if cleanup == pg_sys::InvalidOid {
         return Ok(());
     }
-    // SAFETY: SPI inside the committing transaction; an ERROR unwinds through it and
+    let kind = |exists: bool| {
+        if exists {
+            ShardChange::Move
+        } else {
+            ShardChange::Split
+        }
+    };
+    // SAFETY: SPI inside the operation's transaction; an ERROR unwinds through it and
     // the abort cleans SPI up.
     let found = unsafe {
         connect();
@@ -197,7 +222,7 @@ pub(super) fn check(change: ShardChange) -> Result<(), QuotaError> {
                 let left = given_up(d.0);
                 match left
                     .iter()
-                    .try_for_each(|&(s, _)| lock_exclusively(s, change))
+                    .try_for_each(|&(s, exists)| lock_exclusively(s, kind(exists)))
                 {
                     Err(e) => Err(e),
                     Ok(()) if left.is_empty() => Ok(None),
@@ -221,55 +246,37 @@ pub(super) fn check(change: ShardChange) -> Result<(), QuotaError> {
     let Some(((table, owner, shard_fn), now, left, active, own)) = found else {
         return Ok(());
     };
-    // Per tenant's shard: what took it away from this node, if this operation did: a
-    // move (the shard given up here is the tenant's, placed elsewhere now), or a split
-    // (the tenant's shard is a new one, made by this transaction, placed elsewhere;
-    // named by the shard it replaced here). A tenant whose shard this operation
-    // neither gave up nor made is not its to judge (a superuser's start, never
-    // refused, of a tenant of another node).
-    let split_of = left
-        .iter()
-        .find(|(_, exists)| !exists)
-        .unwrap_or(&left[0])
-        .0;
-    let mut away_of: std::collections::HashMap<i64, Option<(ShardChange, i64)>> =
-        Default::default();
-    let mut away = |tenant: &String| -> Option<(ShardChange, i64)> {
-        // SAFETY: inside the committing transaction; a call of Citus' function with an
+    // A tenant whose shard this operation neither gave up nor made is not its to judge
+    // (a superuser's start, never refused, of a tenant of another node); nor is one
+    // whose new shard another split in the transaction made, where no shard split
+    // here is gone.
+    let split_of = left.iter().find(|(_, exists)| !exists).map(|&(s, _)| s);
+    let mut away_of: std::collections::HashMap<i64, Away> = Default::default();
+    let mut away = |tenant: String| -> (String, Away) {
+        // SAFETY: inside the operation's transaction; a call of Citus' function with an
         // argument of its types; then SPI (written_here connects).
         let shard = unsafe { shard_of(shard_fn, table, owner, tenant.as_bytes()) };
-        *away_of.entry(shard).or_insert_with(|| {
+        let a = *away_of.entry(shard).or_insert_with(|| {
             if now.contains(&shard) {
                 None
             } else if left.iter().any(|&(s, _)| s == shard) {
                 Some((ShardChange::Move, shard))
-            // SAFETY: as above.
-            } else if unsafe { written_here(shard) } {
-                Some((ShardChange::Split, split_of))
             } else {
-                None
+                // SAFETY: as above.
+                split_of
+                    .filter(|_| unsafe { written_here(shard) })
+                    .map(|parent| (ShardChange::Split, parent))
             }
-        })
+        });
+        (tenant, a)
     };
-    let active: Vec<(String, Option<(ShardChange, i64)>)> = active
-        .into_iter()
-        .map(|t| {
-            let a = away(&t);
-            (t, a)
-        })
-        .collect();
-    let own: Vec<(String, Option<(ShardChange, i64)>)> = own
-        .into_iter()
-        .map(|t| {
-            let a = away(&t);
-            (t, a)
-        })
-        .collect();
+    let active: Vec<(String, Away)> = active.into_iter().map(&mut away).collect();
+    let own: Vec<(String, Away)> = own.into_iter().map(&mut away).collect();
     // The refusal names the first shard found, and the tenants it took away.
     let Some(first) = active.iter().chain(own.iter()).find_map(|(_, a)| *a) else {
         return Ok(());
     };
-    let of_first = |list: Vec<(String, Option<(ShardChange, i64)>)>| -> Vec<String> {
+    let of_first = |list: Vec<(String, Away)>| -> Vec<String> {
         list.into_iter()
             .filter(|(_, a)| *a == Some(first))
             .map(|(t, _)| t)

@@ -35,33 +35,11 @@ pub unsafe fn shard_deletion(stmt: *const pg_sys::PlannedStmt) -> Option<i64> {
     Some(args[0].value() as i64)
 }
 
-/// What this transaction's commit here must check.
-pub(super) enum Pending {
-    /// A split deleted this shard's metadata here (shard_splitting): `check`.
-    Deleted(i64),
-    /// One of Citus' shard operations ran on this node (runs::operation_begins):
-    /// runs::check.
-    Run { change: ShardChange },
-}
-
 thread_local! {
-    /// What this transaction's commit here must check, each with the subtransaction
-    /// level that noted it (xact::at_subxact_end): a split or an operation rolled back
-    /// to a savepoint is not checked at the commit.
-    static PENDING: std::cell::RefCell<Vec<(Pending, i32)>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// Notes `what` for the commit's check, at the current subtransaction level.
-pub(super) fn pend(what: Pending) {
-    register();
-    // SAFETY: a plain read of transaction state.
-    let level = unsafe { pg_sys::GetCurrentTransactionNestLevel() };
-    PENDING.with_borrow_mut(|p| p.push((what, level)));
-}
-
-/// Whether an operation run on this node is noted already.
-pub(super) fn pending_run() -> bool {
-    PENDING.with_borrow(|p| p.iter().any(|(w, _)| matches!(w, Pending::Run { .. })))
+    /// The shards this transaction's splits deleted here, each with the subtransaction
+    /// level that deleted it (xact::at_subxact_end): a split rolled back to a savepoint
+    /// is not checked at the commit.
+    static PENDING: std::cell::RefCell<Vec<(i64, i32)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Once a split's deletion of `shard`'s metadata has run here (so Citus' own checks
@@ -85,7 +63,10 @@ pub fn shard_splitting(shard: i64) -> Result<(), QuotaError> {
         return Ok(());
     }
     lock_exclusively(shard, ShardChange::Split)?;
-    pend(Pending::Deleted(shard));
+    register();
+    // SAFETY: a plain read of transaction state.
+    let level = unsafe { pg_sys::GetCurrentTransactionNestLevel() };
+    PENDING.with_borrow_mut(|p| p.push((shard, level)));
     Ok(())
 }
 
@@ -108,30 +89,16 @@ unsafe extern "C-unwind" fn xact_event(
     _arg: *mut std::ffi::c_void,
 ) {
     let pending = PENDING.with_borrow_mut(std::mem::take);
-    if pending.is_empty()
-        || !matches!(
-            event,
-            pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT
-                | pg_sys::XactEvent::XACT_EVENT_PARALLEL_PRE_COMMIT
-                | pg_sys::XactEvent::XACT_EVENT_PRE_PREPARE
-        )
-    {
+    let Some(&(shard, _)) = pending.first() else {
         return;
-    }
-    // The first of each kind: each check covers every tenant held here.
-    let deleted = pending.iter().find_map(|(w, _)| match w {
-        Pending::Deleted(shard) => Some(*shard),
-        Pending::Run { .. } => None,
-    });
-    let run = pending.iter().find_map(|(w, _)| match w {
-        Pending::Run { change } => Some(*change),
-        Pending::Deleted(_) => None,
-    });
-    if let Some(shard) = deleted {
+    };
+    if matches!(
+        event,
+        pg_sys::XactEvent::XACT_EVENT_PRE_COMMIT
+            | pg_sys::XactEvent::XACT_EVENT_PARALLEL_PRE_COMMIT
+            | pg_sys::XactEvent::XACT_EVENT_PRE_PREPARE
+    ) {
         crate::error::boundary(|| check(shard));
-    }
-    if let Some(change) = run {
-        crate::error::boundary(|| super::runs::check(change));
     }
 }
 

@@ -67,32 +67,31 @@ unsafe extern "C-unwind" fn needs_fmgr(fn_oid: pg_sys::Oid) -> bool {
             }
         }
     }
-    crate::citus::operation(fn_oid).is_some()
+    crate::citus::is_operation(fn_oid)
 }
 
-/// As a call of Citus' shard move or split begins on this node (the coordinator,
-/// where it may hold shards itself, whose metadata Citus changes without a command
-/// the executor hook below could see): pg_quota has the transaction's commit here
-/// check what the operation took from this node (citus/runs.rs). That reads nothing
-/// and raises nothing, and comes before an earlier hook's FHET_START, which then
-/// always gets its FHET_END or FHET_ABORT. The calls of other functions an earlier
-/// hook asked for are only passed on.
+/// Once a call of Citus' shard move or split has returned on this node (the
+/// coordinator, which may hold shards itself, and whose metadata Citus changes
+/// without a command the executor hook below could see), in its statement: pg_quota
+/// checks what the operation took from this node (citus/runs.rs), after an earlier
+/// hook's FHET_END, so that its START and END pair whatever pg_quota raises. The
+/// calls of other functions an earlier hook asked for are only passed on.
 #[pg_guard]
 unsafe extern "C-unwind" fn fmgr(
     event: pg_sys::FmgrHookEventType::Type,
     flinfo: *mut pg_sys::FmgrInfo,
     private: *mut pg_sys::Datum,
 ) {
-    // SAFETY: we read the FmgrInfo's OID, then pass the call on unchanged. FHET_ABORT
+    // SAFETY: we pass the call on unchanged, then read the FmgrInfo's OID. FHET_ABORT
     // comes inside PostgreSQL's error handling, and is only passed on.
     unsafe {
-        if event == pg_sys::FmgrHookEventType::FHET_START {
-            if let Some(change) = crate::citus::operation((*flinfo).fn_oid) {
-                crate::citus::operation_begins(change);
-            }
-        }
         if let Some(prev) = PREV_FMGR_HOOK {
             prev(event, flinfo, private);
+        }
+        if event == pg_sys::FmgrHookEventType::FHET_END
+            && crate::citus::is_operation((*flinfo).fn_oid)
+        {
+            crate::error::boundary(crate::citus::operation_ended);
         }
     }
 }

@@ -131,6 +131,7 @@ def run(servers, script):
 
 
 RECIPES = [("statements", "citus_job.sql", "citus_jobt.sql"),
+           ("statements, against JOB in transaction blocks", "citus_bjob.sql", "citus_jobt.sql"),
            ("statements, finish by trigger", "citus_tjob.sql", "citus_tjobt.sql"),
            ("whole calls", "citus_fjob.sql", "citus_fjobt.sql")]
 
@@ -159,7 +160,9 @@ def main():
               f"{ARGS.rounds} rounds; CPU is every server process's (user + system), in "
               "microseconds per job; tenants drawn from 1,000. Three recipes (USER_GUIDE "
               "\"Citus\"): statements (a start alone in its statement, then the INSERT, in "
-              "one transaction; the UPDATE and finish_for() in another), statements whose "
+              "one transaction; the UPDATE and finish_for() in another; measured against the "
+              "bare INSERT and UPDATE, and again against them in the same transaction blocks, "
+              "which leaves out what a transaction block costs on each), statements whose "
               "finish is the completion UPDATE's quota.finish_job() trigger, and whole calls "
               "(enqueue() and complete(), each distributed by tenant and run whole on the "
               "tenant's node; JOB runs the same calls with pg_quota off).", ""]

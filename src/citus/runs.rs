@@ -10,7 +10,7 @@
 
 use pgrx::pg_sys;
 
-use super::metadata::{column_bool, column_text, connect, declared_table, query};
+use super::metadata::{column_text, connect, declared_table, query};
 use super::moves::{held_query, lock_exclusively, names, HeldAs};
 use super::placement::shard_of;
 use super::planner::func_is;
@@ -80,44 +80,26 @@ SELECT pg_catalog.string_agg(s.shardid::pg_catalog.text, ',' ORDER BY s.shardid)
 /// The shards of table $1 that an operation marked for dropping from this node once
 /// it commits: Citus writes such a record (a shard placement, to drop on success) in
 /// the operation's own transaction for each placement a move takes off its source
-/// node or a split replaces, named as ConstructQualifiedShardName names it, which
-/// Citus' shard_name(…, false) repeats. Each as `xmin:shard:exists` (whether the
-/// shard is still in the metadata: a moved one is, a split one is not), joined with
-/// commas.
+/// node or a split replaces, named as ConstructQualifiedShardName names it: as
+/// Citus' shard_name($1, shard) names it, with `public.` before it in schema public,
+/// which shard_name() leaves off (its two-argument form, from every Citus version).
+/// Each as `xmin:shard:exists` (whether the shard is still in the metadata: a moved
+/// one is, a split one is not), joined with commas.
 const GIVEN_UP: &std::ffi::CStr = c"
 SELECT pg_catalog.string_agg(c.xmin::pg_catalog.text OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||)
          x.shard::pg_catalog.text OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||)
          (EXISTS (SELECT FROM pg_catalog.pg_dist_shard s WHERE s.shardid OPERATOR(pg_catalog.=) x.shard))::pg_catalog.text,
          ',')
   FROM pg_catalog.pg_dist_cleanup c,
-       LATERAL (SELECT pg_catalog.substring(c.object_name, '_([0-9]+)\"?$')::pg_catalog.int8 AS shard) x
+       LATERAL (SELECT pg_catalog.substring(c.object_name, '_([0-9]+)\"?$')::pg_catalog.int8 AS shard) x,
+       LATERAL (SELECT n.nspname OPERATOR(pg_catalog.=) 'public' AS public
+                  FROM pg_catalog.pg_class r JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) r.relnamespace
+                 WHERE r.oid OPERATOR(pg_catalog.=) $1) t
  WHERE c.object_type OPERATOR(pg_catalog.=) 1 AND c.policy_type OPERATOR(pg_catalog.=) 2
    AND c.node_group_id OPERATOR(pg_catalog.=) (SELECT l.groupid FROM pg_catalog.pg_dist_local_group l)
    AND x.shard OPERATOR(pg_catalog.>) 0
-   AND pg_catalog.shard_name($1, x.shard, false) OPERATOR(pg_catalog.=) c.object_name";
-
-/// GIVEN_UP for a Citus without shard_name(regclass, bigint, boolean) (before 13.1),
-/// whose shard_name() leaves `public.` off: the name built as Citus builds it, which
-/// differs only for a table whose name is too long to take its shard's number whole
-/// (Citus then shortens it with a hash), whose shards are then not found.
-const GIVEN_UP_BEFORE_13_1: &std::ffi::CStr = c"
-SELECT pg_catalog.string_agg(c.xmin::pg_catalog.text OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||)
-         x.shard::pg_catalog.text OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||)
-         (EXISTS (SELECT FROM pg_catalog.pg_dist_shard s WHERE s.shardid OPERATOR(pg_catalog.=) x.shard))::pg_catalog.text,
-         ',')
-  FROM pg_catalog.pg_dist_cleanup c,
-       LATERAL (SELECT pg_catalog.substring(c.object_name, '_([0-9]+)\"?$')::pg_catalog.int8 AS shard) x,
-       pg_catalog.pg_class r JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) r.relnamespace
- WHERE c.object_type OPERATOR(pg_catalog.=) 1 AND c.policy_type OPERATOR(pg_catalog.=) 2
-   AND c.node_group_id OPERATOR(pg_catalog.=) (SELECT l.groupid FROM pg_catalog.pg_dist_local_group l)
-   AND x.shard OPERATOR(pg_catalog.>) 0 AND r.oid OPERATOR(pg_catalog.=) $1
-   AND pg_catalog.quote_ident(n.nspname) OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||)
-       pg_catalog.quote_ident(r.relname OPERATOR(pg_catalog.||) '_' OPERATOR(pg_catalog.||) x.shard::pg_catalog.text)
-       OPERATOR(pg_catalog.=) c.object_name";
-
-/// Whether Citus has shard_name(regclass, bigint, boolean) (13.1 on).
-const HAS_SHARD_NAME_3: &std::ffi::CStr = c"
-SELECT pg_catalog.to_regprocedure('pg_catalog.shard_name(pg_catalog.regclass,pg_catalog.int8,pg_catalog.bool)') IS NOT NULL";
+   AND CASE WHEN t.public THEN 'public.' OPERATOR(pg_catalog.||) pg_catalog.shard_name($1, x.shard)
+            ELSE pg_catalog.shard_name($1, x.shard) END OPERATOR(pg_catalog.=) c.object_name";
 
 /// PLACED_HERE as it reads now (this transaction's own changes included).
 ///
@@ -147,16 +129,10 @@ unsafe fn placed_here(table: pg_sys::Oid) -> Vec<i64> {
 unsafe fn given_up(table: pg_sys::Oid) -> Vec<(i64, bool)> {
     // SAFETY: the caller's; a plain check of an xid.
     unsafe {
-        query(pg_sys::GetUserId(), None, HAS_SHARD_NAME_3, &[]);
-        let sql = if column_bool(1) {
-            GIVEN_UP
-        } else {
-            GIVEN_UP_BEFORE_13_1
-        };
         query(
             pg_sys::BOOTSTRAP_SUPERUSERID.into(),
             None,
-            sql,
+            GIVEN_UP,
             &[(pg_sys::OIDOID, pg_sys::Datum::from(table))],
         );
         let mut shards: Vec<(i64, bool)> = column_text(1)

@@ -120,7 +120,7 @@ unsafe fn is_start(func: *mut pg_sys::FuncExpr) -> bool {
 pub(super) fn func_is(funcid: pg_sys::Oid, names: &[(&std::ffi::CStr, &std::ffi::CStr)]) -> bool {
     // SAFETY: syscache lookups, NULL where the function or its schema is gone; the
     // names are NUL-terminated and palloc'd in the current context.
-    // Each is freed here: the function manager asks this (runs::operation) in
+    // Each is freed here: the function manager asks this (runs::is_operation) in
     // whatever memory context its caller is in.
     unsafe {
         let name_ptr = pg_sys::get_func_name(funcid);

@@ -35,7 +35,30 @@ const CATALOGS: [&std::ffi::CStr; 7] = [
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn proc_changed(_arg: pg_sys::Datum, _cache: i32, _hash: u32) {
     // SAFETY: single-threaded backend state.
-    unsafe { GENERATION += 1 };
+    unsafe {
+        GENERATION += 1;
+        PROC_CHANGES += 1;
+    }
+}
+
+/// Bumped by any change of pg_proc alone (proc_changed): what OPERATION_SEEN remembers
+/// is valid for one count.
+static mut PROC_CHANGES: u64 = 1;
+
+/// Registers this module's invalidation handlers, once per backend.
+fn register() {
+    // SAFETY: single-threaded backend state; the handlers are registered once.
+    unsafe {
+        if !REGISTERED {
+            crate::inval::on_relcache(relcache_changed);
+            pg_sys::CacheRegisterSyscacheCallback(
+                pg_sys::SysCacheIdentifier::PROCOID as i32,
+                Some(proc_changed),
+                pg_sys::Datum::from(0),
+            );
+            REGISTERED = true;
+        }
+    }
 }
 
 /// This module's crate::inval::Handler.
@@ -53,21 +76,21 @@ unsafe fn relcache_changed(relid: pg_sys::Oid) {
 /// acquisition takes them in): what is remembered from this generation is what
 /// Citus' metadata says as committed now.
 pub(super) fn generation() -> u64 {
-    // SAFETY: single-threaded backend state; the handler is registered once per
-    // backend; AcceptInvalidationMessages has nothing to do in the common case.
+    register();
+    // SAFETY: single-threaded backend state; AcceptInvalidationMessages has nothing to
+    // do in the common case.
     unsafe {
-        if !REGISTERED {
-            crate::inval::on_relcache(relcache_changed);
-            pg_sys::CacheRegisterSyscacheCallback(
-                pg_sys::SysCacheIdentifier::PROCOID as i32,
-                Some(proc_changed),
-                pg_sys::Datum::from(0),
-            );
-            REGISTERED = true;
-        }
         pg_sys::AcceptInvalidationMessages();
         GENERATION
     }
+}
+
+/// The changes of pg_proc this backend has taken in so far (without taking in more:
+/// the function manager asks runs::is_operation at every lookup of a function).
+pub(super) fn proc_changes() -> u64 {
+    register();
+    // SAFETY: single-threaded backend state, read by value.
+    unsafe { PROC_CHANGES }
 }
 
 /// Runs `read` (a read of Citus' metadata) with every relcache invalidation that
@@ -94,6 +117,10 @@ thread_local! {
         std::cell::RefCell::new(Remembered::new(4_096));
     pub(super) static PLACED_SEEN: std::cell::RefCell<Remembered<i64, Placed>> =
         std::cell::RefCell::new(Remembered::new(16_384));
+    /// Per function OID, whether it is one of Citus' shard operations
+    /// (runs::is_operation), valid for one count of proc_changes.
+    pub(super) static OPERATION_SEEN: std::cell::RefCell<Remembered<u32, bool>> =
+        std::cell::RefCell::new(Remembered::new(4_096));
 }
 
 /// Watches `table` (the table the start functions are colocated with, InvalidOid for

@@ -10,6 +10,7 @@
 
 use pgrx::pg_sys;
 
+use super::memory::{proc_changes, OPERATION_SEEN};
 use super::metadata::{column_text, connect, declared_table, query};
 use super::moves::{held_query, lock_exclusively, names, HeldAs};
 use super::placement::shard_of;
@@ -28,44 +29,21 @@ const OPERATIONS: [(&std::ffi::CStr, &std::ffi::CStr); 4] = [
     (c"pg_catalog", c"isolate_tenant_to_new_shard"),
 ];
 
-thread_local! {
-    /// Per function OID: whether it is one of OPERATIONS, for the function manager's
-    /// question, asked at every lookup of a function that is not built in. Forgotten
-    /// at any change of pg_proc.
-    static KNOWN: std::cell::RefCell<std::collections::HashMap<u32, bool>> =
-        std::cell::RefCell::new(Default::default());
-}
-
-#[pgrx::pg_guard]
-unsafe extern "C-unwind" fn proc_changed(_arg: pg_sys::Datum, _cache: i32, _hash: u32) {
-    KNOWN.with_borrow_mut(|k| k.clear());
-}
-
 /// Whether function `funcid` is one of Citus' shard operations. Where Citus is not
-/// loaded, at once false.
+/// loaded, at once false; otherwise remembered per backend until pg_proc changes
+/// (memory::OPERATION_SEEN).
 pub fn is_operation(funcid: pg_sys::Oid) -> bool {
     if !super::metadata::citus_loaded() {
         return false;
     }
-    if let Some(known) = KNOWN.with_borrow(|k| k.get(&u32::from(funcid)).copied()) {
+    let key = u32::from(funcid);
+    let seen = proc_changes();
+    if let Some(known) = OPERATION_SEEN.with_borrow_mut(|m| m.get(seen, &key)) {
         return known;
     }
-    // Backends are single-threaded: this one's flag.
-    static mut REGISTERED: bool = false;
-    // SAFETY: single-threaded backend state; the callback is registered once, before
-    // anything is remembered.
-    unsafe {
-        if !REGISTERED {
-            pg_sys::CacheRegisterSyscacheCallback(
-                pg_sys::SysCacheIdentifier::PROCOID as i32,
-                Some(proc_changed),
-                pg_sys::Datum::from(0),
-            );
-            REGISTERED = true;
-        }
-    }
+    // A change of pg_proc taken in during the lookup leaves the answer unkept.
     let is = func_is(funcid, &OPERATIONS);
-    KNOWN.with_borrow_mut(|k| k.insert(u32::from(funcid), is));
+    OPERATION_SEEN.with_borrow_mut(|m| m.keep(seen, proc_changes(), key, is));
     is
 }
 

@@ -126,6 +126,19 @@ out_on() {
     -c "$3" -c '\echo SQLSTATE=:SQLSTATE' 2>&1 || true
 }
 sqlstate_of() { sed -n 's/^SQLSTATE=//p' <<<"$1"; }
+# split_to USER SHARD TENANT I J MODE: citus_split_shard_by_split_points() of SHARD as
+# USER (shard_transfer_mode MODE), at TENANT's hash: the new shard that holds TENANT
+# placed on node I, the other on node J. Its output, then SQLSTATE=… (out_on).
+split_to() {
+  local hash max point its other nodes
+  read -r hash max < <(n 0 -F ' ' -c "SELECT worker_hash('$3'::text), shardmaxvalue FROM pg_dist_shard WHERE shardid = $2")
+  its=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + $4))")
+  other=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + $5))")
+  # A split point is the first new shard's last hash: the tenant's, or, where it is
+  # the old shard's last, the one before, which leaves the tenant in the second.
+  if [ "$hash" -lt "$max" ]; then point=$hash; nodes="$its, $other"; else point=$((hash - 1)); nodes="$other, $its"; fi
+  out_on 0 "$1" "SELECT citus_split_shard_by_split_points($2, ARRAY['$point'], ARRAY[$nodes], shard_transfer_mode := '$6')"
+}
 # waiting_on I TEXT: "waiting" once a session on node I whose query holds TEXT waits
 # for a lock (within about 3 s), else "not-waiting".
 waiting_on() {
@@ -741,20 +754,16 @@ expect_eq "… on the new worker alone" "2 0 0" "$(live 3 "$A") $(live "$NA" "$A
 # there would get a new shard on another node; it lets it go where they stay
 # (isolate_tenant_to_new_shard keeps a tenant on its node).
 SHARD=$(n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$A')")
-NID3=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + 3))")
-NID1=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + 1))")
-read -r HA MAXV < <(n 0 -F ' ' -c "SELECT worker_hash('$A'::text), shardmaxvalue FROM pg_dist_shard WHERE shardid = $SHARD")
-if [ "$HA" -lt "$MAXV" ]; then POINT=$HA; NODES="$NID1, $NID3"; else POINT=$((HA - 1)); NODES="$NID3, $NID1"; fi
 # A superuser's start (never refused) of $B, run on n3, which does not hold $B: a
 # ticket that no split of n3's shards placed, and that judges none of them.
 on 3 postgres "BEGIN" "SELECT quota.try_start(tenant => '$B', label => 'stray')" "COMMIT" >/dev/null
 expect_eq "a superuser's start of $B on n3 (not $B's node) is admitted there" 1 \
   "$(n 3 -c "SELECT count(*) FROM quota.ledger WHERE label = 'stray' AND ended_at IS NULL")"
-split_out=$(out_on 0 postgres "SELECT citus_split_shard_by_split_points($SHARD, ARRAY['$POINT'], ARRAY[$NODES], shard_transfer_mode := 'force_logical')")
+split_out=$(split_to postgres "$SHARD" "$A" 1 3 force_logical)
 expect_eq "while $A holds two tickets on n3, a non-blocking split (force_logical) that would place $A's new shard on n1 is refused (55000), and fails whole: $A's shard still $SHARD, on n3, with the tickets" \
   "55000 t $SHARD 3 2" "$(sqlstate_of "$split_out") $(grep -q "pg_quota cannot let the split of shard $SHARD place tenants on another node: tenant \"$A\" holds active tickets here\$" <<<"$split_out" && echo t || echo f) $(
      n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$A')") $(node_of "$A") $(live 3 "$A")"
-split_out=$(out_on 0 postgres "SELECT citus_split_shard_by_split_points($SHARD, ARRAY['$POINT'], ARRAY[$NODES], shard_transfer_mode := 'block_writes')")
+split_out=$(split_to postgres "$SHARD" "$A" 1 3 block_writes)
 expect_eq "while $A holds two tickets on n3, a split of its shard that would place $A's new shard on n1 is refused (55000)" \
   55000 "$(sqlstate_of "$split_out")"
 check "… by n3, which says why, naming $A alone (not $B, whose stray ticket no split placed) ($(grep ERROR <<<"$split_out" | head -1))" \
@@ -839,12 +848,8 @@ owners postgres
 # other worker, run by the tables' owner.
 on 0 postgres "SELECT quota.set_tenant_limits('$B', max_active => 1, role => 'app')" >/dev/null
 SB=$(n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$B')")
-read -r HB MAXB < <(n 0 -F ' ' -c "SELECT worker_hash('$B'::text), shardmaxvalue FROM pg_dist_shard WHERE shardid = $SB")
-NIDB=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + NB))")
-NIDO=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + $(other "$NB")))")
-if [ "$HB" -lt "$MAXB" ]; then PB=$HB; SPLIT_NODES="$NIDO, $NIDB"; else PB=$((HB - 1)); SPLIT_NODES="$NIDB, $NIDO"; fi
 owners app
-own_split=$(out_on 0 app "SELECT citus_split_shard_by_split_points($SB, ARRAY['$PB'], ARRAY[$SPLIT_NODES], shard_transfer_mode := 'block_writes')")
+own_split=$(split_to app "$SB" "$B" "$(other "$NB")" "$NB" block_writes)
 owners postgres
 expect_eq "with $B's own limits on n$NB and no ticket, a split by the tables' owner that would place $B's new shard on n$(other "$NB") is refused by n$NB (55000), the shard kept whole" \
   "55000 t $SB $NB" "$(sqlstate_of "$own_split") $(grep -q "pg_quota cannot let the split of shard $SB place tenants on another node: tenant \"$B\" has its own limits here" <<<"$own_split" && echo t || echo f) $(
@@ -874,11 +879,7 @@ coord_out=$(coord_move "$SB" 0 "$NB")
 expect_eq "while $B holds two tickets on the coordinator, moving its shard back to n$NB is refused by the coordinator (55000), naming $B alone (not $A, whose stray ticket is there too), and fails whole" \
   "55000 t 0 2 1" "$(sqlstate_of "$coord_out") $(grep -q "pg_quota cannot let shard $SB leave this node: tenant \"$B\" holds active tickets here\$" <<<"$coord_out" && echo t || echo f) $(
      node_of "$B") $(live 0 "$B") $(live 0 "$A")"
-read -r HB MAXB < <(n 0 -F ' ' -c "SELECT worker_hash('$B'::text), shardmaxvalue FROM pg_dist_shard WHERE shardid = $SB")
-NID0=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE groupid = 0")
-NIDB=$(n 0 -c "SELECT nodeid FROM pg_dist_node WHERE nodeport = $((BASE + NB))")
-if [ "$HB" -lt "$MAXB" ]; then PB=$HB; SPLIT_NODES="$NIDB, $NID0"; else PB=$((HB - 1)); SPLIT_NODES="$NID0, $NIDB"; fi
-coord_out=$(out_on 0 postgres "SELECT citus_split_shard_by_split_points($SB, ARRAY['$PB'], ARRAY[$SPLIT_NODES], shard_transfer_mode := 'block_writes')")
+coord_out=$(split_to postgres "$SB" "$B" "$NB" 0 block_writes)
 expect_eq "… and a split of it that would place $B's new shard on n$NB is refused by the coordinator (55000): the shard stays whole, with $B's tickets" \
   "55000 t $SB 0 2" "$(sqlstate_of "$coord_out") $(grep -q "pg_quota cannot let the split of shard $SB place tenants on another node: tenant \"$B\" holds active tickets here\$" <<<"$coord_out" && echo t || echo f) $(
      n 0 -c "SELECT get_shard_id_for_distribution_column('jobs', '$B')") $(node_of "$B") $(live 0 "$B")"

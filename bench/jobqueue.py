@@ -369,7 +369,10 @@ def processing_phase(cl, variant, args):
                     "SELECT count(*) FILTER (WHERE status = 'succeeded'), "
                     "count(*) FILTER (WHERE status NOT IN ('todo', 'doing', 'succeeded')) "
                     "FROM procrastinate_jobs").fetchone()
-                if done + ended >= jobs:
+                if ended:
+                    raise SystemExit(f"{variant}: {ended} of {jobs} jobs ended without succeeding "
+                                     f"(see {cl.dir}/worker.{variant}.log)")
+                if done >= jobs:
                     break
                 if time.monotonic() > deadline:
                     raise SystemExit(f"{variant}: {done} of {jobs} jobs done in 300 s")

@@ -35,10 +35,11 @@ app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=DSN))
 
 
 @app.task(name="noop", queue=HOLD, retry=recipe.QuotaRetry())
-async def noop(*, tenant, key, ticket=None):
+async def noop(*, tenant, key, ticket=None, weight=1):
     """The job: nothing at all, so that the queue's own work is all there is. QuotaRetry,
     as in the recipe, would put a job refused at claim back in the queue; the harness
-    checks that none was."""
+    checks that none was. `ticket` and `weight` are what recipe.defer_with_ticket adds
+    to a job's arguments (weight since 0.7.0)."""
 
 
 def label_of(job):

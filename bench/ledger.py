@@ -28,6 +28,11 @@ a normal run. Standard library only; Linux only (CPU from /proc).
             and after CHURN cycles run with a REPEATABLE READ snapshot held open (a
             pg_dump, a long report), the snapshot still held. Target: at most 1.25x
             the cost.
+  layouts   bench/history_layouts.sql in a database of its own: quota.history's layout
+            and compact ones in plain SQL, bytes per row, each added to this run's
+            quota.active bytes per retained ticket (space, above) and set against its
+            job table's bytes per job: what a history of that layout would reach on
+            the space target. No target of its own.
 
 Cost is the inverse of the rate (seconds per unit), so "1.25x the cost" is a rate of
 0.8x. The report goes to OUT/ledger.md.
@@ -70,6 +75,7 @@ HISTORY_S, HISTORY_ROUNDS = (3, 1) if ARGS.quick else (10, 3)
 CHURN, CYCLES_AFTER, SNAPSHOT_ROUNDS = (2_000, 1_000, 1) if ARGS.quick else (11_000, 3_000, 3)
 SPACE_DB = "bench_space"
 GROWTH_DB = "bench_growth"
+LAYOUTS_DB = "bench_layouts"
 
 
 psql = psql_runner(ARGS.pgbin, ARGS.host, ARGS.port, ARGS.db)
@@ -333,7 +339,21 @@ def snapshot():
 
 
 # --- the report --------------------------------------------------------------------------
-def report(sp, gr, st, hi, sn, seconds):
+def layouts():
+    """bench/history_layouts.sql in a fresh database: (table, relation, bytes per row)."""
+    psql(f"DROP DATABASE IF EXISTS {LAYOUTS_DB}")
+    psql(f"CREATE DATABASE {LAYOUTS_DB}")
+    out = subprocess.run(
+        [os.path.join(ARGS.pgbin, "psql"), "-X", "-At", "-q", "-h", ARGS.host, "-p", ARGS.port,
+         "-U", "postgres", "-d", LAYOUTS_DB, "-f", os.path.join(HERE, "history_layouts.sql")],
+        capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"bench/history_layouts.sql failed:\n{out.stderr}")
+    psql(f"DROP DATABASE {LAYOUTS_DB}")
+    return [tuple(line.split("|")) for line in out.stdout.splitlines() if line.count("|") == 2]
+
+
+def report(sp, gr, st, hi, sn, la, seconds):
     med = statistics.median
     lines = ["# The ledger's figures (issue 33)", ""]
     if ARGS.machine:
@@ -357,6 +377,20 @@ def report(sp, gr, st, hi, sn, seconds):
               f"| bench.minjobs ({sp['jobs']:,} jobs; per job) | {sp['jobs_bytes']:,} | {per_job:.0f} |", ""]
     targets.append(("space: pg_quota bytes per retained ticket vs the job table's per job",
                     per_ticket / per_job, "<=", 1.0))
+
+    active = sp["per"].get("active", 0) / max(1, sp["retained"])
+    lines += ["## Layouts in plain SQL", "",
+              "bench/history_layouts.sql: 100,000 ended tickets of 16 roles in turn, inserted in the order they "
+              "end with the indexes in place, then a VACUUM; bytes per row.", "",
+              "| table | relation | bytes per row |", "|---|---|---:|"]
+    lines += [f"| {t} | {r} | {b} |" for t, r, b in la]
+    lines += ["", f"Each history layout with this run's quota.active ({active:.0f} bytes per retained ticket), "
+              f"against this run's job table ({per_job:.0f} bytes per job):", "",
+              "| history layout | its bytes per row | with quota.active | vs the job table |", "|---|---:|---:|---:|"]
+    for t, r, b in la:
+        if r == "(all)" and t not in ("jobs", "ended2"):
+            lines.append(f"| {t} | {float(b):.0f} | {float(b) + active:.0f} | {(float(b) + active) / per_job:.2f}x |")
+    lines += [""]
 
     lines += ["## Growth under a short retention", "",
               f"The same load, {SLICES} slices of {SLICE_S} s, quota.retention = {RETENTION_S} s (server), "
@@ -429,9 +463,11 @@ def main():
         hi = history()
         print("snapshot ...", flush=True)
         sn = snapshot()
+        print("layouts ...", flush=True)
+        la = layouts()
     finally:
         os.unlink(script)
-    text = report(sp, gr, st, hi, sn, time.monotonic() - t0)
+    text = report(sp, gr, st, hi, sn, la, time.monotonic() - t0)
     with open(os.path.join(ARGS.out, "ledger.md"), "w") as f:
         f.write(text)
     print(text)

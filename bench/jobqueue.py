@@ -349,6 +349,7 @@ def processing_phase(cl, variant, args):
     cl.sql(db, "CHECKPOINT")
     procs = [spawn(cl, variant, args, f"worker.{variant}.log", "work", variant, str(args.concurrency))
              for _ in range(args.procs)]
+    perf = None
     try:
         deadline = time.monotonic() + 60
         while cl.one(db, "SELECT count(*) FROM procrastinate_workers") < args.procs:
@@ -380,8 +381,10 @@ def processing_phase(cl, variant, args):
             cpu1 = server_cpu(cl), clients_cpu(procs)
             kinds1 = server_cpu_by_kind(cl)
             stop_perf(perf)
+            perf = None
             last = c.execute("SELECT max(at) FROM procrastinate_events WHERE type = 'succeeded'").fetchone()[0]
     finally:
+        stop_perf(perf)  # where the phase ended early (a failed job, the timeout)
         for p in procs:
             p.terminate()
         for p in procs:

@@ -43,8 +43,8 @@ SELECT id, role, 'job', started_at, ended_at, 'succeeded', 4000 + i % 16, txid
 CREATE TABLE lay.ended2 (role oid NOT NULL, ended_at timestamptz NOT NULL);
 CREATE INDEX ended2_idx ON lay.ended2 (role, ended_at);
 INSERT INTO lay.ended2 SELECT role, ended_at FROM lay.src ORDER BY i;
--- ended3: the same rows on history_role_ended_idx's three columns, then rebuilt
--- (REINDEX packs its pages; the inserts after it split them again).
+-- ended3: the same rows on history_role_ended_idx's three columns, then rebuilt:
+-- what REINDEX packs it to (inserts after it would split its pages again).
 CREATE TABLE lay.ended3 (role oid NOT NULL, ended_at timestamptz NOT NULL,
                          lease_until timestamptz);
 CREATE INDEX ended3_idx ON lay.ended3 (role, ended_at, lease_until);
@@ -62,7 +62,8 @@ CREATE INDEX compact11_idx ON lay.compact11 (role, ended_at);
 INSERT INTO lay.compact11 (id, role, started_at, ended_at, txid, label)
 SELECT id, role, started_at, ended_at, txid, 'job' FROM lay.src ORDER BY i;
 
--- compact7: at most eight columns, so that the null bitmap fits in the 24-byte header;
+-- compact7: at most eight columns, so that the null bitmap fits in the padding byte
+-- after the 23-byte tuple header;
 -- what is rare (outcome other than succeeded, lease, key, tenant, weight) in one
 -- nullable column. A BRIN index on the id (time-ordered) beside its B-tree: the
 -- ticket-by-id lookups without a B-tree entry per row.

@@ -380,11 +380,15 @@ def processing_phase(cl, variant, args):
                 time.sleep(0.1)
             cpu1 = server_cpu(cl), clients_cpu(procs)
             kinds1 = server_cpu_by_kind(cl)
-            stop_perf(perf)
-            perf = None
+            stopping, perf = perf, None
+            stop_perf(stopping)
             last = c.execute("SELECT max(at) FROM procrastinate_events WHERE type = 'succeeded'").fetchone()[0]
     finally:
-        stop_perf(perf)  # where the phase ended early (a failed job, the timeout)
+        if perf is not None:  # the phase ended early (a failed job, the timeout)
+            try:
+                stop_perf(perf)
+            except Exception:
+                perf.kill()
         for p in procs:
             p.terminate()
         for p in procs:

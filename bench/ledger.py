@@ -343,17 +343,21 @@ def layouts():
     """bench/history_layouts.sql in a fresh database: ([(table, relation, bytes per row)],
     None), or ([], why) where it failed: the phase has no target, and the report of the
     run's other phases is kept."""
-    psql(f"DROP DATABASE IF EXISTS {LAYOUTS_DB}")
-    psql(f"CREATE DATABASE {LAYOUTS_DB}")
     try:
-        out = subprocess.run(
-            [os.path.join(ARGS.pgbin, "psql"), "-X", "-At", "-q", "-h", ARGS.host, "-p", ARGS.port,
-             "-U", "postgres", "-d", LAYOUTS_DB, "-f", os.path.join(HERE, "history_layouts.sql")],
-            capture_output=True, text=True)
-    finally:
         psql(f"DROP DATABASE IF EXISTS {LAYOUTS_DB}")
+        psql(f"CREATE DATABASE {LAYOUTS_DB}")
+        try:
+            out = subprocess.run(
+                [os.path.join(ARGS.pgbin, "psql"), "-X", "-At", "-q", "-h", ARGS.host, "-p", ARGS.port,
+                 "-U", "postgres", "-d", LAYOUTS_DB, "-f", os.path.join(HERE, "history_layouts.sql")],
+                capture_output=True, text=True)
+        finally:
+            psql(f"DROP DATABASE IF EXISTS {LAYOUTS_DB}")
+    except SystemExit as e:  # psql() ends a run so; this phase must not
+        return [], str(e)
     if out.returncode != 0:
-        return [], out.stderr.strip()
+        errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+        return [], (errors or out.stderr.splitlines() or [f"psql exited with {out.returncode}"])[0]
     return [tuple(line.split("|")) for line in out.stdout.splitlines() if line.count("|") == 2], None
 
 
@@ -387,7 +391,7 @@ def report(sp, gr, st, hi, sn, la, seconds):
               "bench/history_layouts.sql: 100,000 ended tickets of 16 roles in turn, inserted by one writer in "
               "the order they end with the indexes in place, then a VACUUM; bytes per row.", ""]
     if failed:
-        lines += [f"Not measured: the script failed ({(failed.splitlines() or ['?'])[-1]}).", ""]
+        lines += [f"Not measured: the script failed ({failed.splitlines()[0] if failed.strip() else '?'}).", ""]
     else:
         lines += ["| table | relation | bytes per row |", "|---|---|---:|"]
         lines += [f"| {t} | {r} | {b} |" for t, r, b in rows]
@@ -406,7 +410,7 @@ def report(sp, gr, st, hi, sn, la, seconds):
                 lines.append(f"| {t} | {float(b):.0f} | {with_active:.0f} | {with_active / per_job:.2f}x "
                              f"| {with_active / script_jobs:.2f}x |")
         lines += [""]
-    elif rows:
+    elif rows and "active" not in sp["per"]:
         lines += ["No quota.active in this layout (one ledger table): the layouts are not added to it.", ""]
 
     lines += ["## Growth under a short retention", "",

@@ -347,18 +347,13 @@ def layouts():
         psql(f"DROP DATABASE IF EXISTS {LAYOUTS_DB}")
         psql(f"CREATE DATABASE {LAYOUTS_DB}")
         try:
-            out = subprocess.run(
-                [os.path.join(ARGS.pgbin, "psql"), "-X", "-At", "-q", "-h", ARGS.host, "-p", ARGS.port,
-                 "-U", "postgres", "-d", LAYOUTS_DB, "-f", os.path.join(HERE, "history_layouts.sql")],
-                capture_output=True, text=True)
+            out = psql(None, db=LAYOUTS_DB, file=os.path.join(HERE, "history_layouts.sql"))
         finally:
             psql(f"DROP DATABASE IF EXISTS {LAYOUTS_DB}")
     except SystemExit as e:  # psql() ends a run so; this phase must not
-        return [], str(e)
-    if out.returncode != 0:
-        errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
-        return [], (errors or out.stderr.splitlines() or [f"psql exited with {out.returncode}"])[0]
-    return [tuple(line.split("|")) for line in out.stdout.splitlines() if line.count("|") == 2], None
+        lines = str(e).splitlines()
+        return [], ([line for line in lines if "ERROR" in line] or lines or ["?"])[0]
+    return [tuple(line.split("|")) for line in out.splitlines() if line.count("|") == 2], None
 
 
 def report(sp, gr, st, hi, sn, la, seconds):

@@ -44,6 +44,10 @@ def parse_args():
     p.add_argument("--seconds", type=int, default=10)
     p.add_argument("--machine", default="")
     p.add_argument("--only", default="", help="comma-separated workload names (default: all)")
+    p.add_argument("--protocol", default="simple", choices=("simple", "extended", "prepared"),
+                   help="pgbench's -M")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the workloads this many times, interleaved (round k's are named NAME#k)")
     return p.parse_args()
 
 
@@ -110,7 +114,7 @@ def run(name, script, role):
     for i in range(CLIENTS):
         procs.append(subprocess.Popen(
             [os.path.join(ARGS.pgbin, "pgbench"), "-n", "-h", ARGS.host, "-p", ARGS.port,
-             "-U", role or f"bench_r{i + 1}", "-c", "1", "-T", str(ARGS.seconds),
+             "-U", role or f"bench_r{i + 1}", "-c", "1", "-T", str(ARGS.seconds), "-M", ARGS.protocol,
              "-f", os.path.join(SCRIPTS, script), ARGS.db],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     pg_pids = {p.pid for p in procs}
@@ -149,7 +153,8 @@ def report(results):
     lines = ["# Where the time goes (scripts/bench --cpu)", ""]
     if ARGS.machine:
         lines += [f"Machine: {ARGS.machine}", ""]
-    lines += [f"{CLIENTS} pgbench processes, one client each on 16 roles, {ARGS.seconds} s per "
+    lines += [f"{CLIENTS} pgbench processes (`-M {ARGS.protocol}`), one client each on 16 roles, "
+              f"{ARGS.seconds} s per "
               "workload (all 16 on one role for JOBT-tenants and the calls). CPU in microseconds "
               "per unit (a job, a start+finish, or a call), user + system; "
               "the machine's columns are all its CPUs together.", "",
@@ -187,12 +192,13 @@ def report(results):
 def main():
     results = []
     only = set(filter(None, ARGS.only.split(",")))
-    for name, script, role in WORKLOADS:
-        if only and name not in only:
-            continue
-        r = run(name, script, role)
-        results.append(r)
-        print(f"{name}: {r['units'] / r['wall']:.0f} units/s", flush=True)
+    for k in range(1, ARGS.rounds + 1):
+        for name, script, role in WORKLOADS:
+            if only and name not in only:
+                continue
+            r = run(name if ARGS.rounds == 1 else f"{name}#{k}", script, role)
+            results.append(r)
+            print(f"{r['name']}: {r['units'] / r['wall']:.0f} units/s", flush=True)
     text = report(results)
     os.makedirs(ARGS.out, exist_ok=True)
     with open(os.path.join(ARGS.out, "cpu.md"), "w") as f:

@@ -44,8 +44,8 @@ def parse_args():
     p.add_argument("--seconds", type=int, default=10)
     p.add_argument("--machine", default="")
     p.add_argument("--only", default="", help="comma-separated workload names (default: all)")
-    p.add_argument("--protocol", default="simple", choices=("simple", "extended", "prepared"),
-                   help="pgbench's -M")
+    p.add_argument("--protocol", default="simple", choices=("simple", "prepared"),
+                   help="pgbench's -M (a script's _prepared.sql variant is used where it has one)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the workloads this many times, interleaved (round k's are named NAME#k)")
     return p.parse_args()
@@ -115,7 +115,7 @@ def run(name, script, role):
         procs.append(subprocess.Popen(
             [os.path.join(ARGS.pgbin, "pgbench"), "-n", "-h", ARGS.host, "-p", ARGS.port,
              "-U", role or f"bench_r{i + 1}", "-c", "1", "-T", str(ARGS.seconds), "-M", ARGS.protocol,
-             "-f", os.path.join(SCRIPTS, script), ARGS.db],
+             "-f", os.path.join(SCRIPTS, protocol_script(script)), ARGS.db],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     pg_pids = {p.pid for p in procs}
 
@@ -125,7 +125,9 @@ def run(name, script, role):
             time.sleep(0.2)
     th = threading.Thread(target=sampler)
     th.start()
-    outs = [p.communicate()[0] for p in procs]
+    done = [p.communicate() for p in procs]
+    outs = [o for o, _ in done]
+    failed = [(p.returncode, e) for p, (_, e) in zip(procs, done) if p.returncode != 0]
     stop.set()
     th.join()
     wall = time.time() - t0
@@ -138,6 +140,12 @@ def run(name, script, role):
             waits[(parts[0], parts[1])] += 1
     units = sum(int(m.group(1)) for o in outs
                 for m in [re.search(r"number of transactions actually processed: (\d+)", o)] if m)
+    if failed or units == 0:
+        # pgbench's first line of stderr names the statement's error; its last says only
+        # that the run was aborted.
+        first = failed[0][1].strip().splitlines()[:1] if failed else []
+        raise SystemExit(f"{name}: {len(failed)} pgbench process(es) failed, {units} units done"
+                         + (f": {first[0]}" if first else ""))
     cpu = collections.defaultdict(lambda: [0.0, 0.0])
     for pid, (k, u, s) in last.items():
         base = first[pid] if pid in preexisting else (k, 0.0, 0.0)
@@ -189,11 +197,24 @@ def report(results):
     return "\n".join(lines) + "\n"
 
 
+def protocol_script(script):
+    """SCRIPT, or its variant for -M prepared where it has one (a \\gset value that
+    simple mode needs quoted is a parameter under -M prepared), as run.py picks it."""
+    if ARGS.protocol == "simple":
+        return script
+    variant = script.replace(".sql", f"_{ARGS.protocol}.sql")
+    return variant if os.path.exists(os.path.join(SCRIPTS, variant)) else script
+
+
 def main():
+    if ARGS.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     results = []
     only = set(filter(None, ARGS.only.split(",")))
     for k in range(1, ARGS.rounds + 1):
-        for name, script, role in WORKLOADS:
+        # Every other round runs the workloads in reverse, as run.py's rounds alternate,
+        # so that a drift over the run (bench.jobs grows) does not favour one of them.
+        for name, script, role in (WORKLOADS if k % 2 else WORKLOADS[::-1]):
             if only and name not in only:
                 continue
             r = run(name if ARGS.rounds == 1 else f"{name}#{k}", script, role)

@@ -30,8 +30,10 @@
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
 PORT="${PORT:-$((5776 + PORT_OFFSET))}"
 with_cluster fold_bounded "quota.writer_idle_timeout = '${FB_WRITER_IDLE:-1h}'"
+# The database's writer: its pid and when it started (a pid alone could be reused).
 writer_pid() {
-  sql -c "SELECT pid FROM pg_stat_activity WHERE backend_type = 'pg_quota ledger writer' AND datname = 'postgres'"
+  sql -c "SELECT pid || ' since ' || backend_start FROM pg_stat_activity
+           WHERE backend_type = 'pg_quota ledger writer' AND datname = 'postgres'"
 }
 N="${FB_RESTORED:-100000}"   # restored tickets
 M="${FB_COMMITTED:-20000}"   # tickets committed behind a held horizon
@@ -127,7 +129,7 @@ sleep 1.5
 r1=$(txid_idx_reads)
 echo "# three moves of a held horizon: $((r1 - r0)) active_txid_idx + history_txid_idx entries read (0.5.1: twice the $M tickets per move)"
 check "the folds read fewer than $M index entries while the horizon crept (read $((r1 - r0)))" test $((r1 - r0)) -lt "$M"
-check "one writer folded all along the creep (pid ${creep_writer:-none}, now $(writer_pid))" \
+check "one writer was there all along the creep (${creep_writer:-none}; now $(writer_pid))" \
   test -n "$creep_writer" -a "$(writer_pid)" = "$creep_writer"
 say h4 "COMMIT;"
 for _ in $(seq 1 100); do

@@ -143,9 +143,9 @@ def run(name, script, role):
     if failed or units == 0:
         # pgbench's first line of stderr names the statement's error; its last says only
         # that the run was aborted.
-        first = failed[0][1].strip().splitlines()[:1] if failed else []
+        why = failed[0][1].strip().splitlines()[:1] if failed else []
         raise SystemExit(f"{name}: {len(failed)} pgbench process(es) failed, {units} units done"
-                         + (f": {first[0]}" if first else ""))
+                         + (f": {why[0]}" if why else ""))
     cpu = collections.defaultdict(lambda: [0.0, 0.0])
     for pid, (k, u, s) in last.items():
         base = first[pid] if pid in preexisting else (k, 0.0, 0.0)

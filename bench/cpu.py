@@ -21,6 +21,7 @@ import subprocess
 import threading
 import time
 
+from pgclient import protocol_script
 from procstat import TICK, cpu_of, server_pids
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -115,7 +116,7 @@ def run(name, script, role):
         procs.append(subprocess.Popen(
             [os.path.join(ARGS.pgbin, "pgbench"), "-n", "-h", ARGS.host, "-p", ARGS.port,
              "-U", role or f"bench_r{i + 1}", "-c", "1", "-T", str(ARGS.seconds), "-M", ARGS.protocol,
-             "-f", os.path.join(SCRIPTS, protocol_script(script)), ARGS.db],
+             "-f", os.path.join(SCRIPTS, protocol_script(SCRIPTS, script, ARGS.protocol)), ARGS.db],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     pg_pids = {p.pid for p in procs}
 
@@ -195,15 +196,6 @@ def report(results):
             lines.append(f"- {r['name']}, {who} ({total} samples): "
                          + ", ".join(f"{e} {v / total:.0%}" for v, e in top))
     return "\n".join(lines) + "\n"
-
-
-def protocol_script(script):
-    """SCRIPT, or its variant for -M prepared where it has one (a \\gset value that
-    simple mode needs quoted is a parameter under -M prepared), as run.py picks it."""
-    if ARGS.protocol == "simple":
-        return script
-    variant = script.replace(".sql", f"_{ARGS.protocol}.sql")
-    return variant if os.path.exists(os.path.join(SCRIPTS, variant)) else script
 
 
 def main():

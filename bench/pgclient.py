@@ -19,3 +19,11 @@ def psql_runner(pgbin, host, port, default_db):
             raise SystemExit(f"psql failed: {file or sql}\n{out.stderr}")
         return out.stdout.strip()
     return psql
+
+
+def protocol_script(scripts, script, protocol):
+    """SCRIPT (a file name in the directory SCRIPTS), or its variant for pgbench's
+    -M PROTOCOL where it has one (a \\gset value that simple mode needs quoted is a
+    parameter under -M prepared)."""
+    variant = script.replace(".sql", f"_{protocol}.sql")
+    return variant if os.path.exists(os.path.join(scripts, variant)) else script

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import held_snapshot
-from pgclient import psql_runner
+from pgclient import protocol_script, psql_runner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")
@@ -323,19 +323,12 @@ def ensure_many_tenants():
     return time.time() - t0
 
 
-def protocol_script(script, protocol):
-    """SCRIPT, or its variant for PROTOCOL where it has one (a \\gset value that
-    simple mode needs quoted is a parameter under -M prepared)."""
-    variant = script.replace(".sql", f"_{protocol}.sql")
-    return variant if os.path.exists(os.path.join(SCRIPTS, variant)) else script
-
-
 def jobs_round(logdir, rnd, figures):
     """One round of 0.5.0's figures into `figures`: (name, protocol) -> list of runs,
     and ("wal", name) -> bytes per call, and ("tenant", n) -> start() ms."""
     for protocol in (PROTOCOLS if rnd % 2 == 0 else PROTOCOLS[::-1]):
         for name, script, mode, role in JOBS5:
-            r = run(protocol_script(script, protocol), 16, mode, logdir, f"j5-{name}-{protocol}",
+            r = run(protocol_script(SCRIPTS, script, protocol), 16, mode, logdir, f"j5-{name}-{protocol}",
                     role=role or "bench_r1", protocol=protocol)
             figures.setdefault((name, protocol), []).append(r)
             print(f"  {name:13} {protocol:8} 16 clients: {r['tps']:9.1f} jobs/s", flush=True)
